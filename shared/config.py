@@ -1,0 +1,296 @@
+"""The run configuration: one TOML file, dotted overrides, every field documented.
+
+A config is a tree of msgspec Structs. Each field carries its documentation as
+`msgspec.Meta(description=...)`, so `millstream config` can print every knob with its default
+and meaning, and the docs never drift from the code. There are no hidden knobs: if a role reads a
+number, it is here.
+
+Loading is strict. An unknown key, or a value of the wrong type or range, is an error that names
+the key (`ConfigError: train.group_size: Expected int >= 2, got 1`), never a silent default.
+
+    cfg = load_config("run.toml", ["train.steps=5", "envpool.env=bandit"])
+
+Overrides are `dotted.key=value`; the value is read as a TOML value when it parses as one
+(`3`, `0.5`, `true`, `"text"`, `[1, 2]`) and as a plain string otherwise (`envpool.env=bandit`).
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+__all__ = [
+    "Config",
+    "RunConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "ActorConfig",
+    "EnvPoolConfig",
+    "LearnerConfig",
+    "TransportConfig",
+    "ConfigError",
+    "load_config",
+    "parse_overrides",
+    "dump_config",
+    "describe_config",
+    "DEFAULT_CONFIG",
+]
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+def _doc(text: str, **constraints: Any) -> msgspec.Meta:
+    return msgspec.Meta(description=text, **constraints)
+
+
+class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, _doc("Run name; the run directory is `<root>/<name>-<timestamp>`.")] = "run"
+    root: Annotated[str, _doc("Folder that holds run directories.")] = "runs"
+    dir: Annotated[str, _doc("Exact run directory (overrides root/name); set by the launcher.")] = ""
+    seed: Annotated[int, _doc("Master seed: environment seeds, sampling seeds, learner init.")] = 0
+    log_level: Annotated[str, _doc("Python logging level of every role.")] = "INFO"
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    path: Annotated[
+        str,
+        _doc("Local Hugging Face model directory. Empty: build the tiny random Qwen2 model into "
+             "`tiny_dir` (deterministic from `tiny_seed`)."),
+    ] = ""
+    tiny_dir: Annotated[str, _doc("Where the tiny model is built when `path` is empty.")] = (
+        "~/.cache/millstream/tiny-qwen2"
+    )
+    tiny_seed: Annotated[int, _doc("Seed of the tiny model's weights and tokenizer corpus.")] = 0
+    dtype: Annotated[
+        str, _doc("Weight dtype in actor and broadcast: float32 on CPU, bfloat16 on GPU.")
+    ] = "float32"
+
+
+class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Shared by envpool (admission) and learner (batches): both must agree on them."""
+
+    steps: Annotated[int, _doc("Optimizer steps (= policy versions) the run trains.", ge=1)] = 40
+    group_size: Annotated[
+        int, _doc("Episodes per group; GRPO compares episodes of one group (same seed).", ge=2)
+    ] = 8
+    groups_per_batch: Annotated[int, _doc("Groups consumed by one optimizer step.", ge=1)] = 4
+    max_staleness: Annotated[
+        int,
+        _doc("Largest allowed (learner version - token's policy version) for a trained token. "
+             "0 = on-policy; older groups are dropped and counted.", ge=0),
+    ] = 1
+
+
+class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    address: Annotated[
+        str, _doc("ROUTER address the actor binds (port 0: the launcher picks a free one).")
+    ] = "tcp://127.0.0.1:0"
+    connect: Annotated[
+        str, _doc("Address of an actor already running; the launcher then starts none.")
+    ] = ""
+    device: Annotated[str, _doc("'cpu' or 'cuda'; 'auto' picks cuda when available.")] = "auto"
+    max_num_seqs: Annotated[int, _doc("vLLM continuous-batching width (sequences).", ge=1)] = 64
+    max_model_len: Annotated[int, _doc("Longest prompt + generation, tokens.", ge=16)] = 1024
+    kv_cache_bytes: Annotated[
+        int, _doc("KV cache size on CPU, bytes (GPU uses gpu_memory_utilization).", ge=1 << 20)
+    ] = 128 << 20
+    gpu_memory_utilization: Annotated[
+        float, _doc("Share of GPU memory vLLM may take (GPU only).", gt=0, le=1)
+    ] = 0.85
+    enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / torch.compile (right on CPU).")] = True
+    startup_timeout_s: Annotated[
+        float, _doc("How long the engine may take to start and warm up.", gt=0)
+    ] = 600.0
+    max_pending_deltas: Annotated[
+        int, _doc("Bound of the actor's outbound delta queue (backpressure beyond).", ge=1)
+    ] = 65536
+
+
+class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    env: Annotated[str, _doc("Environment name from the registry (envpool/envs).")] = "halfvocab"
+    env_args: Annotated[
+        dict[str, Any], _doc("Keyword arguments for the environment's constructor.")
+    ] = {}
+    workers: Annotated[int, _doc("envpool worker processes sharing the actor.", ge=1)] = 1
+    max_concurrent_episodes: Annotated[
+        int, _doc("Live episodes per worker (the gate may admit fewer).", ge=1)
+    ] = 256
+    max_turns: Annotated[int, _doc("Turns after which an episode is cut (truncated).", ge=1)] = 4
+    max_tokens: Annotated[int, _doc("Generation budget of one turn, tokens.", ge=1)] = 24
+    temperature: Annotated[float, _doc("Sampling temperature.", ge=0)] = 1.0
+    top_p: Annotated[float, _doc("Nucleus sampling mass.", gt=0, le=1)] = 1.0
+    step_timeout_s: Annotated[
+        float, _doc("Longest one env.reset/env.step may take; beyond: episode fails, 'timeout'.", gt=0)
+    ] = 30.0
+    turn_timeout_s: Annotated[
+        float, _doc("Longest one generation may take; beyond: episode fails, 'actor_timeout'.", gt=0)
+    ] = 120.0
+    episode_timeout_s: Annotated[float, _doc("Longest one whole episode may take.", gt=0)] = 600.0
+    admission_slack: Annotated[
+        int,
+        _doc("Extra batches the gate admits beyond the staleness bound. 0 is AReaL's rule; "
+             ">0 over-generates (more stale drops), useful to test the learner's bound.", ge=0),
+    ] = 0
+    version_timeout_s: Annotated[
+        float, _doc("Longest wait for the learner's first policy version.", gt=0)
+    ] = 900.0
+
+
+class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    experience_address: Annotated[
+        str, _doc("PULL address where trajectories arrive (port 0: launcher picks).")
+    ] = "tcp://127.0.0.1:0"
+    version_address: Annotated[
+        str, _doc("PUB address where policy versions are announced (port 0: launcher picks).")
+    ] = "tcp://127.0.0.1:0"
+    lr: Annotated[float, _doc("AdamW learning rate.", gt=0)] = 2e-3
+    weight_decay: Annotated[float, _doc("AdamW weight decay.", ge=0)] = 0.0
+    grad_clip: Annotated[float, _doc("Gradient-norm clip (0: off).", ge=0)] = 1.0
+    clip_low: Annotated[float, _doc("PPO ratio clip below 1 (1 - clip_low).", ge=0)] = 0.2
+    clip_high: Annotated[float, _doc("PPO ratio clip above 1 (1 + clip_high); DAPO uses 0.28.", ge=0)] = 0.28
+    micro_batch_size: Annotated[int, _doc("Sequences per forward/backward pass.", ge=1)] = 16
+    zero_stage: Annotated[int, _doc("DeepSpeed ZeRO stage.", ge=0, le=3)] = 2
+    sync_backend: Annotated[
+        str, _doc("Weight broadcast backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo', 'nccl'.")
+    ] = "auto"
+    sync_host: Annotated[str, _doc("Host of the broadcast group's TCPStore (the learner).")] = "127.0.0.1"
+    sync_timeout_s: Annotated[
+        float, _doc("Timeout of weight-group set-up and each broadcast.", gt=0)
+    ] = 300.0
+    idle_timeout_s: Annotated[
+        float, _doc("Fail if no experience arrives for this long (something upstream died).", gt=0)
+    ] = 600.0
+    max_buffer_groups: Annotated[
+        int, _doc("Bound of the replay buffer (complete + partial groups).", ge=1)
+    ] = 4096
+
+
+class TransportConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    send_queue: Annotated[int, _doc("Bound of each socket's outbound message queue.", ge=1)] = 65536
+    coalesce_max: Annotated[int, _doc("Most messages packed into one frame.", ge=1)] = 512
+    high_water_mark: Annotated[int, _doc("ZeroMQ send/receive high-water mark, frames.", ge=1)] = 100_000
+    io_wait_s: Annotated[
+        float, _doc("Longest idle wait on a socket before re-checking (missed-edge guard).", gt=0)
+    ] = 0.05
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
+    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
+    actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
+    envpool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)
+    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
+    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+
+
+#: The embedded default: the tiny model learning `halfvocab`. `millstream run` with no file uses it.
+DEFAULT_CONFIG = Config()
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn `["a.b=1", "a.c=x"]` into the nested dict `{"a": {"b": 1, "c": "x"}}`."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node[leaf] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "env_args":
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _explain(exc: msgspec.ValidationError) -> str:
+    # msgspec says "... - at `$.train.group_size`"; turn the JSON path into our dotted key.
+    text = str(exc)
+    match = re.search(r"^(.*?)(?: - at `\$\.?([^`]*)`)?$", text, re.S)
+    assert match is not None
+    what, where = match.group(1), match.group(2)
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", what)
+    if unknown:
+        key = ".".join(p for p in (where, unknown.group(1)) if p)
+        return f"unknown key '{key}'"
+    return f"{where or '<root>'}: {what}"
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or the embedded default when `path` is None) and apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    try:
+        return msgspec.convert(data, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc)) from None
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as TOML (every field, defaults included): the run's resolved config."""
+    lines: list[str] = []
+    for section, value in msgspec.structs.asdict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, item in msgspec.structs.asdict(value).items():
+            lines.append(f"{key} = {_toml_value(item)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, dict):
+        inner = ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + inner + " }" if inner else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} as TOML")
+
+
+def describe_config() -> str:
+    """Every key with its default and documentation, for `millstream config`."""
+    out: list[str] = []
+    for section in msgspec.structs.fields(Config):
+        out.append(f"[{section.name}]")
+        for f in msgspec.structs.fields(section.type):
+            meta = getattr(f.type, "__metadata__", ())
+            doc = next((m.description for m in meta if isinstance(m, msgspec.Meta)), "")
+            default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+            out.append(f"  {f.name} = {_toml_value(default)}")
+            out.append(f"      {doc}")
+    return "\n".join(out)

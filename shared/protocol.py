@@ -1,0 +1,309 @@
+"""The wire protocol: every message that crosses a process boundary.
+
+The roles (envpool, actor, learner) talk only through these structs, so this file is the
+documentation of the wire. Each ZeroMQ frame carries one `Packet`: a protocol version and a list
+of messages. Packing several messages into one frame is how senders coalesce the small, frequent
+messages (token deltas, requests) of one tick into a single send.
+
+Encoding is msgpack through msgspec. Messages form a tagged union (the tag is the class name, kept
+short on the wire by `tag=` below), so one decoder reads every frame. Messages are
+`array_like=True` (encoded as arrays, not maps: smaller, faster), and the hot ones `gc=False`
+(the garbage collector never scans them; they hold no reference cycles). Token ids, logprobs and versions
+travel as msgpack arrays of numbers, never as text.
+
+A frame that fails to decode raises `ProtocolError`; receivers count it and answer with an
+`ErrorReply`, they never crash (see `Codec.decode`).
+
+Channels, and who sends what:
+
+    envpool DEALER  ──GenerateRequest / Abort──▶  actor ROUTER
+    envpool DEALER  ◀──TokenDelta / GenerateError──  actor ROUTER
+    learner DEALER  ──Hello / AttachLearner / WeightUpdate──▶  actor ROUTER
+    learner DEALER  ◀──ActorInfo / WeightsApplied / ErrorReply──  actor ROUTER
+    envpool PUSH    ──Trajectory / EpisodeFailed / PoolDone──▶  learner PULL
+    learner PUB     ──PolicyVersion──▶  envpool SUB
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import msgspec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Hello",
+    "ActorInfo",
+    "GenerateRequest",
+    "Abort",
+    "TokenDelta",
+    "GenerateError",
+    "AttachLearner",
+    "WeightUpdate",
+    "WeightsApplied",
+    "TensorSpec",
+    "Trajectory",
+    "EpisodeFailed",
+    "PoolDone",
+    "PolicyVersion",
+    "ErrorReply",
+    "Message",
+    "Packet",
+    "Codec",
+    "ProtocolError",
+]
+
+#: Bumped on any incompatible change of a message below. A peer with another version is refused
+#: with a clear error instead of misreading fields.
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A frame could not be decoded, or carried another protocol version."""
+
+
+class _Wire(msgspec.Struct, array_like=True, frozen=True):
+    """Base of every message: encoded as a tagged array (the union needs one layout for all)."""
+
+
+# --- actor service ---------------------------------------------------------------------------
+
+
+class Hello(_Wire, tag="hello"):
+    """Asks the actor to describe itself; answered by `ActorInfo`."""
+
+    client: str
+
+
+class ActorInfo(_Wire, tag="actor_info"):
+    """The actor's answer to `Hello`."""
+
+    model: str
+    #: Policy version of the weights the actor holds now.
+    version: int
+    #: How many processes hold weights (vLLM workers); the learner's broadcast group has
+    #: `weight_ranks + 1` members, the learner being rank 0.
+    weight_ranks: int
+    #: Longest context (prompt + generation) the engine accepts, in tokens.
+    max_model_len: int
+    #: Weight dtype in the engine ("float32", "bfloat16", ...); the learner casts to it.
+    dtype: str
+
+
+class GenerateRequest(_Wire, tag="gen", gc=False):
+    """Generate a continuation of `prompt_token_ids`, streamed back as `TokenDelta`s.
+
+    `request_id` is chosen by the client and is unique among its live requests; replies carry it.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    #: Per-request sampling seed (None: the engine's generator). Seeds flow from the episode so
+    #: runs are reproducible.
+    seed: int | None = None
+    #: Generation stops after emitting one of these (the stop token is included in the output).
+    stop_token_ids: list[int] = []
+
+
+class Abort(_Wire, tag="abort", gc=False):
+    """Stop a request; the actor answers with a final `TokenDelta` whose finish_reason is "abort"."""
+
+    request_id: str
+
+
+class TokenDelta(_Wire, tag="delta", gc=False):
+    """New tokens of one request, in order, with the logprob of each under the sampling policy.
+
+    All tokens of one delta were produced by the weights of `version` (the actor never mixes
+    versions within one engine step). A sequence that spans a weight update is a series of deltas
+    with increasing versions, so per-token versions are exact.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    version: int
+    #: None while the request runs; "stop", "length" or "abort" on the last delta.
+    finish_reason: str | None = None
+
+
+class GenerateError(_Wire, tag="gen_error"):
+    """A request failed inside the actor (bad prompt, engine error). Ends that request."""
+
+    request_id: str
+    cause: str
+    message: str
+
+
+# --- weight synchronisation (learner -> actor) -------------------------------------------------
+
+
+class AttachLearner(_Wire, tag="attach"):
+    """Join the learner's weight-broadcast group (a fresh one per learner session).
+
+    The learner is rank 0 and hosts the TCPStore at `host:port`; actor workers take ranks
+    1..weight_ranks. Attaching again with a new `session` replaces the previous group, so a
+    restarted (or resumed) learner can re-attach to a running actor.
+    """
+
+    session: str
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout_s: float
+
+
+class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
+    """One named tensor's place in the flat broadcast buffer (elements, not bytes)."""
+
+    name: str
+    shape: list[int]
+    offset: int
+
+
+class WeightUpdate(_Wire, tag="weights"):
+    """Weights of `version` follow as one broadcast of a flat `dtype` buffer of `numel` elements.
+
+    The actor pauses generation (requests keep their state), receives the broadcast in its
+    workers, reloads the weights, resumes, and answers `WeightsApplied`.
+    """
+
+    session: str
+    version: int
+    dtype: str
+    numel: int
+    tensors: list[TensorSpec]
+
+
+class WeightsApplied(_Wire, tag="weights_applied"):
+    """The actor now generates with `version`."""
+
+    version: int
+    #: Time generation was paused for the update, seconds.
+    paused_s: float
+
+
+# --- experience (envpool -> learner) -----------------------------------------------------------
+
+
+class Trajectory(_Wire, tag="traj", gc=False):
+    """One finished episode, token in / token out.
+
+    `token_ids` is the whole multi-turn context as the model saw it. `loss_mask[i]` is 1 where
+    token i was generated by the model (only those tokens carry loss); `logprobs[i]` and
+    `versions[i]` are the behaviour logprob and policy version of generated tokens (0.0 and -1
+    elsewhere).
+    """
+
+    episode_id: str
+    group_id: str
+    #: Episodes of one group share the environment seed (GRPO compares them with each other).
+    seed: int
+    env: str
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    #: Episode return: the sum of `turn_rewards`.
+    reward: float
+    turn_rewards: list[float]
+    num_turns: int
+    #: Size of the group this episode belongs to, so the learner knows when a group is complete.
+    group_size: int
+    #: Wall time of the episode, seconds.
+    duration_s: float
+    #: Per-turn decoded model responses and environment observations, for inspection only.
+    texts: list[str] = []
+
+
+class EpisodeFailed(_Wire, tag="failed"):
+    """An episode ended without a trainable trajectory. Never scored as a reward."""
+
+    episode_id: str
+    group_id: str
+    group_size: int
+    #: A short stable cause ("env_error", "actor_error", "timeout", "run_ended", ...).
+    cause: str
+    message: str
+
+
+class PoolDone(_Wire, tag="pool_done"):
+    """The last message of an envpool worker: its totals, for exact accounting."""
+
+    worker: str
+    episodes_started: int
+    episodes_finished: int
+    episodes_failed: int
+
+
+class PolicyVersion(_Wire, tag="version"):
+    """The learner's policy version; the envpool admission gate paces episodes by it."""
+
+    version: int
+    #: True once the learner has finished: workers stop admitting and report `PoolDone`.
+    final: bool = False
+
+
+class ErrorReply(_Wire, tag="error"):
+    """Answer to a frame that could not be handled (malformed, wrong protocol, unknown kind)."""
+
+    cause: str
+    message: str
+
+
+Message = Union[
+    Hello,
+    ActorInfo,
+    GenerateRequest,
+    Abort,
+    TokenDelta,
+    GenerateError,
+    AttachLearner,
+    WeightUpdate,
+    WeightsApplied,
+    Trajectory,
+    EpisodeFailed,
+    PoolDone,
+    PolicyVersion,
+    ErrorReply,
+]
+
+
+class Packet(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One ZeroMQ frame: the sender's protocol version and the messages of one tick."""
+
+    protocol: int
+    messages: list[Message]
+
+
+class Codec:
+    """Encodes and decodes frames; reuses msgspec's encoder and decoder (they keep buffers).
+
+    `decode` turns every failure into `ProtocolError` with a message that says what was wrong,
+    and counts it in `errors`, so a receive loop can answer and keep serving.
+    """
+
+    def __init__(self) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Packet)
+        self.errors = 0
+
+    def encode(self, messages: list[Message]) -> bytes:
+        return self._encoder.encode(Packet(PROTOCOL_VERSION, messages))
+
+    def decode(self, frame: bytes | memoryview) -> list[Message]:
+        try:
+            packet = self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.errors += 1
+            raise ProtocolError(f"malformed frame ({len(frame)} bytes): {exc}") from None
+        if packet.protocol != PROTOCOL_VERSION:
+            self.errors += 1
+            raise ProtocolError(
+                f"peer speaks protocol {packet.protocol}, this process speaks {PROTOCOL_VERSION}"
+            )
+        return packet.messages

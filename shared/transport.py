@@ -1,0 +1,256 @@
+"""ZeroMQ sockets driven from anyio, so the same code runs under trio and asyncio.
+
+A `Channel` owns one ZeroMQ socket and two bounded queues, and runs two tasks:
+
+- the *reader* drains every frame the socket holds, decodes it (`shared.protocol.Codec`) and puts
+  `(peer, messages)` on the inbound queue; then it sleeps until the socket's file descriptor is
+  readable.
+- the *writer* takes the first waiting message, then whatever else is already queued (up to
+  `coalesce_max`), packs the messages for one peer into one frame and sends it.
+
+Why not pyzmq's own asyncio sockets: they do not run under trio. Why this shape: ZeroMQ exposes one
+*edge-triggered* file descriptor per socket. It signals "ZMQ_EVENTS may have changed", not "a
+message is waiting", and any socket call (a send too) can consume that edge. So the reader only
+sleeps after `ZMQ_EVENTS` says nothing is readable, the writer wakes the reader when a send leaves
+messages pending, and every sleep is bounded by `io_wait_s` in case an edge is missed anyway.
+Only the reader ever waits on the descriptor (trio allows one waiter per descriptor).
+
+Malformed frames are counted (`statistics().decode_errors`) and, on sockets that can answer
+(ROUTER, DEALER), answered with an `ErrorReply`; the channel keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import anyio
+import zmq
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from .config import TransportConfig
+from .protocol import Codec, ErrorReply, Message, ProtocolError
+
+__all__ = ["Channel", "ChannelStats", "open_channel", "KINDS"]
+
+log = logging.getLogger(__name__)
+
+KINDS = {
+    "router": zmq.ROUTER,
+    "dealer": zmq.DEALER,
+    "push": zmq.PUSH,
+    "pull": zmq.PULL,
+    "pub": zmq.PUB,
+    "sub": zmq.SUB,
+}
+_CAN_RECV = {"router", "dealer", "pull", "sub"}
+_CAN_SEND = {"router", "dealer", "push", "pub"}
+_CAN_ANSWER = {"router", "dealer"}
+
+
+@dataclass
+class ChannelStats:
+    """Counters of one channel; `*_queue` are current lengths, `*_queue_max` their bounds."""
+
+    kind: str
+    address: str
+    sent_messages: int = 0
+    sent_frames: int = 0
+    sent_bytes: int = 0
+    recv_messages: int = 0
+    recv_frames: int = 0
+    recv_bytes: int = 0
+    decode_errors: int = 0
+    send_retries: int = 0
+    send_queue: int = 0
+    send_queue_max: int = 0
+    recv_queue: int = 0
+    recv_queue_max: int = 0
+    peers: set[bytes] = field(default_factory=set, repr=False)
+
+
+class Channel:
+    """One ZeroMQ socket, its bounded queues, and the tasks that move frames.
+
+    Use inside a task group: `tg.start_soon(channel.run)`, then `await channel.send(msg)` and
+    `async for peer, messages in channel: ...`. On ROUTER sockets `peer` is the sender's identity
+    and `send(msg, to=peer)` addresses a reply; elsewhere `peer` is `b""`.
+    """
+
+    def __init__(self, sock: zmq.Socket, kind: str, address: str, cfg: TransportConfig,
+                 recv_queue: int = 1024) -> None:
+        self.sock = sock
+        self.kind = kind
+        self.address = address
+        self._cfg = cfg
+        self._codec = Codec()
+        self._out_tx: MemoryObjectSendStream[tuple[bytes, Message]]
+        self._out_rx: MemoryObjectReceiveStream[tuple[bytes, Message]]
+        self._out_tx, self._out_rx = anyio.create_memory_object_stream(cfg.send_queue)
+        self._in_tx: MemoryObjectSendStream[tuple[bytes, list[Message]]]
+        self._in_rx: MemoryObjectReceiveStream[tuple[bytes, list[Message]]]
+        self._in_tx, self._in_rx = anyio.create_memory_object_stream(recv_queue)
+        self._read_wait: anyio.CancelScope | None = None
+        self._in_hand = 0  # messages taken off the queue but not yet handed to ZeroMQ
+        self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue,
+                                   recv_queue_max=recv_queue)
+
+    # --- public API ------------------------------------------------------------------------
+
+    async def send(self, message: Message, to: bytes = b"", timeout: float = 60.0) -> None:
+        """Queue a message; waits while the queue is full (backpressure), at most `timeout` s."""
+        try:
+            with anyio.fail_after(timeout):
+                await self._out_tx.send((to, message))
+        except TimeoutError:
+            raise TimeoutError(
+                f"{self.kind} {self.address}: send queue full ({self._cfg.send_queue}) for {timeout}s"
+            ) from None
+
+    def send_nowait(self, message: Message, to: bytes = b"") -> None:
+        """Queue a message or raise `anyio.WouldBlock` if the queue is full."""
+        self._out_tx.send_nowait((to, message))
+
+    async def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued message has been handed to ZeroMQ; False on timeout."""
+        with anyio.move_on_after(timeout):
+            while self._out_rx.statistics().current_buffer_used or self._in_hand:
+                await anyio.sleep(0.002)
+            return True
+        return False
+
+    async def receive(self) -> tuple[bytes, list[Message]]:
+        return await self._in_rx.receive()
+
+    def __aiter__(self) -> AsyncIterator[tuple[bytes, list[Message]]]:
+        return self._in_rx.__aiter__()
+
+    def statistics(self) -> ChannelStats:
+        self._stats.send_queue = self._out_rx.statistics().current_buffer_used
+        self._stats.recv_queue = self._in_rx.statistics().current_buffer_used
+        self._stats.decode_errors = self._codec.errors
+        return self._stats
+
+    async def run(self) -> None:
+        """Move frames until cancelled. Closes the socket on exit."""
+        try:
+            async with anyio.create_task_group() as tg:
+                if self.kind in _CAN_RECV:
+                    tg.start_soon(self._reader)
+                if self.kind in _CAN_SEND:
+                    tg.start_soon(self._writer)
+        finally:
+            self.sock.close(linger=0)
+
+    # --- the two tasks ---------------------------------------------------------------------
+
+    async def _reader(self) -> None:
+        sock, fd = self.sock, self.sock.getsockopt(zmq.FD)
+        while True:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                await self._deliver(frames)
+            with anyio.CancelScope() as scope:
+                self._read_wait = scope
+                with anyio.move_on_after(self._cfg.io_wait_s):
+                    await anyio.wait_readable(fd)
+            self._read_wait = None
+
+    async def _deliver(self, frames: list[bytes]) -> None:
+        stats = self._stats
+        stats.recv_frames += 1
+        stats.recv_bytes += sum(len(f) for f in frames)
+        peer = b""
+        if self.kind == "router":
+            peer, frames = frames[0], frames[1:]
+            stats.peers.add(peer)
+        try:
+            if len(frames) != 1:
+                self._codec.errors += 1
+                raise ProtocolError(f"expected 1 payload frame, got {len(frames)}")
+            messages = self._codec.decode(frames[0])
+        except ProtocolError as exc:
+            log.warning("%s %s: dropped a bad frame: %s", self.kind, self.address, exc)
+            if self.kind in _CAN_ANSWER:
+                try:
+                    self.send_nowait(ErrorReply("malformed_frame", str(exc)[:500]), to=peer)
+                except anyio.WouldBlock:
+                    pass
+            return
+        stats.recv_messages += len(messages)
+        await self._in_tx.send((peer, messages))
+
+    async def _writer(self) -> None:
+        cfg, out = self._cfg, self._out_rx
+        while True:
+            first = await out.receive()
+            batch: dict[bytes, list[Message]] = {first[0]: [first[1]]}
+            count = 1
+            while count < cfg.coalesce_max:
+                try:
+                    to, message = out.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+                batch.setdefault(to, []).append(message)
+                count += 1
+            self._in_hand = count
+            for to, messages in batch.items():
+                payload = self._codec.encode(messages)
+                frames = [to, payload] if self.kind == "router" else [payload]
+                await self._send_frames(frames)
+                self._stats.sent_messages += len(messages)
+                self._stats.sent_frames += 1
+                self._stats.sent_bytes += len(payload)
+            self._in_hand = 0
+
+    async def _send_frames(self, frames: list[bytes]) -> None:
+        delay = 0.0005
+        while True:
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                break
+            except zmq.Again:
+                # High-water mark reached (or, on a DEALER, no peer yet): back off, bounded.
+                self._stats.send_retries += 1
+                await anyio.sleep(delay)
+                delay = min(delay * 2, self._cfg.io_wait_s)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.EHOSTUNREACH:  # ROUTER: that peer is gone; drop its frame.
+                    log.warning("%s: peer gone, dropped a frame", self.address)
+                    return
+                raise
+        # A send can swallow the descriptor's edge; wake the reader if frames are waiting.
+        if self._read_wait is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            self._read_wait.cancel()
+
+
+def open_channel(kind: str, address: str, *, bind: bool, cfg: TransportConfig,
+                 identity: bytes | None = None, recv_queue: int = 1024) -> Channel:
+    """Create a socket of `kind`, bind or connect it to `address`, and wrap it in a Channel.
+
+    Binding to port 0 (`tcp://127.0.0.1:0`) picks a free port; `channel.address` tells which.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown socket kind {kind!r}; expected one of {sorted(KINDS)}")
+    sock = zmq.Context.instance().socket(KINDS[kind])
+    sock.setsockopt(zmq.SNDHWM, cfg.high_water_mark)
+    sock.setsockopt(zmq.RCVHWM, cfg.high_water_mark)
+    sock.setsockopt(zmq.LINGER, 2000)
+    if identity is not None:
+        sock.setsockopt(zmq.IDENTITY, identity)
+    if kind == "router":
+        # Fail loudly on a reply to a vanished peer instead of dropping it silently.
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if kind == "sub":
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    if bind:
+        sock.bind(address.replace(":0", ":*") if address.endswith(":0") else address)
+        address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+    else:
+        sock.connect(address)
+    return Channel(sock, kind, address, cfg, recv_queue=recv_queue)
+

@@ -1,0 +1,76 @@
+"""How learner and actor form the weight-broadcast group, shared so they cannot disagree.
+
+The group is *stateless*: a `ProcessGroupGloo` (CPU) or `ProcessGroupNCCL` (GPU) built directly
+on its own `TCPStore`, never registered in torch.distributed's default world. vLLM owns the
+default group of its workers and DeepSpeed owns the learner's; this third world has exactly
+`1 + weight_ranks` members (learner rank 0, then each vLLM worker) and is rebuilt from scratch
+whenever a new learner session attaches, so a restarted learner never inherits a broken group.
+
+The learner hosts the store on a free port (`open_store(port=0)`), tells the actor the port in
+`AttachLearner`, and both call `make_group`. Every collective is bounded by a timeout: a peer that
+died shows up as an error within `timeout_s`, not a 30-minute NCCL hang.
+
+Weights travel as one flat buffer per update (`flat_layout` gives each tensor's offset). One
+large collective beats many small ones; the layout itself goes in the `WeightUpdate` message.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DTYPES", "open_store", "make_group", "broadcast", "flat_layout", "pick_backend"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_backend(name: str) -> str:
+    """'auto' means NCCL when CUDA is available, gloo otherwise."""
+    if name == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if name not in ("gloo", "nccl"):
+        raise ValueError(f"learner.sync_backend must be auto, gloo or nccl, got {name!r}")
+    return name
+
+
+def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
+    """The group's TCPStore; the master may pass port 0 and read the chosen one from `.port`."""
+    return dist.TCPStore(host, port, world_size, is_master=is_master,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float, session: str):
+    """Join the group (blocks until all `world_size` members joined, at most `timeout_s`)."""
+    timeout = timedelta(seconds=timeout_s)
+    prefixed = dist.PrefixStore(f"millstream/{session}", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
+
+
+def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast `tensor` from rank 0 of `group`, waiting at most `timeout_s`."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    opts.rootTensor = 0
+    opts.timeout = timedelta(seconds=timeout_s)
+    group.broadcast([tensor], opts).wait(timedelta(seconds=timeout_s))
+
+
+def flat_layout(named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> tuple[list[tuple[str, list[int], int]], int]:
+    """Offsets (in elements) of each tensor in the flat buffer, and the total element count."""
+    layout, offset = [], 0
+    for name, shape in named_shapes:
+        numel = 1
+        for size in shape:
+            numel *= size
+        layout.append((name, list(shape), offset))
+        offset += numel
+    return layout, offset

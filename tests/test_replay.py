@@ -1,0 +1,305 @@
+"""Tests of learner.replay: grouping, staleness, duplicates, FIFO, bounds and exact accounting."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from learner.replay import BufferFull, Group, ReplayBuffer
+from shared.protocol import EpisodeFailed, Trajectory
+
+_ids = itertools.count()
+
+
+def traj(group: str, version: int = 0, *, reward: float = 1.0, episode: str | None = None,
+         group_size: int = 4, versions: list[int] | None = None) -> Trajectory:
+    """A small valid trajectory: 2 prompt tokens, then generated tokens at `versions`."""
+    gen = versions if versions is not None else [version, version]
+    n = 2 + len(gen)
+    return Trajectory(
+        episode_id=episode or f"ep{next(_ids)}",
+        group_id=group,
+        seed=0,
+        env="test",
+        token_ids=list(range(n)),
+        loss_mask=[0, 0] + [1] * len(gen),
+        logprobs=[0.0, 0.0] + [-0.5] * len(gen),
+        versions=[-1, -1] + gen,
+        reward=reward,
+        turn_rewards=[reward],
+        num_turns=1,
+        group_size=group_size,
+        duration_s=0.1,
+    )
+
+
+def failure(group: str, *, cause: str = "env_error", episode: str | None = None,
+            group_size: int = 4) -> EpisodeFailed:
+    return EpisodeFailed(episode or f"ep{next(_ids)}", group, group_size, cause, "boom")
+
+
+def buffer(**kw) -> ReplayBuffer:
+    args = dict(group_size=4, groups_per_batch=1, max_staleness=1, max_groups=100)
+    args.update(kw)
+    return ReplayBuffer(**args)
+
+
+def check_invariant(buf: ReplayBuffer) -> dict:
+    s = buf.statistics()
+    assert s["received"] == (
+        s["trained"] + sum(s["dropped"].values()) + sum(s["failed"].values()) + s["buffered"]
+    ), s
+    return s
+
+
+def test_partial_group_is_not_returned_then_completes():
+    buf = buffer(group_size=3)
+    buf.add(traj("g", group_size=3))
+    buf.add(traj("g", group_size=3))
+    assert buf.take_batch(0) is None
+    s = check_invariant(buf)
+    assert (s["partial_groups"], s["complete_groups"], s["buffered"]) == (1, 0, 2)
+    buf.fail(failure("g", group_size=3))
+    s = check_invariant(buf)
+    assert (s["partial_groups"], s["complete_groups"]) == (0, 1)
+    [group] = buf.take_batch(0)
+    assert isinstance(group, Group)
+    assert (group.group_id, len(group.trajectories), group.failed) == ("g", 2, 1)
+    s = check_invariant(buf)
+    assert (s["trained"], s["failed"], s["buffered"]) == (2, {"env_error": 1}, 0)
+
+
+def test_oldest_version_is_min_over_generated_tokens_only():
+    buf = buffer(group_size=2, max_staleness=10)
+    buf.add(traj("g", group_size=2, versions=[5, 7]))  # prompt tokens carry version -1
+    buf.add(traj("g", group_size=2, versions=[4, 6]))
+    [group] = buf.take_batch(6)
+    assert group.oldest_version == 4
+    assert buf.statistics()["staleness"] == {"min": 2, "mean": 2.0, "max": 2}
+
+
+def test_group_too_small_is_dropped_on_completion():
+    buf = buffer(group_size=3, min_group_size=2)
+    buf.add(traj("g", group_size=3))
+    buf.fail(failure("g", group_size=3))
+    buf.fail(failure("g", group_size=3, cause="timeout"))
+    s = check_invariant(buf)
+    assert s["dropped"] == {"group_too_small": 1}
+    assert s["failed"] == {"env_error": 1, "timeout": 1}
+    assert (s["complete_groups"], s["partial_groups"], s["buffered"]) == (0, 0, 0)
+    assert buf.take_batch(0) is None
+
+
+def test_batches_are_fifo_by_completion_not_by_arrival():
+    buf = buffer(group_size=2, groups_per_batch=2, max_staleness=5)
+    buf.add(traj("a", group_size=2))
+    buf.add(traj("b", group_size=2))
+    buf.add(traj("c", group_size=2))
+    buf.add(traj("b", group_size=2))  # b completes first
+    buf.add(traj("c", group_size=2))  # then c
+    buf.add(traj("a", group_size=2))  # a opened first but completes last
+    assert [g.group_id for g in buf.take_batch(0)] == ["b", "c"]
+    assert buf.take_batch(0) is None  # only "a" is left: not a whole batch, nothing removed
+    assert buf.statistics()["complete_groups"] == 1
+    buf.add(traj("d", group_size=2))
+    buf.add(traj("d", group_size=2))
+    assert [g.group_id for g in buf.take_batch(0)] == ["a", "d"]
+
+
+def test_stale_complete_groups_are_dropped_before_batching():
+    buf = buffer(group_size=2, groups_per_batch=1, max_staleness=1)
+    for gid, v in (("old", 0), ("new", 2)):
+        buf.add(traj(gid, v, group_size=2))
+        buf.add(traj(gid, v, group_size=2))
+    [group] = buf.take_batch(3)  # "old" is 3 behind (> 1): dropped; "new" is 1 behind: kept
+    assert group.group_id == "new"
+    s = check_invariant(buf)
+    assert s["dropped"] == {"stale": 2}
+    assert s["trained"] == 2
+
+
+def test_staleness_at_exactly_the_bound_is_kept():
+    buf = buffer(group_size=2, max_staleness=2)
+    buf.add(traj("g", 3, group_size=2))
+    buf.add(traj("g", 3, group_size=2))
+    assert buf.take_batch(5) is not None
+
+
+def test_stale_partial_group_and_its_late_members():
+    buf = buffer(group_size=4, max_staleness=1, groups_per_batch=1)
+    buf.add(traj("g", 0))
+    buf.add(traj("g", 0))
+    assert buf.take_batch(2) is None  # the partial group's arrived trajectories are stale
+    s = check_invariant(buf)
+    assert s["dropped"] == {"stale": 2}
+    assert s["partial_groups"] == 0
+    # A late member is stale on arrival even though its own tokens are fresh...
+    buf.add(traj("g", 2))
+    # ...and a late failure counts as a failure as usual.
+    buf.fail(failure("g", cause="timeout"))
+    s = check_invariant(buf)
+    assert s["dropped"] == {"stale": 3}
+    assert s["failed"] == {"timeout": 1}
+    assert (s["partial_groups"], s["complete_groups"], s["buffered"]) == (0, 0, 0)
+
+
+def test_partial_group_of_only_failures_is_not_stale():
+    buf = buffer(group_size=2, max_staleness=0)
+    buf.fail(failure("g", group_size=2))
+    assert buf.take_batch(100) is None
+    assert buf.statistics()["partial_groups"] == 1
+    buf.add(traj("g", 100, group_size=2))  # completes with 1 trajectory < min_group_size 2
+    s = check_invariant(buf)
+    assert s["dropped"] == {"group_too_small": 1}
+
+
+def test_duplicates_are_ignored_and_counted():
+    buf = buffer(group_size=2)
+    t = traj("g", group_size=2, episode="e1")
+    buf.add(t)
+    buf.add(t)
+    buf.fail(failure("g", group_size=2, episode="e1"))  # same id as a trajectory: duplicate too
+    s = check_invariant(buf)
+    assert (s["received"], s["duplicates"], s["buffered"], s["partial_groups"]) == (1, 2, 1, 1)
+    buf.fail(failure("h", group_size=2, episode="f1"))
+    buf.fail(failure("h", group_size=2, episode="f1"))
+    s = check_invariant(buf)
+    assert s["failed"] == {"env_error": 1}
+    assert s["duplicates"] == 3
+
+
+def test_member_beyond_group_size_is_dropped_as_overflow():
+    buf = buffer(group_size=2)
+    buf.add(traj("g", group_size=2))
+    buf.add(traj("g", group_size=2))
+    buf.add(traj("g", group_size=2))  # complete and still buffered
+    buf.take_batch(0)
+    buf.add(traj("g", group_size=2))  # already trained
+    s = check_invariant(buf)
+    assert s["dropped"] == {"group_overflow": 2}
+    assert s["partial_groups"] == 0
+
+
+def test_malformed_trajectory_closes_its_slot():
+    buf = buffer(group_size=3)
+    bad = traj("g", group_size=3)
+    bad = Trajectory(**{f: getattr(bad, f) for f in bad.__struct_fields__} | {"loss_mask": [0] * 4})
+    buf.add(bad)
+    buf.add(traj("g", group_size=3))
+    buf.add(traj("g", group_size=3))
+    s = check_invariant(buf)
+    assert s["dropped"] == {"malformed": 1}
+    [group] = buf.take_batch(0)
+    assert (len(group.trajectories), group.failed) == (2, 1)
+
+
+def test_group_size_mismatch_raises_without_counting():
+    buf = buffer(group_size=4)
+    with pytest.raises(ValueError, match="group_size"):
+        buf.add(traj("g", group_size=8))
+    assert buf.statistics()["received"] == 0
+
+
+def test_buffer_full_raises_naming_the_bound_and_keeps_accounts():
+    buf = buffer(group_size=2, max_groups=2)
+    buf.add(traj("a", group_size=2))
+    buf.fail(failure("b", group_size=2))
+    buf.add(traj("a", group_size=2))  # joining an existing group is fine
+    before = check_invariant(buf)
+    with pytest.raises(BufferFull, match="max_groups=2"):
+        buf.add(traj("c", group_size=2))
+    with pytest.raises(BufferFull):
+        buf.fail(failure("c", group_size=2))
+    assert issubclass(BufferFull, RuntimeError)
+    assert check_invariant(buf) == before
+    buf.take_batch(0)  # frees the slot of "a"
+    buf.add(traj("c", group_size=2))
+    assert buf.statistics()["partial_groups"] == 2
+
+
+def test_drain_drops_everything_and_late_members_follow():
+    buf = buffer(group_size=2, groups_per_batch=5)
+    buf.add(traj("a", group_size=2))
+    buf.add(traj("a", group_size=2))
+    buf.add(traj("b", group_size=2))
+    buf.fail(failure("c", group_size=2))
+    assert buf.drain() == 3
+    s = check_invariant(buf)
+    assert s["dropped"] == {"run_ended": 3}
+    assert (s["buffered"], s["complete_groups"], s["partial_groups"]) == (0, 0, 0)
+    buf.add(traj("b", group_size=2))
+    assert buf.statistics()["dropped"] == {"run_ended": 4}
+    assert buf.drain("shutdown") == 0
+
+
+def test_constructor_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        ReplayBuffer(group_size=2, groups_per_batch=1, max_staleness=0, max_groups=1,
+                     min_group_size=3)
+    with pytest.raises(ValueError):
+        ReplayBuffer(group_size=2, groups_per_batch=0, max_staleness=0, max_groups=1)
+
+
+# --- the accounting invariant under random interleavings ---------------------------------------
+
+# Like a real run, the policy version only grows and new groups open around the current version;
+# episodes carry tokens up to 3 versions old. Ops: (kind, versions back of the group, lag or cause,
+# re-send).
+# Few open groups and rare re-sends, so that groups often complete and batches are trained.
+_resend = st.integers(0, 5).map(lambda x: x == 0)
+_back = st.sampled_from([0, 0, 0, 1, 2])  # mostly the current group, sometimes a late member
+_add = st.tuples(st.just("add"), _back, st.integers(0, 3), _resend)
+_fail = st.tuples(st.just("fail"), _back, st.sampled_from(["env_error", "timeout"]),
+                  _resend)
+_op = st.one_of(_add, _add, _add, _fail, st.tuples(st.just("take"), st.integers(0, 1)),
+                st.tuples(st.just("drain")))
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(_op, min_size=5, max_size=60), group_size=st.integers(1, 3),
+       groups_per_batch=st.integers(1, 2), max_staleness=st.integers(0, 2),
+       min_group_size=st.integers(1, 3), max_groups=st.integers(1, 6))
+def test_accounting_invariant_holds_at_every_step(ops, group_size, groups_per_batch,
+                                                  max_staleness, min_group_size, max_groups):
+    min_group_size = min(min_group_size, group_size)
+    buf = ReplayBuffer(group_size=group_size, groups_per_batch=groups_per_batch,
+                       max_staleness=max_staleness, max_groups=max_groups,
+                       min_group_size=min_group_size)
+    sent: list[str] = []
+    returned = version = 0
+    for op in ops:
+        kind = op[0]
+        try:
+            if kind in ("add", "fail"):
+                # Re-send the last episode id now and then, to exercise duplicates.
+                ep = sent[-1] if op[3] and sent else f"e{len(sent)}"
+                sent.append(ep)
+                gid = f"g{version - op[1]}"
+                if kind == "add":
+                    buf.add(traj(gid, max(0, version - op[2]), group_size=group_size, episode=ep))
+                else:
+                    buf.fail(failure(gid, cause=op[2], group_size=group_size, episode=ep))
+            elif kind == "take":
+                version += op[1]
+                batch = buf.take_batch(version)
+                if batch is not None:
+                    assert len(batch) == groups_per_batch
+                    for g in batch:
+                        assert min_group_size <= len(g.trajectories)
+                        assert len(g.trajectories) + g.failed == group_size
+                        assert version - g.oldest_version <= max_staleness
+                    returned += sum(len(g.trajectories) for g in batch)
+            else:
+                buf.drain()
+        except BufferFull:
+            pass
+        s = check_invariant(buf)
+        assert s["trained"] == returned
+        assert s["complete_groups"] + s["partial_groups"] <= max_groups
+        assert s["buffered"] >= 0 and all(v > 0 for v in s["dropped"].values())
+    buf.drain()
+    s = check_invariant(buf)
+    assert s["buffered"] == 0 and s["complete_groups"] == s["partial_groups"] == 0
