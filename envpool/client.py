@@ -90,7 +90,10 @@ class ActorClient:
                     if route is None:
                         self.stats.late_replies += 1
                         continue
-                    await route.send(message)
+                    try:
+                        await route.send(message)
+                    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                        self.stats.late_replies += 1  # its episode ended meanwhile
                 elif isinstance(message, ErrorReply):
                     # The actor could not read one of our frames: a bug worth shouting about.
                     self.stats.error_replies += 1
@@ -134,6 +137,7 @@ class ActorClient:
         finally:
             del self._routes[request_id]
             tx.close()
+            rx.close()
             self.stats.live -= 1
             if not done:
                 # Cancelled or timed out: tell the actor to stop generating for nobody.

@@ -44,7 +44,7 @@ def grpo_advantages(
         return []
     if max(rewards) == min(rewards):
         return [0.0] * n
-    mean = math.fsum(rewards) / n  # fsum: exact sum, so shifting all rewards shifts the mean exactly
+    mean = math.fsum(rewards) / n  # fsum: correctly rounded, independent of member order
     centered = [r - mean for r in rewards]
     if not normalize_std:
         return centered

@@ -20,6 +20,10 @@ holds after every call. Failures are counted in `failed[cause]` when they arrive
 a trajectory), so `buffered` counts trajectories only. Duplicates (an episode_id seen before) are
 counted separately and are not part of `received`.
 
+`dropped_groups` counts GROUPS that left untrained (stale, too small, drained), each counted once
+even if it held no trajectory: the learner announces it so the envpool's admission gate, which
+counts groups, can free one slot per group that will never fill a batch.
+
 The buffer is bounded by `max_groups` (complete + partial). The envpool's admission gate is meant
 to make overflow impossible, so exceeding it raises `BufferFull`: a bug signal, not back-pressure.
 The buffer is single-threaded (the learner's receive loop owns it) and does no I/O.
@@ -53,7 +57,7 @@ class Group:
     group_id: str
     #: The successful members, in arrival order.
     trajectories: list[Trajectory]
-    #: Members that ended as `EpisodeFailed`.
+    #: Members that ended as `EpisodeFailed` (or arrived malformed: see `ReplayBuffer.add`).
     failed: int
     #: Min policy version over all generated tokens (loss_mask == 1) of the trajectories.
     oldest_version: int
@@ -95,8 +99,9 @@ class ReplayBuffer:
     ) -> None:
         if group_size < 1 or groups_per_batch < 1 or max_groups < 1 or max_staleness < 0:
             raise ValueError(
-                f"invalid buffer shape: group_size={group_size}, groups_per_batch={groups_per_batch}"
-                f", max_staleness={max_staleness}, max_groups={max_groups}"
+                f"invalid buffer shape: group_size={group_size}, "
+                f"groups_per_batch={groups_per_batch}, max_staleness={max_staleness}, "
+                f"max_groups={max_groups}"
             )
         if not 1 <= min_group_size <= group_size:
             raise ValueError(f"min_group_size={min_group_size} must be in [1, {group_size}]")
@@ -119,6 +124,7 @@ class ReplayBuffer:
         self.trained = 0
         self.duplicates = 0
         self.buffered = 0
+        self.dropped_groups = 0
         self.dropped: dict[str, int] = {}
         self.failed: dict[str, int] = {}
         self._last_staleness: list[int] = []
@@ -192,7 +198,7 @@ class ReplayBuffer:
         del self._pending[group_id]
         self._closed[group_id] = _OVERFLOW
         if len(group.trajectories) < self.min_group_size:
-            self._drop(group.trajectories, "group_too_small")
+            self._drop_group(group.trajectories, "group_too_small")
             return
         assert group.oldest is not None  # min_group_size >= 1, so a trajectory arrived
         self._complete[group_id] = Group(group_id, group.trajectories, group.failed, group.oldest)
@@ -204,12 +210,12 @@ class ReplayBuffer:
         for gid, done in list(self._complete.items()):
             if version - done.oldest_version > self.max_staleness:
                 del self._complete[gid]
-                self._drop(done.trajectories, "stale")
+                self._drop_group(done.trajectories, "stale")
         for gid, group in list(self._pending.items()):
             if group.oldest is not None and version - group.oldest > self.max_staleness:
                 del self._pending[gid]
                 self._closed[gid] = "stale"  # its late members are stale too
-                self._drop(group.trajectories, "stale")
+                self._drop_group(group.trajectories, "stale")
         if len(self._complete) < self.groups_per_batch:
             return None
         batch = [self._complete.popitem(last=False)[1] for _ in range(self.groups_per_batch)]
@@ -223,15 +229,16 @@ class ReplayBuffer:
         """Drops every buffered episode (complete and partial groups); returns how many."""
         before = self.buffered
         for done in self._complete.values():
-            self._drop(done.trajectories, cause)
+            self._drop_group(done.trajectories, cause)
         for gid, group in self._pending.items():
             self._closed[gid] = cause  # late members of a drained partial group: same cause
-            self._drop(group.trajectories, cause)
+            self._drop_group(group.trajectories, cause)
         self._complete.clear()
         self._pending.clear()
         return before - self.buffered
 
-    def _drop(self, trajectories: list[Trajectory], cause: str) -> None:
+    def _drop_group(self, trajectories: list[Trajectory], cause: str) -> None:
+        self.dropped_groups += 1
         if trajectories:
             self._count(self.dropped, cause, len(trajectories))
             self.buffered -= len(trajectories)
@@ -241,10 +248,6 @@ class ReplayBuffer:
         counter[cause] = counter.get(cause, 0) + n
 
     # --- reporting -------------------------------------------------------------------------
-
-    def __len__(self) -> int:
-        """Number of complete groups ready to be taken."""
-        return len(self._complete)
 
     def statistics(self) -> dict:
         """Counters and buffer state as plain ints/floats/dicts (JSON-friendly, copies)."""
@@ -256,6 +259,7 @@ class ReplayBuffer:
             "failed": dict(self.failed),
             "duplicates": self.duplicates,
             "buffered": self.buffered,
+            "dropped_groups": self.dropped_groups,
             "complete_groups": len(self._complete),
             "partial_groups": len(self._pending),
             # Of the groups returned by the last take_batch; None before the first batch.

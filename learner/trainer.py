@@ -174,8 +174,9 @@ class Trainer:
 
     @staticmethod
     def _check(samples: list[TrainSample]) -> int:
+        """Validate the samples; return their number of loss tokens."""
         if not samples:
-            raise ValueError("train_step needs at least one sample")
+            raise ValueError("train_step needs at least one sample (on every rank)")
         tokens = 0
         for i, s in enumerate(samples):
             t = len(s.token_ids)
@@ -186,40 +187,66 @@ class Trainer:
                 # Position 0 has no context, hence no logprob: it can never carry loss.
                 raise ValueError(f"sample {i}: loss_mask[0] must be 0")
             tokens += sum(1 for m in s.loss_mask if m)
-        if tokens == 0:
-            # Token-mean over zero tokens is undefined; the caller should have filtered these.
-            raise ValueError("train_step got no loss-carrying tokens (every loss_mask is 0)")
         return tokens
+
+    def _all_reduce(self, values: list[float], op: str) -> list[float]:
+        if self.engine.dp_world_size == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return t.tolist()
 
     def train_step(self, samples: list[TrainSample], *, clip_low: float,
                    clip_high: float) -> dict[str, float]:
-        """One optimizer step over all `samples`; returns metrics as plain floats."""
+        """One optimizer step over all `samples`; returns metrics as plain floats.
+
+        With several data-parallel ranks every rank calls this with its own shard; the loss is
+        the token mean over all ranks' tokens and the metrics are global.
+        """
         start = time.perf_counter()
-        total_tokens = self._check(samples)
-        self.engine.train()
+        local_tokens = self._check(samples)
+        world = self.engine.dp_world_size
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].token_ids), reverse=True)
         mbs = self.micro_batch_size
-        loss_sum = entropy_sum = clipped = ratio_sum = kl_sum = 0.0
+        chunks = [order[lo:lo + mbs] for lo in range(0, len(order), mbs)]
+        # ZeRO-2/3 reduce gradients inside every backward, so all ranks must run as many
+        # micro-batches; a rank with fewer repeats its last one at weight 0.
+        total_tokens, n_chunks = (int(v) for v in (self._all_reduce([local_tokens], "sum")[0],
+                                                   self._all_reduce([len(chunks)], "max")[0]))
+        if total_tokens == 0:
+            # Token-mean over zero tokens is undefined; the caller should have filtered these.
+            raise ValueError("train_step got no loss-carrying tokens (every loss_mask is 0)")
+        # DeepSpeed averages gradients over ranks; dividing by tokens/world instead of tokens
+        # turns that average back into the sum, i.e. the token mean over every rank's tokens.
+        normalizer = total_tokens / world
+        self.engine.train()
+        sums = [0.0] * 6  # loss, entropy, clipped tokens, ratio, approx kl, sequences
         ratio_max = 0.0
-        for lo in range(0, len(order), mbs):
-            batch = self._batch([samples[i] for i in order[lo:lo + mbs]])
+        for k in range(n_chunks):
+            weight = 1.0 if k < len(chunks) else 0.0
+            batch = self._batch([samples[i] for i in chunks[min(k, len(chunks) - 1)]])
             logits = self.engine(input_ids=batch["ids"], attention_mask=batch["attn"],
                                  use_cache=False).logits
             logp, entropy = sequence_logprobs(logits, batch["ids"])
             loss, stats = ppo_clip_loss(logp, batch["behav"], batch["adv"], batch["mask"],
                                         clip_low=clip_low, clip_high=clip_high,
-                                        normalizer=total_tokens)
-            # Accumulates into the step's gradient; no reduction or update happens here.
-            self.engine.backward(loss)
-            loss_sum += float(loss.detach())
-            entropy_sum += float((entropy.detach().float() * batch["mask"]).sum())
-            clipped += float(stats["clipped_tokens"])
-            ratio_sum += float(stats["ratio_sum"])
-            kl_sum += float(stats["approx_kl_sum"])
-            ratio_max = max(ratio_max, float(stats["ratio_max"]))
+                                        normalizer=normalizer)
+            # Accumulates into the step's gradient; no optimizer update happens here.
+            self.engine.backward(loss * weight)
+            if weight:
+                sums[0] += float(loss.detach()) / world
+                sums[1] += float((entropy.detach().float() * batch["mask"]).sum())
+                sums[2] += float(stats["clipped_tokens"])
+                sums[3] += float(stats["ratio_sum"])
+                sums[4] += float(stats["approx_kl_sum"])
+                sums[5] += len(batch["ids"])
+                ratio_max = max(ratio_max, float(stats["ratio_max"]))
             del logits, logp, entropy, loss  # free activations before the next micro-batch
         local_norm = self._local_grad_norm()
         self.engine.step()  # the one boundary: reduce, clip, AdamW update, zero the grads
+        loss_sum, entropy_sum, clipped, ratio_sum, kl_sum, sequences = self._all_reduce(sums, "sum")
         return {
             "loss": loss_sum,
             "grad_norm": self._grad_norm(local_norm),
@@ -227,9 +254,9 @@ class Trainer:
             "clip_frac": clipped / total_tokens,
             "approx_kl": kl_sum / total_tokens,
             "ratio_mean": ratio_sum / total_tokens,
-            "ratio_max": ratio_max,
+            "ratio_max": self._all_reduce([ratio_max], "max")[0],
             "tokens": float(total_tokens),
-            "sequences": float(len(samples)),
+            "sequences": sequences,
             "step_time_s": time.perf_counter() - start,
         }
 

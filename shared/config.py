@@ -113,7 +113,7 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    env: Annotated[str, _doc("Environment name from the registry (envpool/envs).")] = "halfvocab"
+    env: Annotated[str, _doc("Environment name from the registry (envpool/envs).")] = "evenchars"
     env_args: Annotated[
         dict[str, Any], _doc("Keyword arguments for the environment's constructor.")
     ] = {}
@@ -137,6 +137,11 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _doc("Extra batches the gate admits beyond the staleness bound. 0 is AReaL's rule; "
              ">0 over-generates (more stale drops), useful to test the learner's bound.", ge=0),
     ] = 0
+    max_consecutive_actor_failures: Annotated[
+        int,
+        _doc("Episodes in a row that may fail on the actor's side before the worker gives up "
+             "with an error (a dead actor must stop the run, not burn episodes).", ge=1),
+    ] = 256
     version_timeout_s: Annotated[
         float, _doc("Longest wait for the learner's first policy version.", gt=0)
     ] = 900.0

@@ -244,6 +244,9 @@ class PolicyVersion(_Wire, tag="version"):
     """The learner's policy version; the envpool admission gate paces episodes by it."""
 
     version: int
+    #: Groups the learner dropped untrained so far (stale, too few members); each frees an
+    #: admission slot, or the gate would wait forever for batches that cannot fill.
+    dropped_groups: int = 0
     #: True once the learner has finished: workers stop admitting and report `PoolDone`.
     final: bool = False
 

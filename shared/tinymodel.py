@@ -52,19 +52,18 @@ CHAT_TEMPLATE = (
 )
 
 _COMMON_WORDS = """
-the of and to a in is it you that he was for on are with as his they be at one have
-this from or had by not word but what some we can out other were all there when up
-use your how said each she which do their time if will way about many then them
-write would like so these her long make thing see him two has look more day could
-go come did number sound no most people my over know water than call first who may
-down side been now find any new work part take get place made live where after back
-little only round year came show every good me give our under name very through just
-form sentence great think say help line turn much mean before move right old same
-tell does set three want well also play small end put home read hand large add even
-here must big high such follow why ask change went light kind need house try again
-point world near build earth head stand page should found answer school grow study
-still learn food sun four between keep never last let thought city tree start might
-story far sea draw left late run while close night real life open seem together next
+the of and to a in is it you that he was for on are with as his they be at one have this from or
+had by not word but what some we can out other were all there when up use your how said each she
+which do their time if will way about many then them write would like so these her long make thing
+see him two has look more day could go come did number sound no most people my over know water than
+call first who may down side been now find any new work part take get place made live where after
+back little only round year came show every good me give our under name very through just form
+sentence great think say help line turn much mean before move right old same tell does set three
+want well also play small end put home read hand large add even here must big high such follow why
+ask change went light kind need house try again point world near build earth head stand page should
+found answer school grow study still learn food sun four between keep never last let thought city
+tree start might story far sea draw left late run while close night real life open seem together
+next
 """.split()
 
 _CHAT_OPENERS = [
@@ -170,12 +169,12 @@ def _init_weights(seed: int, cfg: dict, quiet_ids: list[int]) -> dict:
     def randn(*shape, std):
         return torch.randn(*shape, generator=g, dtype=torch.float32) * std
 
-    # Plain 0.02 everywhere leaves attention nearly uniform and the residual
-    # stream dominated by the average of the prompt, so greedy decoding locks
-    # onto one token. Unit-scale embeddings keep the current token visible,
-    # larger q/k make attention pick out positions, and a wide lm_head spreads
-    # the logits so greedy argmax has clear margins (vLLM and transformers then
-    # agree despite different kernels).
+    # Plain std 0.02 everywhere gives logits with std ~0.2 and top-two margins
+    # ~0.03: greedy decoding falls into runs like "answer answer answer", and
+    # margins that thin could let vLLM's and transformers' kernels pick
+    # different tokens. Unit embeddings keep the current token visible, larger
+    # q/k make attention prefer some positions over others, and a wide lm_head
+    # spreads the logits (std ~3.5) so the argmax is clear.
     std_in = 1.0 / math.sqrt(h)
     w = {"model.embed_tokens.weight": randn(v, h, std=1.0)}
     for i in range(cfg["num_hidden_layers"]):
@@ -248,52 +247,35 @@ def _write_model(out: Path, args: dict) -> None:
     eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
     tok.save(str(out / "tokenizer.json"))
 
+    n_layers = args["num_layers"]
     cfg = {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
-        "vocab_size": vocab_size,
-        "hidden_size": args["hidden_size"],
-        "intermediate_size": args["intermediate_size"],
-        "num_hidden_layers": args["num_layers"],
-        "num_attention_heads": args["num_heads"],
-        "num_key_value_heads": args["num_kv_heads"],
-        "hidden_act": "silu",
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+        "vocab_size": vocab_size, "hidden_size": args["hidden_size"],
+        "intermediate_size": args["intermediate_size"], "num_hidden_layers": n_layers,
+        "num_attention_heads": args["num_heads"], "num_key_value_heads": args["num_kv_heads"],
+        "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_dropout": 0.0,
         "max_position_embeddings": args["max_position_embeddings"],
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": args["num_layers"],
-        "layer_types": ["full_attention"] * args["num_layers"],
+        # Both spellings of the RoPE base: transformers 5 reads rope_parameters, 4.x rope_theta.
+        "rope_theta": 10000.0, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "use_sliding_window": False, "sliding_window": None, "max_window_layers": n_layers,
+        "layer_types": ["full_attention"] * n_layers,
         # Random init with tied embeddings makes every output echo the last token.
         "tie_word_embeddings": False,
-        "bos_token_id": eot,
-        "eos_token_id": im_end,
-        "pad_token_id": eot,
-        "dtype": dtype,
-        "torch_dtype": dtype,
+        "bos_token_id": eot, "eos_token_id": im_end, "pad_token_id": eot,
+        "initializer_range": 0.02, "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
     }
     _write_json(out / "config.json", cfg)
     _write_json(out / "generation_config.json", {
         "bos_token_id": eot, "eos_token_id": im_end, "pad_token_id": eot})
 
     _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "add_prefix_space": False,
+        "tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE,
+        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "unk_token": None, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        # No space clean-up, so decode(encode(text)) gives back text exactly.
+        "clean_up_tokenization_spaces": False, "add_prefix_space": False,
+        "split_special_tokens": False, "padding_side": "left",
         "model_max_length": args["max_position_embeddings"],
-        "padding_side": "left",
-        "split_special_tokens": False,
     })
 
     import torch

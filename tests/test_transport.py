@@ -1,0 +1,105 @@
+"""The anyio ZeroMQ channel, on both trio and asyncio."""
+
+import anyio
+import pytest
+import zmq
+
+from shared.config import TransportConfig
+from shared.protocol import Codec, ErrorReply, GenerateRequest, TokenDelta
+from shared.transport import open_channel
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=["trio", "asyncio"])
+def anyio_backend(request):
+    return request.param
+
+
+async def test_router_dealer_round_trips_and_coalesces():
+    cfg = TransportConfig(coalesce_max=64)
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg)
+    dealer = open_channel("dealer", router.address, bind=False, cfg=cfg)
+    n = 2000
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(router.run)
+        tg.start_soon(dealer.run)
+
+        async def echo():
+            async for peer, messages in router:
+                for m in messages:
+                    await router.send(TokenDelta(m.request_id, [len(m.prompt_token_ids)], [0.0], 7), to=peer)
+
+        tg.start_soon(echo)
+        for i in range(n):  # queued without yielding, so the writer must coalesce
+            dealer.send_nowait(GenerateRequest(str(i), list(range(i % 5 + 1)), 1))
+        got = {}
+        with anyio.fail_after(30):
+            while len(got) < n:
+                _, messages = await dealer.receive()
+                for m in messages:
+                    got[m.request_id] = m
+        tg.cancel_scope.cancel()
+    assert all(got[str(i)].token_ids == [i % 5 + 1] and got[str(i)].version == 7 for i in range(n))
+    stats = dealer.statistics()
+    assert stats.sent_messages == n and stats.sent_frames < n / 4  # coalesced
+    assert router.statistics().recv_messages == n and router.statistics().decode_errors == 0
+    assert stats.send_queue_max == cfg.send_queue
+
+
+async def test_malformed_frame_is_answered_and_counted():
+    cfg = TransportConfig()
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(router.address)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(router.run)
+        raw.send(b"definitely not msgpack")
+        raw.send(Codec().encode([GenerateRequest("ok", [1], 1)]))
+        with anyio.fail_after(10):
+            _, messages = await router.receive()
+        assert messages[0].request_id == "ok"
+        with anyio.fail_after(10):
+            while not raw.poll(0):
+                await anyio.sleep(0.01)
+        (reply,) = Codec().decode(raw.recv())
+        assert isinstance(reply, ErrorReply) and reply.cause == "malformed_frame"
+        assert router.statistics().decode_errors == 1
+        tg.cancel_scope.cancel()
+    raw.close()
+
+
+async def test_push_pull_flush_delivers_everything():
+    cfg = TransportConfig()
+    pull = open_channel("pull", "tcp://127.0.0.1:0", bind=True, cfg=cfg)
+    push = open_channel("push", pull.address, bind=False, cfg=cfg)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pull.run)
+        tg.start_soon(push.run)
+        for i in range(500):
+            await push.send(ErrorReply("n", str(i)))
+        assert await push.flush(timeout=10)
+        seen = []
+        with anyio.fail_after(10):
+            while len(seen) < 500:
+                _, messages = await pull.receive()
+                seen += [int(m.message) for m in messages]
+        tg.cancel_scope.cancel()
+    assert seen == list(range(500))  # one PUSH socket keeps order
+
+
+async def test_send_times_out_when_queue_stays_full():
+    cfg = TransportConfig(send_queue=2)
+    push = open_channel("push", "tcp://127.0.0.1:1", bind=False, cfg=cfg)  # writer not running
+    await push.send(ErrorReply("a", "1"))
+    await push.send(ErrorReply("a", "2"))
+    with pytest.raises(TimeoutError, match="send queue full"):
+        await push.send(ErrorReply("a", "3"), timeout=0.2)
+    assert push.statistics().send_queue == 2
+    push.sock.close(linger=0)
+
+
+def test_unknown_kind_is_an_error():
+    with pytest.raises(ValueError, match="unknown socket kind"):
+        open_channel("pair", "tcp://127.0.0.1:0", bind=True, cfg=TransportConfig())
