@@ -17,12 +17,18 @@ Design choices:
 - Loss normalisation is token-mean over the whole step: every micro-batch sums its per-token losses
   and divides by the masked-token count of the *step*, so the micro-batch gradients add up to the
   gradient of one big batch whatever the micro-batch size. Long sequences weigh by their tokens.
-- Gradient accumulation: DeepSpeed's usual mode fixes `gradient_accumulation_steps` (GAS) in the
-  config, divides every loss by it in `backward`, and steps on its own micro-step counter. Our number
-  of micro-batches changes from step to step, so we use deepspeed 0.19's unmanaged mode instead
-  (`managed_gradient_accumulation: false`) with GAS = 1: `backward` only accumulates (dividing by
-  GAS = 1 is a no-op, so the loss needs no compensation), and our single `step()` per batch is the
-  accumulation boundary (gradient reduction, clipping, AdamW update). See `_ds_config`.
+- Gradient accumulation: DeepSpeed normally fixes `gradient_accumulation_steps` (GAS) in the
+  config, divides every loss by it in `backward`, and updates on its own micro-step counter. Our
+  number of micro-batches changes from step to step, so GAS stays 1 (dividing by 1 is a no-op: the
+  loss needs no compensation) and we mark the boundary with
+  `engine.set_gradient_accumulation_boundary`: False before every micro-batch but the last, True
+  before the last, then ONE `engine.step()`
+  (reduction, clipping, AdamW update). Checked in deepspeed 0.19.8 against a plain PyTorch step for
+  ZeRO 0-3, one and two ranks. Its newer `managed_gradient_accumulation: false` mode also works
+  there, but older 0.19.x releases may lack it and would silently ignore the key.
+- Data parallel: each rank passes its own shard. The token count is all-reduced so the loss is the
+  token mean over every rank's tokens, and ranks run as many micro-batches (ZeRO-2/3 reduce inside
+  backward, so a rank with fewer repeats its last one at weight 0). Metrics are global.
 - Sequences are sorted by length before they are cut into micro-batches: less padding, same sum.
 - Weights are fp32 on CPU. `dtype="bfloat16"` turns on DeepSpeed bf16 (bf16 module, fp32 master
   copy in the ZeRO optimizer); the weights handed out then are bf16, as the actor wants on GPU.
@@ -113,7 +119,6 @@ class Trainer:
         _init_distributed(deepspeed)
         torch.manual_seed(seed)
         self.model_dir = Path(model_dir).expanduser()
-        self.cfg = learner_cfg
         self.micro_batch_size = learner_cfg.micro_batch_size
         # fp32 master weights; DeepSpeed casts the module to bf16 itself when bf16 is on.
         model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
@@ -130,12 +135,11 @@ class Trainer:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         return {
             "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            # GAS stays 1 and DeepSpeed does not own the boundary: backward() only accumulates,
-            # step() reduces and updates. A step may then hold any number of micro-batches, and
-            # backward's `loss / GAS` is a no-op, so our token-mean normaliser is the only scaling.
+            # GAS 1: backward's `loss / GAS` is a no-op, so our token-mean normaliser is the only
+            # scaling; train_step marks the accumulation boundary itself (any number of
+            # micro-batches per step). train_batch_size only feeds DeepSpeed's sample counter.
             "gradient_accumulation_steps": 1,
             "train_batch_size": cfg.micro_batch_size * world,
-            "managed_gradient_accumulation": False,
             "gradient_clipping": cfg.grad_clip,
             "zero_optimization": {"stage": cfg.zero_stage},
             "bf16": {"enabled": dtype == "bfloat16"},
@@ -211,8 +215,8 @@ class Trainer:
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].token_ids), reverse=True)
         mbs = self.micro_batch_size
         chunks = [order[lo:lo + mbs] for lo in range(0, len(order), mbs)]
-        # ZeRO-2/3 reduce gradients inside every backward, so all ranks must run as many
-        # micro-batches; a rank with fewer repeats its last one at weight 0.
+        # ZeRO-2/3 reduce gradients inside backward, so all ranks must run as many micro-batches;
+        # a rank with fewer repeats its last one at weight 0.
         total_tokens, n_chunks = (int(v) for v in (self._all_reduce([local_tokens], "sum")[0],
                                                    self._all_reduce([len(chunks)], "max")[0]))
         if total_tokens == 0:
@@ -226,6 +230,8 @@ class Trainer:
         ratio_max = 0.0
         for k in range(n_chunks):
             weight = 1.0 if k < len(chunks) else 0.0
+            # Only the last backward of the step may finish the gradient reduction.
+            self.engine.set_gradient_accumulation_boundary(k == n_chunks - 1)
             batch = self._batch([samples[i] for i in chunks[min(k, len(chunks) - 1)]])
             logits = self.engine(input_ids=batch["ids"], attention_mask=batch["attn"],
                                  use_cache=False).logits

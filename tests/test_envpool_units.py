@@ -140,3 +140,21 @@ def test_parse_answer():
     assert parse_answer("<think>x</think><answer> up || left </answer>") == ["up", "left"]
     assert parse_answer("no tags") is None
     assert parse_answer("<answer> </answer>") is None
+
+
+@pytest.mark.anyio
+async def test_flaky_env_injects_both_faults():
+    from envpool.envs.flaky import InjectedFault
+
+    crashes = hangs = clean = 0
+    for i in range(200):
+        env = make_env("flaky", {"crash_prob": 0.3, "hang_prob": 0.3, "hang_s": 5, "fault_seed": 1})
+        try:
+            with anyio.fail_after(0.05):
+                await env.reset(i)
+            clean += 1
+        except InjectedFault:
+            crashes += 1
+        except TimeoutError:
+            hangs += 1
+    assert crashes > 30 and hangs > 30 and clean > 30

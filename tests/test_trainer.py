@@ -107,7 +107,8 @@ def test_update_direction_follows_advantage_sign(trainer, model_dir, advantage):
     metrics = trainer.train_step([sample], **CLIP)
     after = hf_model(model_dir, trainer.named_weights())
     mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
-    change = float((logprobs(after, sample.token_ids) - logprobs(before, sample.token_ids))[mask].sum())
+    delta = logprobs(after, sample.token_ids) - logprobs(before, sample.token_ids)
+    change = float(delta[mask].sum())
     assert change * advantage > 0, change
     assert trainer.version == version + 1
     # On-policy: ratios are 1, nothing clipped, KL 0.
@@ -177,13 +178,15 @@ def test_save_pretrained_round_trips(trainer, model_dir, tmp_path):
     trainer.save_pretrained(str(tmp_path))
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     live = hf_model(model_dir, trainer.named_weights())
+    original = hf_model(model_dir)
     ids = torch.tensor([random_samples(1, seed=4)[0].token_ids])
     with torch.no_grad():
-        torch.testing.assert_close(saved(input_ids=ids).logits, live(input_ids=ids).logits,
-                                   rtol=0, atol=0)
-        assert not torch.equal(saved(input_ids=ids).logits, hf_model(model_dir)(input_ids=ids).logits)
+        logits = saved(input_ids=ids).logits
+        torch.testing.assert_close(logits, live(input_ids=ids).logits, rtol=0, atol=0)
+        assert not torch.equal(logits, original(input_ids=ids).logits)
     assert saved.config.use_cache and saved.config.dtype == torch.float32
-    tok_src, tok_out = AutoTokenizer.from_pretrained(model_dir), AutoTokenizer.from_pretrained(str(tmp_path))
+    tok_src = AutoTokenizer.from_pretrained(model_dir)
+    tok_out = AutoTokenizer.from_pretrained(str(tmp_path))
     assert tok_out("hello world")["input_ids"] == tok_src("hello world")["input_ids"]
     assert tok_out.chat_template == tok_src.chat_template
 

@@ -1,0 +1,158 @@
+"""The real vLLM actor (one per session, see conftest): streaming, logprobs, aborts, weights."""
+
+import anyio
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from envpool.client import ActorClient, GenerationFailed
+from learner.weights import WeightSender, WeightSyncError
+from shared.config import LearnerConfig, TransportConfig
+from shared.transport import open_channel
+
+PROMPT = [1, 367, 201, 316, 276, 223, 19, 20, 425, 2, 201, 1, 366, 201]
+
+
+async def with_client(address, fn):
+    channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
+    client = ActorClient(channel, "test")
+    outcome = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(channel.run)
+        tg.start_soon(client.run)
+        try:
+            outcome["value"] = await fn(client)
+        except Exception as exc:  # raised below, outside the task group (no ExceptionGroup)
+            outcome["error"] = exc
+        tg.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def generate(client, prompt=PROMPT, n=12, temperature=0.0, seed=None, stop=()):
+    return client.generate(list(prompt), max_tokens=n, temperature=temperature, top_p=1.0,
+                           seed=seed, stop_token_ids=list(stop), timeout_s=120)
+
+
+def hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_logprobs(model, prompt, tokens):
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    return [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+@pytest.fixture(scope="module")
+def hf_model(actor):
+    return AutoModelForCausalLM.from_pretrained(actor.model_dir, dtype=torch.float32).eval()
+
+
+def test_sampled_stream_carries_exact_logprobs(actor, hf_model):
+    async def run(client):
+        return await generate(client, n=24, temperature=1.0, seed=7)
+
+    gen = anyio.run(with_client, actor.address, run, backend="trio")
+    assert 1 <= len(gen.token_ids) <= 24 and gen.finish_reason in ("stop", "length")
+    assert len(gen.logprobs) == len(gen.token_ids) == len(gen.versions)
+    ref = hf_logprobs(hf_model, PROMPT, gen.token_ids)
+    assert max(abs(a - b) for a, b in zip(ref, gen.logprobs)) < 1e-3
+    again = anyio.run(with_client, actor.address, run, backend="asyncio")
+    assert again.token_ids == gen.token_ids  # the request's seed reaches vLLM
+
+
+def test_many_concurrent_requests_and_stop_tokens(actor):
+    async def run(client):
+        results = {}
+
+        async def one(i):
+            results[i] = await generate(client, n=32, temperature=1.0, seed=i, stop=[2])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(48):
+                tg.start_soon(one, i)
+        return results, client.stats
+
+    results, stats = anyio.run(with_client, actor.address, run, backend="trio")
+    assert len(results) == 48 and stats.completed == 48 and stats.live == 0
+    for gen in results.values():
+        if gen.finish_reason == "stop":
+            assert gen.token_ids[-1] == 2 and 2 not in gen.token_ids[:-1]
+        else:
+            assert gen.finish_reason == "length" and len(gen.token_ids) == 32
+
+
+def test_cancelled_generation_is_aborted_on_the_actor(actor):
+    async def run(client):
+        with anyio.move_on_after(0.3):
+            await generate(client, n=900, temperature=1.0, seed=1)
+        after = await generate(client, n=4)  # and the actor keeps serving
+        return client.stats, after
+
+    stats, after = anyio.run(with_client, actor.address, run, backend="trio")
+    assert stats.aborted == 1 and len(after.token_ids) == 4
+
+
+@pytest.mark.parametrize("prompt, max_tokens, message", [
+    ([], 4, "empty prompt"),
+    ([1, 2, 999_999], 4, "outside the vocabulary"),
+    ([1, 2, 3], 5000, "exceeds max_model_len"),
+])
+def test_bad_requests_fail_with_a_named_cause(actor, prompt, max_tokens, message):
+    async def run(client):
+        return await client.generate(prompt, max_tokens=max_tokens, temperature=1.0, top_p=1.0,
+                                     seed=None, stop_token_ids=[], timeout_s=60)
+
+    with pytest.raises(GenerationFailed, match=message) as info:
+        anyio.run(with_client, actor.address, run, backend="trio")
+    assert info.value.cause == "actor_bad_request"
+
+
+def test_weight_broadcast_makes_actor_match_learner_weights(actor, hf_model):
+    """Before the broadcast the actor's greedy tokens differ from the learner's model; after, equal."""
+    learner_model = AutoModelForCausalLM.from_pretrained(actor.model_dir, dtype=torch.float32).eval()
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        for p in learner_model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    expected = hf_greedy(learner_model, PROMPT, 16)
+    assert expected != hf_greedy(hf_model, PROMPT, 16)
+
+    async def greedy(client):
+        gen = await generate(client, n=16)
+        return gen.token_ids, gen.versions
+
+    before, _ = anyio.run(with_client, actor.address, greedy, backend="trio")
+    assert before != expected
+    sender = WeightSender(actor.address, LearnerConfig(sync_timeout_s=60), dtype="float32")
+    try:
+        sender.attach()
+        metrics = sender.push(learner_model.named_parameters(), version=5)
+        after, versions = anyio.run(with_client, actor.address, greedy, backend="trio")
+        assert after == expected
+        assert set(versions) == {5}
+        assert metrics["sync/bytes"] == 4 * sum(p.numel() for p in learner_model.parameters())
+        # Restore the original weights for the other tests of this session.
+        sender.push(hf_model.named_parameters(), version=0)
+        restored, versions = anyio.run(with_client, actor.address, greedy, backend="trio")
+        assert restored == hf_greedy(hf_model, PROMPT, 16) and set(versions) == {0}
+    finally:
+        sender.close()
+
+
+def test_weight_update_from_unattached_session_is_refused(actor, hf_model):
+    sender = WeightSender(actor.address, LearnerConfig(sync_timeout_s=30), dtype="float32")
+    try:
+        with pytest.raises(WeightSyncError, match="push\\(\\) before attach"):
+            sender.push(hf_model.named_parameters(), version=1)
+        wrong = WeightSender(actor.address, LearnerConfig(sync_timeout_s=30), dtype="bfloat16")
+        with pytest.raises(WeightSyncError, match="float32 weights"):
+            wrong.attach()
+        wrong.close()
+    finally:
+        sender.close()

@@ -1,0 +1,105 @@
+"""End to end: `millstream run` with the real actor, real DeepSpeed learner and envpool processes.
+
+Each run attaches to the session's actor (`actor.connect`), so vLLM starts once per test session;
+the learner starts its own weight-sync session and pushes its weights first, so runs are
+independent. What is asserted comes from the run's own outputs: summary.json, metrics.jsonl and
+trajectories.jsonl.
+"""
+
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import orjson
+import pytest
+
+from shared.metrics import read_jsonl
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def millstream_run(actor, run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "shared.cli", "run", f"actor.connect={actor.address}",
+           f"model.path={actor.model_dir}", f"run.dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*.log"))
+        pytest.fail(f"millstream run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}")
+    return proc
+
+
+def steps_of(run_dir: Path) -> list[dict]:
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
+
+
+def check_accounting(run_dir: Path) -> dict:
+    summary = orjson.loads((run_dir / "summary.json").read_bytes())
+    accounted = (summary["episodes_trained"] + sum(summary["episodes_dropped"].values())
+                 + sum(summary["episodes_failed"].values()))
+    assert summary["episodes_started"] == accounted > 0
+    assert summary["accounting_ok"] is True and summary["workers_done"] == 1
+    assert summary["duplicates"] == 0 and summary["decode_errors"] == 0
+    # The trajectory store agrees: one line per trained or failed episode.
+    fates = [r["fate"] for r in read_jsonl(run_dir / "trajectories.jsonl")]
+    assert fates.count("trained") == summary["episodes_trained"]
+    assert len(fates) - fates.count("trained") == sum(summary["episodes_failed"].values())
+    return summary
+
+
+@pytest.fixture(scope="module")
+def learning_run(actor, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("learn") / "run"
+    proc = millstream_run(actor, run_dir, "train.steps=20")
+    return run_dir, proc.stdout
+
+
+def test_the_loop_learns(learning_run):
+    run_dir, stdout = learning_run
+    steps = steps_of(run_dir)
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    first = statistics.fmean(r["reward/mean"] for r in steps[:5])
+    last = statistics.fmean(r["reward/mean"] for r in steps[-5:])
+    assert last - first >= 0.2, f"reward {first:.3f} -> {last:.3f}"
+    assert stdout.count("step ") >= 20 and "accounting ok" in stdout
+
+
+def test_learning_run_accounts_for_every_episode(learning_run):
+    run_dir, _ = learning_run
+    summary = check_accounting(run_dir)
+    assert summary["episodes_failed"] == {} or set(summary["episodes_failed"]) == {"run_ended"}
+
+
+def test_learning_run_writes_loadable_final_weights(learning_run, actor):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    final = AutoModelForCausalLM.from_pretrained(run_dir_final(learning_run), dtype=torch.float32)
+    start = AutoModelForCausalLM.from_pretrained(actor.model_dir, dtype=torch.float32)
+    assert any(not torch.equal(a, b) for a, b in zip(final.parameters(), start.parameters()))
+
+
+def run_dir_final(learning_run) -> Path:
+    return learning_run[0] / "final"
+
+
+def test_staleness_bound_and_failures_are_accounted(actor, tmp_path):
+    """max_staleness=0 with an over-eager gate: stale groups are dropped, never trained; crashing
+    and hanging environments end as counted failures, never as rewards."""
+    run_dir = tmp_path / "run"
+    millstream_run(
+        actor, run_dir, "train.steps=6", "train.max_staleness=0", "envpool.admission_slack=2",
+        "train.group_size=4", "train.groups_per_batch=2", "envpool.env=flaky",
+        "envpool.env_args={inner=\"evenchars\", crash_prob=0.08, hang_prob=0.04, hang_s=60}",
+        "envpool.step_timeout_s=1.5")
+    summary = check_accounting(run_dir)
+    assert summary["episodes_dropped"].get("stale", 0) > 0
+    assert summary["episodes_failed"].get("env_error", 0) > 0
+    assert summary["episodes_failed"].get("env_timeout", 0) > 0
+    for record in read_jsonl(run_dir / "trajectories.jsonl"):
+        if record["fate"] == "trained":
+            lags = [record["trained_version"] - v
+                    for v, m in zip(record["versions"], record["loss_mask"]) if m]
+            assert lags and max(lags) <= 0 and min(lags) >= 0
+            assert record["reward"] >= 0  # no failure was scored
+    assert all(r["staleness/max"] == 0 for r in steps_of(run_dir))
