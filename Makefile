@@ -16,7 +16,7 @@ STAMP := $(VENV)/.millstream-cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-gpu run test bench clean
+.PHONY: install install-gpu run test clean
 
 install: $(STAMP)
 
@@ -37,9 +37,6 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-
-bench: install
-	$(BIN)/python -m bench
 
 clean:
 	rm -rf $(VENV) runs

@@ -22,10 +22,10 @@ Design choices:
   number of micro-batches changes from step to step, so GAS stays 1 (dividing by 1 is a no-op: the
   loss needs no compensation) and we mark the boundary with
   `engine.set_gradient_accumulation_boundary`: False before every micro-batch but the last, True
-  before the last, then ONE `engine.step()`
-  (reduction, clipping, AdamW update). Checked in deepspeed 0.19.8 against a plain PyTorch step for
-  ZeRO 0-3, one and two ranks. Its newer `managed_gradient_accumulation: false` mode also works
-  there, but older 0.19.x releases may lack it and would silently ignore the key.
+  before the last, then ONE `engine.step()` (reduction, clipping, AdamW update). Checked in
+  deepspeed 0.19.8 against a plain PyTorch step for ZeRO 0-3, one and two ranks. Its newer
+  `managed_gradient_accumulation: false` mode (step() is the boundary) passed the same checks; we
+  keep the boundary call because it is the long-documented API, not a recent addition.
 - Data parallel: each rank passes its own shard. The token count is all-reduced so the loss is the
   token mean over every rank's tokens, and ranks run as many micro-batches (ZeRO-2/3 reduce inside
   backward, so a rank with fewer repeats its last one at weight 0). Metrics are global.
@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
 from learner.loss import ppo_clip_loss, sequence_logprobs
 from shared.config import LearnerConfig
@@ -92,14 +93,17 @@ def _import_deepspeed() -> Any:
     return deepspeed
 
 
-def _init_distributed(deepspeed: Any) -> None:
-    import torch.distributed as dist
-
+def _init_distributed(deepspeed: Any) -> list[str]:
+    """Join (or, with no launcher, create) the default process group; return env keys we set."""
+    ours: list[str] = []
     if not dist.is_initialized() and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # No launcher: be rank 0 of 1 (else DeepSpeed tries MPI discovery through mpi4py).
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+        env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(_free_port()))
+        os.environ.update(env)
+        ours = [k for k in env if k != "LOCAL_RANK"]  # every engine init reads LOCAL_RANK
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return ours
 
 
 class Trainer:
@@ -116,23 +120,30 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         deepspeed = _import_deepspeed()
-        _init_distributed(deepspeed)
-        torch.manual_seed(seed)
-        self.model_dir = Path(model_dir).expanduser()
-        self.micro_batch_size = learner_cfg.micro_batch_size
-        # fp32 master weights; DeepSpeed casts the module to bf16 itself when bf16 is on.
-        model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
-        model.config.use_cache = False  # training never reuses a KV cache
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr,
-                                      weight_decay=learner_cfg.weight_decay, betas=(0.9, 0.999))
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               config=self._ds_config(learner_cfg, dtype))
+        ours = _init_distributed(deepspeed)
+        try:
+            torch.manual_seed(seed)
+            self.model_dir = Path(model_dir).expanduser()
+            self.micro_batch_size = learner_cfg.micro_batch_size
+            # fp32 master weights; DeepSpeed casts the module to bf16 itself when bf16 is on.
+            model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            model.config.use_cache = False  # training never reuses a KV cache
+            optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr,
+                                          weight_decay=learner_cfg.weight_decay,
+                                          betas=(0.9, 0.999))
+            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                   config=self._ds_config(learner_cfg, dtype))
+        finally:
+            # Our stand-in launcher variables must not leak into child processes (an actor or
+            # a learner started from here would try to join this process's group).
+            for key in ours:
+                os.environ.pop(key, None)
         self.device = self.engine.device
         self._zero3 = learner_cfg.zero_stage == 3
 
     @staticmethod
     def _ds_config(cfg: LearnerConfig, dtype: str) -> dict[str, Any]:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = dist.get_world_size()
         return {
             "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
             # GAS 1: backward's `loss / GAS` is a no-op, so our token-mean normaliser is the only
@@ -160,20 +171,16 @@ class Trainer:
     def _batch(self, samples: list[TrainSample]) -> dict[str, torch.Tensor]:
         """Right-pad a micro-batch into tensors on the engine's device."""
         width = max(len(s.token_ids) for s in samples)
-        n = len(samples)
-        ids = torch.full((n, width), PAD_ID, dtype=torch.long)
-        attn = torch.zeros((n, width), dtype=torch.long)
-        mask = torch.zeros((n, width), dtype=torch.float32)
-        behav = torch.zeros((n, width), dtype=torch.float32)
-        adv = torch.zeros((n, width), dtype=torch.float32)
+        out = {"ids": torch.full((len(samples), width), PAD_ID, dtype=torch.long),
+               "attn": torch.zeros((len(samples), width), dtype=torch.long)}
+        out.update({k: torch.zeros((len(samples), width)) for k in ("mask", "behav", "adv")})
         for i, s in enumerate(samples):
             t = len(s.token_ids)
-            ids[i, :t] = torch.tensor(s.token_ids, dtype=torch.long)
-            attn[i, :t] = 1
-            mask[i, :t] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            behav[i, :t] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
-            adv[i, :t] = torch.tensor(s.advantages, dtype=torch.float32)
-        out = dict(ids=ids, attn=attn, mask=mask, behav=behav, adv=adv)
+            out["ids"][i, :t] = torch.tensor(s.token_ids, dtype=torch.long)
+            out["attn"][i, :t] = 1
+            out["mask"][i, :t] = torch.tensor(s.loss_mask, dtype=torch.float32)
+            out["behav"][i, :t] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
+            out["adv"][i, :t] = torch.tensor(s.advantages, dtype=torch.float32)
         return {k: v.to(self.device) for k, v in out.items()}
 
     @staticmethod
@@ -193,13 +200,10 @@ class Trainer:
             tokens += sum(1 for m in s.loss_mask if m)
         return tokens
 
-    def _all_reduce(self, values: list[float], op: str) -> list[float]:
-        if self.engine.dp_world_size == 1:
-            return values
-        import torch.distributed as dist
-
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    def _all_reduce(self, values: list[float] | torch.Tensor, op: str) -> list[float]:
+        t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
+        if self.engine.dp_world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return t.tolist()
 
     def train_step(self, samples: list[TrainSample], *, clip_low: float,
@@ -226,8 +230,9 @@ class Trainer:
         # turns that average back into the sum, i.e. the token mean over every rank's tokens.
         normalizer = total_tokens / world
         self.engine.train()
-        sums = [0.0] * 6  # loss, entropy, clipped tokens, ratio, approx kl, sequences
-        ratio_max = 0.0
+        # Summed on the device and read once at the end: no host sync per micro-batch on GPU.
+        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
+        ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
         for k in range(n_chunks):
             weight = 1.0 if k < len(chunks) else 0.0
             # Only the last backward of the step may finish the gradient reduction.
@@ -241,14 +246,13 @@ class Trainer:
                                         normalizer=normalizer)
             # Accumulates into the step's gradient; no optimizer update happens here.
             self.engine.backward(loss * weight)
-            if weight:
-                sums[0] += float(loss.detach()) / world
-                sums[1] += float((entropy.detach().float() * batch["mask"]).sum())
-                sums[2] += float(stats["clipped_tokens"])
-                sums[3] += float(stats["ratio_sum"])
-                sums[4] += float(stats["approx_kl_sum"])
-                sums[5] += len(batch["ids"])
-                ratio_max = max(ratio_max, float(stats["ratio_max"]))
+            if weight:  # loss, entropy, clipped tokens, ratio, approx kl, sequences
+                sums += torch.stack([loss.detach() / world,
+                                     (entropy.detach() * batch["mask"]).sum(),
+                                     stats["clipped_tokens"], stats["ratio_sum"],
+                                     stats["approx_kl_sum"], stats["tokens"].new_tensor(
+                                         float(len(batch["ids"])))]).double()
+                ratio_max = torch.maximum(ratio_max, stats["ratio_max"].double())
             del logits, logp, entropy, loss  # free activations before the next micro-batch
         local_norm = self._local_grad_norm()
         self.engine.step()  # the one boundary: reduce, clip, AdamW update, zero the grads
@@ -291,8 +295,7 @@ class Trainer:
         every rank must iterate this generator to the end, since gathering is collective.
         """
         for name, param in self.engine.module.named_parameters():
-            gather = (self._gathered(param) if self._zero3 else nullcontext())
-            with gather:
+            with self._gathered(param) if self._zero3 else nullcontext():
                 yield name, param.detach().to("cpu", copy=True)
 
     @staticmethod
@@ -307,7 +310,7 @@ class Trainer:
         from safetensors.torch import save_file
 
         weights = {name: t.contiguous() for name, t in self.named_weights()}
-        if int(os.environ.get("RANK", "0")) != 0:
+        if dist.get_rank() != 0:
             return
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ pre-clip gradient norm against a plain PyTorch full-batch reference.
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -34,7 +35,12 @@ def model_dir(tiny_model_dir):  # conftest's session-wide tiny model (build_tiny
 
 @pytest.fixture(scope="module")
 def trainer(model_dir):
-    return Trainer(model_dir, LearnerConfig(lr=1e-2, micro_batch_size=4, zero_stage=2), seed=0)
+    launched = "RANK" in os.environ  # under a real launcher the variables are the launcher's
+    trainer = Trainer(model_dir, LearnerConfig(lr=1e-2, micro_batch_size=4, zero_stage=2), seed=0)
+    if not launched:
+        # The stand-in launcher variables must not leak to child processes (actor, learner).
+        assert not {"RANK", "WORLD_SIZE", "MASTER_PORT"} & set(os.environ)
+    return trainer
 
 
 def hf_model(model_dir, weights=None):

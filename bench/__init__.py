@@ -1,0 +1,1 @@
+"""Benchmarks live here, apart from the tests (throughput, scale, weight sync). Later issues fill it."""
