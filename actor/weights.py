@@ -51,13 +51,8 @@ class WeightSyncExtension:
         return rank
 
     def millstream_leave(self) -> None:
-        group = getattr(self, "_ms_group", None)
-        if group is not None:
-            self._ms_group = self._ms_store = None
-            try:
-                group.abort() if hasattr(group, "abort") else None
-            except Exception:  # a broken group is being replaced; nothing to save
-                pass
+        """Forget the current group; dropping the last references destroys it (and its store)."""
+        self._ms_group = self._ms_store = None
 
     def millstream_receive(self, session: str, dtype: str, numel: int,
                            tensors: list[tuple[str, list[int], int]]) -> float:

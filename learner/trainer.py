@@ -130,7 +130,8 @@ class Trainer:
             model.config.use_cache = False  # training never reuses a KV cache
             optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr,
                                           weight_decay=learner_cfg.weight_decay,
-                                          betas=(0.9, 0.999))
+                                          betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
+                                          eps=learner_cfg.adam_eps)
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=self._ds_config(learner_cfg, dtype))
         finally:

@@ -156,6 +156,9 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = "tcp://127.0.0.1:0"
     lr: Annotated[float, _doc("AdamW learning rate.", gt=0)] = 2e-3
     weight_decay: Annotated[float, _doc("AdamW weight decay.", ge=0)] = 0.0
+    adam_beta1: Annotated[float, _doc("AdamW first-moment decay.", ge=0, lt=1)] = 0.9
+    adam_beta2: Annotated[float, _doc("AdamW second-moment decay.", ge=0, lt=1)] = 0.999
+    adam_eps: Annotated[float, _doc("AdamW epsilon.", gt=0)] = 1e-8
     grad_clip: Annotated[float, _doc("Gradient-norm clip (0: off).", ge=0)] = 1.0
     clip_low: Annotated[float, _doc("PPO ratio clip below 1 (1 - clip_low).", ge=0)] = 0.2
     clip_high: Annotated[float, _doc("PPO ratio clip above 1 (1 + clip_high); DAPO uses 0.28.", ge=0)] = 0.28

@@ -103,3 +103,40 @@ def test_staleness_bound_and_failures_are_accounted(actor, tmp_path):
             assert lags and max(lags) <= 0 and min(lags) >= 0
             assert record["reward"] >= 0  # no failure was scored
     assert all(r["staleness/max"] == 0 for r in steps_of(run_dir))
+
+
+def _children_alive(run_dir: Path) -> list[str]:
+    """Processes still running whose command line names this run's config."""
+    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if str(run_dir) in line and "ps -eo" not in line]
+
+
+def test_a_failing_role_stops_the_run_with_its_name(actor, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shared.cli", "run", f"actor.connect={actor.address}",
+           f"model.path={actor.model_dir}", f"run.dir={run_dir}", "envpool.env=no-such-env"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "envpool-0 exited early" in proc.stdout and "unknown environment 'no-such-env'" in proc.stdout
+    assert _children_alive(run_dir) == []
+
+
+def test_ctrl_c_stops_every_process(actor, tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "shared.cli", "run", f"actor.connect={actor.address}",
+           f"model.path={actor.model_dir}", f"run.dir={run_dir}", "train.steps=1000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    lines = []
+    for line in proc.stdout:  # wait until training is under way
+        lines.append(line)
+        if line.startswith("step ") or time.monotonic() > deadline:
+            break
+    assert any(l.startswith("step ") for l in lines), "".join(lines)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted" in rest
+    assert _children_alive(run_dir) == []
