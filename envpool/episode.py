@@ -5,8 +5,9 @@
 Returns a `Trajectory` (the whole context's token ids, a loss mask that is 1 only on generated
 tokens, their behaviour logprobs and policy versions, per-turn rewards) or an `EpisodeFailed` with
 a short cause. Causes are how failures are counted, never how they are scored: an environment that
-raises (`env_error`), hangs (`env_timeout`), an actor that fails (`actor_*`), or an episode over
-its time budget (`episode_timeout`) produce no reward at all.
+raises (`env_error`), hangs (`env_timeout`), an actor that fails (`actor_*`), a first prompt
+longer than the context (`prompt_too_long`), or an episode over its time budget
+(`episode_timeout`) produce no reward at all.
 
 Ending by `max_turns` or by a full context is not a failure: the episode is *truncated*, and its
 trajectory is trained on with the rewards it earned.
@@ -90,16 +91,23 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
     logprobs = [0.0] * len(ids)
     versions = [-1] * len(ids)
     rewards: list[float] = []
+    starts: list[int] = []
+    ends: list[int] = []
+    anchors: list[str] = []
     texts: list[str] = [obs.text]
     for turn in range(cfg.max_turns):
         budget = min(cfg.max_tokens, max_model_len - len(ids))
-        if budget < 1:
-            break  # context full: truncated, not failed
+        if budget < 1:  # only possible before the first turn (later ones are checked below)
+            raise _EnvFailure("prompt_too_long", f"the first prompt has {len(ids)} tokens, "
+                              f"max_model_len is {max_model_len}")
         gen = await client.generate(
             list(ids), max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
             seed=sampling_seed(spec.seed, spec.member, turn), stop_token_ids=chat.stop_token_ids,
             timeout_s=cfg.turn_timeout_s)
+        starts.append(len(ids))
+        anchors.append(obs.anchor)
         ids.extend(gen.token_ids)
+        ends.append(len(ids))
         mask.extend([1] * len(gen.token_ids))
         logprobs.extend(gen.logprobs)
         versions.extend(gen.versions)
@@ -109,7 +117,10 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
         texts += [response, result.observation.text]
         if result.done:
             break
-        bridge = chat.close_turn(gen.token_ids) + chat.next_prompt(result.observation.text)
+        obs = result.observation
+        bridge = chat.close_turn(gen.token_ids) + chat.next_prompt(obs.text)
+        if len(ids) + len(bridge) >= max_model_len:
+            break  # no room to generate another turn: truncated, not failed
         ids.extend(bridge)
         mask.extend([0] * len(bridge))
         logprobs.extend([0.0] * len(bridge))
@@ -118,4 +129,5 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
         episode_id=spec.episode_id, group_id=spec.group_id, seed=spec.seed, env=spec.env_name,
         token_ids=ids, loss_mask=mask, logprobs=logprobs, versions=versions,
         reward=sum(rewards), turn_rewards=rewards, num_turns=len(rewards),
-        group_size=spec.group_size, duration_s=time.monotonic() - started, texts=texts)
+        group_size=spec.group_size, duration_s=time.monotonic() - started,
+        turn_starts=starts, turn_ends=ends, anchors=anchors, texts=texts)

@@ -216,6 +216,12 @@ class Trajectory(_Wire, tag="traj", gc=False):
     group_size: int
     #: Wall time of the episode, seconds.
     duration_s: float
+    #: Token range [turn_starts[t], turn_ends[t]) of turn t's generated response, so per-turn
+    #: rewards and step-level advantages can be placed on the right tokens.
+    turn_starts: list[int] = []
+    turn_ends: list[int] = []
+    #: Canonical anchor of the state each turn acted on (GiGPO groups equal anchors).
+    anchors: list[str] = []
     #: Per-turn decoded model responses and environment observations, for inspection only.
     texts: list[str] = []
 
