@@ -1,21 +1,25 @@
 """The admission gate: start a group only if it can be trained within the staleness bound.
 
 AReaL's rule, per group: with learner version `v`, staleness bound `k` and `B` groups per batch,
-the groups admitted so far may not exceed `(v + k + 1) * B`. Group number `n` (counted from 0 over
-the whole run) is therefore admitted once `n < (v + k + 1) * B`: it lands in batch `n // B <= v + k`,
+the groups admitted so far may not exceed `(v + k + 1) * B`. Group number `n` (counted over the
+whole run) is therefore admitted once `n < (v + k + 1) * B`: it lands in batch `n // B <= v + k`,
 so it is at most `k` versions old when trained, if groups are trained roughly in admission order.
 The learner's replay buffer still checks every token's version, since order is not guaranteed.
 
 Pacing admission this way, rather than generating freely and dropping what is too old, avoids the
 bias peers reported (dropping stale groups favours fast, short problems) and wasted compute.
 
-Two corrections keep the gate from starving the learner:
-- groups the learner dropped (stale, too many failed members) never fill a batch, so each one
-  frees a slot: the limit is raised by `dropped_groups`, which the learner announces;
-- `slack` extra batches may be admitted on purpose (over-generation), e.g. to test the bound.
+The learner computes the bound and announces it as `PolicyVersion.admit_limit`, because two
+corrections need its counts:
+- groups it dropped (stale, too many failed members, filtered) never fill a batch, so each one
+  frees a slot, or the gate would wait forever for batches that cannot fill;
+- after a resume, numbering continues at `group_base` (past every group the previous session
+  saw), and complete groups restored into the buffer already hold their slots.
+`envpool.admission_slack` extra batches may be admitted on purpose (over-generation), e.g. to
+test the learner's bound. The formula is `shared.protocol.admit_limit`.
 
-With several envpool workers, worker `i` of `W` owns group numbers `i, i + W, i + 2W, ...`, so
-the workers share one global count without talking to each other.
+With several envpool workers, worker `i` of `W` owns group numbers `base + i, base + i + W, ...`,
+so the workers share one global count without talking to each other.
 """
 
 from __future__ import annotations
@@ -28,34 +32,28 @@ __all__ = ["AdmissionGate"]
 
 
 class AdmissionGate:
-    def __init__(self, groups_per_batch: int, max_staleness: int, *, slack: int = 0,
-                 worker_index: int = 0, workers: int = 1) -> None:
+    def __init__(self, *, worker_index: int = 0, workers: int = 1) -> None:
         if not 0 <= worker_index < workers:
             raise ValueError(f"worker_index {worker_index} outside [0, {workers})")
-        self.groups_per_batch = groups_per_batch
-        self.max_staleness = max_staleness
-        self.slack = slack
+        self.worker_index = worker_index
         self.workers = workers
-        self.next_group = worker_index  # the next global group number this worker may start
         self.version: int | None = None
-        self.dropped_groups = 0
+        self.limit = 0
+        self.group_base: int | None = None
+        self.next_group = 0  # set from group_base by the first announcement
         self.final = False
         self.admitted = 0
         self.waits = 0
         self._changed = anyio.Event()
 
-    def limit(self) -> int:
-        """How many groups (global count) may have been admitted at the current version."""
-        if self.version is None:
-            return 0
-        return (self.version + self.max_staleness + 1 + self.slack) * self.groups_per_batch \
-            + self.dropped_groups
-
     def update(self, message: PolicyVersion) -> None:
-        # Versions only grow within a learner session; a heartbeat repeats the current one.
-        if self.version is None or message.version >= self.version:
-            self.version = message.version
-            self.dropped_groups = max(self.dropped_groups, message.dropped_groups)
+        if self.group_base is None or message.group_base != self.group_base:
+            # First announcement of a learner session: numbering starts at its base.
+            self.group_base = message.group_base
+            self.next_group = message.group_base + self.worker_index
+        # Versions and limits only grow within a session; a heartbeat repeats them.
+        self.version = max(self.version or 0, message.version)
+        self.limit = max(self.limit, message.admit_limit)
         self.final = self.final or message.final
         self._changed.set()
         self._changed = anyio.Event()
@@ -67,7 +65,7 @@ class AdmissionGate:
         (it sends a heartbeat every second) for `timeout_s`: it is gone or stuck, an error, not a
         reason to wait forever.
         """
-        while not self.final and self.next_group >= self.limit():
+        while not self.final and (self.version is None or self.next_group >= self.limit):
             self.waits += 1
             try:
                 with anyio.fail_after(timeout_s):
@@ -83,6 +81,6 @@ class AdmissionGate:
         return number
 
     def statistics(self) -> dict[str, int | None]:
-        return {"version": self.version, "limit": self.limit(), "admitted": self.admitted,
-                "next_group": self.next_group, "dropped_groups": self.dropped_groups,
+        return {"version": self.version, "limit": self.limit, "admitted": self.admitted,
+                "next_group": self.next_group, "group_base": self.group_base,
                 "waits": self.waits}

@@ -28,7 +28,7 @@ from pathlib import Path
 import anyio
 
 from shared.config import Config
-from shared.protocol import EpisodeFailed, PolicyVersion, PoolDone, Trajectory
+from shared.protocol import EpisodeFailed, PolicyVersion, PoolDone, Trajectory, group_id
 from shared.transport import open_channel
 
 from .chat import ChatFormat
@@ -85,9 +85,7 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
     sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport)
     push = open_channel("push", cfg.learner.experience_address, bind=False, cfg=cfg.transport)
     client = ActorClient(dealer, name)
-    gate = AdmissionGate(cfg.train.groups_per_batch, cfg.train.max_staleness,
-                         slack=pool.admission_slack, worker_index=worker_index,
-                         workers=pool.workers)
+    gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
     stats = WorkerStats()
     slots = anyio.Semaphore(pool.max_concurrent_episodes)
     max_model_len = cfg.actor.max_model_len
@@ -136,11 +134,10 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
             for _ in range(group_size):
                 await slots.acquire()
             seed = group_seed(cfg.run.seed, number)
-            group_id = f"g{number}"
+            gid = group_id(number)
             stats.groups += 1
             for member in range(group_size):
-                spec = EpisodeSpec(f"{group_id}-e{member}", group_id, seed, member, group_size,
-                                   pool.env)
+                spec = EpisodeSpec(f"{gid}-e{member}", gid, seed, member, group_size, pool.env)
                 stats.started += 1
                 stats.live += 1
                 episodes.start_soon(one_episode, spec)

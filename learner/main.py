@@ -33,7 +33,15 @@ import zmq
 
 from shared.config import Config
 from shared.metrics import MetricsWriter
-from shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, ProtocolError, Trajectory
+from shared.protocol import (
+    Codec,
+    EpisodeFailed,
+    PolicyVersion,
+    PoolDone,
+    ProtocolError,
+    Trajectory,
+    admit_limit,
+)
 from shared.runtime import resolve_model_dir, role_args, write_ready
 
 from .advantages import grpo_advantages
@@ -60,8 +68,8 @@ class Experience:
         self.pub.bind(cfg.learner.version_address)
         self.last_announce = 0.0
 
-    def announce(self, version: int, dropped_groups: int, final: bool = False) -> None:
-        self.pub.send(self.codec.encode([PolicyVersion(version, dropped_groups, final)]))
+    def announce(self, version: int, limit: int, group_base: int, final: bool = False) -> None:
+        self.pub.send(self.codec.encode([PolicyVersion(version, limit, group_base, final)]))
         self.last_announce = time.monotonic()
 
     def receive(self, timeout_s: float):
@@ -115,17 +123,25 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
         else:
             log.warning("unexpected %s on the experience socket", type(message).__name__)
 
+    group_base = carried = 0  # a resumed session sets both (learner/checkpoint.py)
+    trained_groups = 0
+
+    def limit() -> int:
+        return admit_limit(group_base=group_base, consumed=trained_groups + buffer.dropped_groups,
+                           carried=carried, groups_per_batch=train.groups_per_batch,
+                           max_staleness=train.max_staleness, slack=cfg.envpool.admission_slack)
+
     started = last_step = last_data = time.monotonic()
-    exp.announce(trainer.version, buffer.dropped_groups)
-    announced_drops = buffer.dropped_groups
+    announced = limit()
+    exp.announce(trainer.version, announced, group_base)
     while trainer.version < train.steps:
         for message in exp.receive(0.05):
             handle(message)
             last_data = time.monotonic()
         batch = buffer.take_batch(trainer.version)
-        if time.monotonic() - exp.last_announce > 1.0 or buffer.dropped_groups != announced_drops:
-            exp.announce(trainer.version, buffer.dropped_groups)
-            announced_drops = buffer.dropped_groups
+        if time.monotonic() - exp.last_announce > 1.0 or limit() != announced:
+            announced = limit()
+            exp.announce(trainer.version, announced, group_base)
         if batch is None:
             if time.monotonic() - last_data > cfg.learner.idle_timeout_s:
                 raise TimeoutError(f"no experience for {cfg.learner.idle_timeout_s}s; is the envpool alive? "
@@ -140,7 +156,9 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
         step_metrics = trainer.train_step(samples, clip_low=cfg.learner.clip_low,
                                           clip_high=cfg.learner.clip_high)
         sync_metrics = sync.push(trainer.named_weights(), trainer.version)
-        exp.announce(trainer.version, buffer.dropped_groups)
+        trained_groups += len(batch)
+        announced = limit()
+        exp.announce(trainer.version, announced, group_base)
         now = time.monotonic()
         record = {"step": trainer.version, "trained_version": version,
                   **batch_metrics(batch, version, now - last_step, now - started),
@@ -154,7 +172,7 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
                  "advantage": adv, **_msg(traj)}, option=orjson.OPT_APPEND_NEWLINE))
         last_step = now
 
-    summary = _finish(cfg, exp, buffer, done_workers, handle)
+    summary = _finish(cfg, exp, buffer, done_workers, handle, group_base)
     trainer.save_pretrained(str(run_dir / "final"))
     summary["final_weights"] = str(run_dir / "final")
     summary["decode_errors"] = exp.codec.errors
@@ -167,11 +185,12 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
     return summary
 
 
-def _finish(cfg: Config, exp: Experience, buffer: ReplayBuffer, done_workers: dict, handle) -> dict:
+def _finish(cfg: Config, exp: Experience, buffer: ReplayBuffer, done_workers: dict, handle,
+            group_base: int) -> dict:
     """Tell the workers to stop, collect their totals, account for every episode."""
     deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
     while len(done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
-        exp.announce(cfg.train.steps, buffer.dropped_groups, final=True)
+        exp.announce(cfg.train.steps, 0, group_base, final=True)
         for message in exp.receive(0.2):
             handle(message)
     buffer.drain("run_ended")

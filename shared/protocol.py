@@ -46,6 +46,9 @@ __all__ = [
     "EpisodeFailed",
     "PoolDone",
     "PolicyVersion",
+    "group_id",
+    "group_number",
+    "admit_limit",
     "ErrorReply",
     "Message",
     "Packet",
@@ -247,14 +250,45 @@ class PoolDone(_Wire, tag="pool_done"):
 
 
 class PolicyVersion(_Wire, tag="version"):
-    """The learner's policy version; the envpool admission gate paces episodes by it."""
+    """The learner's policy version and the admission bound derived from it.
+
+    Groups are numbered over the whole run (`group_id(n)`); an envpool worker may start group `n`
+    only while `n < admit_limit`. The learner computes the limit (the staleness rule, in
+    envpool/gate.py's docstring) because only it knows how many groups were trained or dropped,
+    and, after a resume, where numbering continues (`group_base`).
+    """
 
     version: int
-    #: Groups the learner dropped untrained so far (stale, too few members); each frees an
-    #: admission slot, or the gate would wait forever for batches that cannot fill.
-    dropped_groups: int = 0
+    #: Group numbers below this may be started.
+    admit_limit: int
+    #: First group number of this learner session: a resumed run continues numbering (and
+    #: environment seeds) after every group the previous session saw.
+    group_base: int = 0
     #: True once the learner has finished: workers stop admitting and report `PoolDone`.
     final: bool = False
+
+
+def admit_limit(*, group_base: int, consumed: int, carried: int, groups_per_batch: int,
+                max_staleness: int, slack: int) -> int:
+    """The `PolicyVersion.admit_limit` the learner announces (envpool/gate.py explains why).
+
+    `consumed`: groups trained or dropped in this learner session; `carried`: groups restored
+    into the buffer at resume. For a fresh run this is AReaL's `(v + k + 1 + slack) * B` plus
+    the dropped groups.
+    """
+    return group_base + (max_staleness + 1 + slack) * groups_per_batch + consumed - carried
+
+
+def group_id(number: int) -> str:
+    """The wire name of group `number` (numbers are global over a run)."""
+    return f"g{number}"
+
+
+def group_number(gid: str) -> int:
+    """Inverse of `group_id`; raises ValueError naming the id if it is not one."""
+    if not gid.startswith("g") or not gid[1:].isdigit():
+        raise ValueError(f"not a group id: {gid!r} (expected 'g<number>')")
+    return int(gid[1:])
 
 
 class ErrorReply(_Wire, tag="error"):

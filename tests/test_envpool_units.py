@@ -7,7 +7,7 @@ from envpool.chat import ChatFormat
 from envpool.envs import make_env, parse_answer
 from envpool.envs.evenchars import even_share
 from envpool.gate import AdmissionGate
-from shared.protocol import PolicyVersion
+from shared.protocol import PolicyVersion, admit_limit, group_id, group_number
 
 
 @pytest.fixture(scope="module")
@@ -61,34 +61,48 @@ async def _admit_all(gate, limit=50):
     return got
 
 
+def limit(v, k=1, b=4, dropped=0, slack=0, base=0, carried=0):
+    return admit_limit(group_base=base, consumed=v * b + dropped, carried=carried,
+                       groups_per_batch=b, max_staleness=k, slack=slack)
+
+
+def test_admit_limit_is_the_areal_rule():
+    assert limit(0) == 8 and limit(1) == 12 and limit(3, k=0) == 16  # (v + k + 1) * B
+    assert limit(1, dropped=2) == 14  # each dropped group frees a slot
+    assert limit(0, slack=2, k=0) == 12
+    assert limit(0, base=100, carried=3) == 105  # resumed: numbering continues, carried hold slots
+
+
 @pytest.mark.anyio
-async def test_gate_follows_the_areal_rule():
-    gate = AdmissionGate(groups_per_batch=4, max_staleness=1)
+async def test_gate_follows_the_announced_limit():
+    gate = AdmissionGate()
     assert await _admit_all(gate) == []  # no version yet: nothing starts
-    gate.update(PolicyVersion(0))
-    assert await _admit_all(gate) == list(range(8))  # (0 + 1 + 1) * 4
-    gate.update(PolicyVersion(1))
+    gate.update(PolicyVersion(0, limit(0)))
+    assert await _admit_all(gate) == list(range(8))
+    gate.update(PolicyVersion(1, limit(1)))
     assert await _admit_all(gate) == list(range(8, 12))
-    gate.update(PolicyVersion(1, dropped_groups=2))  # dropped groups free their slots
+    gate.update(PolicyVersion(1, limit(1, dropped=2)))
     assert await _admit_all(gate) == [12, 13]
-    gate.update(PolicyVersion(1, final=True))
+    gate.update(PolicyVersion(1, limit(0)))  # a late, lower heartbeat never shrinks the limit
+    assert await _admit_all(gate) == []
+    gate.update(PolicyVersion(1, limit(1, dropped=2), final=True))
     assert await gate.admit(timeout_s=1) is None
 
 
 @pytest.mark.anyio
-async def test_gate_splits_group_numbers_between_workers():
-    gates = [AdmissionGate(2, 0, worker_index=i, workers=3) for i in range(3)]
+async def test_gate_splits_group_numbers_between_workers_from_the_base():
+    gates = [AdmissionGate(worker_index=i, workers=3) for i in range(3)]
     for gate in gates:
-        gate.update(PolicyVersion(2))  # limit (2 + 0 + 1) * 2 = 6
+        gate.update(PolicyVersion(2, admit_limit=106, group_base=100))
     admitted = [await _admit_all(g) for g in gates]
-    assert admitted == [[0, 3], [1, 4], [2, 5]]
+    assert admitted == [[100, 103], [101, 104], [102, 105]]
 
 
 @pytest.mark.anyio
-async def test_gate_slack_and_silence():
-    gate = AdmissionGate(1, 0, slack=2)
-    gate.update(PolicyVersion(0))
-    assert await _admit_all(gate) == [0, 1, 2]
+async def test_gate_times_out_on_a_silent_learner():
+    gate = AdmissionGate()
+    gate.update(PolicyVersion(0, 1))
+    assert await _admit_all(gate) == [0]
     with pytest.raises(TimeoutError, match="no policy version"):
         await gate.admit(timeout_s=0.05)
 
@@ -158,3 +172,9 @@ async def test_flaky_env_injects_both_faults():
         except TimeoutError:
             hangs += 1
     assert crashes > 30 and hangs > 30 and clean > 30
+
+
+def test_group_ids_round_trip():
+    assert group_number(group_id(1234)) == 1234
+    with pytest.raises(ValueError, match="not a group id"):
+        group_number("x12")
