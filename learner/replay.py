@@ -205,8 +205,10 @@ class ReplayBuffer:
 
     # --- departures ------------------------------------------------------------------------
 
-    def take_batch(self, version: int) -> list[Group] | None:
-        """Drops stale groups, then returns the `groups_per_batch` oldest complete ones, or None."""
+    def take_batch(self, version: int, count: int | None = None) -> list[Group] | None:
+        """Drops stale groups, then returns the `count` (default `groups_per_batch`) oldest
+        complete ones, or None if fewer are complete."""
+        count = self.groups_per_batch if count is None else count
         for gid, done in list(self._complete.items()):
             if version - done.oldest_version > self.max_staleness:
                 del self._complete[gid]
@@ -216,14 +218,23 @@ class ReplayBuffer:
                 del self._pending[gid]
                 self._closed[gid] = "stale"  # its late members are stale too
                 self._drop_group(group.trajectories, "stale")
-        if len(self._complete) < self.groups_per_batch:
+        if len(self._complete) < count:
             return None
-        batch = [self._complete.popitem(last=False)[1] for _ in range(self.groups_per_batch)]
+        batch = [self._complete.popitem(last=False)[1] for _ in range(count)]
         n = sum(len(g.trajectories) for g in batch)
         self.trained += n
         self.buffered -= n
         self._last_staleness = [version - g.oldest_version for g in batch]
         return batch
+
+    def discard(self, groups: list[Group], cause: str) -> None:
+        """Groups taken by `take_batch` but not trained (a filter rejected them): counted as
+        dropped under `cause`, each freeing its admission slot like any dropped group."""
+        for group in groups:
+            n = len(group.trajectories)
+            self.trained -= n
+            self.buffered += n
+            self._drop_group(group.trajectories, cause)
 
     def drain(self, cause: str = "run_ended") -> int:
         """Drops every buffered episode (complete and partial groups); returns how many."""

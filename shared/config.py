@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -55,6 +55,9 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     dir: Annotated[str, _doc("Exact run directory (overrides root/name); set by the launcher.")] = ""
     seed: Annotated[int, _doc("Master seed: environment seeds, sampling seeds, learner init.")] = 0
     log_level: Annotated[str, _doc("Python logging level of every role.")] = "INFO"
+    resume: Annotated[
+        str, _doc("Checkpoint directory (or a run directory: its latest checkpoint) to resume from.")
+    ] = ""
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -163,6 +166,48 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     clip_low: Annotated[float, _doc("PPO ratio clip below 1 (1 - clip_low).", ge=0)] = 0.2
     clip_high: Annotated[float, _doc("PPO ratio clip above 1 (1 + clip_high); DAPO uses 0.28.", ge=0)] = 0.28
     micro_batch_size: Annotated[int, _doc("Sequences per forward/backward pass.", ge=1)] = 16
+    advantage: Annotated[
+        Literal["grpo", "drgrpo", "rloo", "ngrpo", "gigpo"],
+        _doc("Advantage estimator (docs/algorithms.md): grpo = group mean/std; drgrpo = no std; "
+             "rloo = leave-one-out mean; ngrpo = a virtual max-reward member joins the group's "
+             "statistics; gigpo = episode advantage + step advantage over equal anchor states."),
+    ] = "grpo"
+    reward_level: Annotated[
+        Literal["trajectory", "turn"],
+        _doc("trajectory: the episode's advantage on every trained token (Flow-GRPO, StarPO "
+             "trajectory-level); turn: each turn's tokens get the advantage of that turn's "
+             "reward-to-go (StarPO turn-level rewards)."),
+    ] = "trajectory"
+    gamma: Annotated[float, _doc("Discount of turn rewards (reward-to-go, GiGPO step returns).", ge=0, le=1)] = 1.0
+    gigpo_step_weight: Annotated[float, _doc("GiGPO: weight of the step-level advantage.", ge=0)] = 1.0
+    ngrpo_max_reward: Annotated[float, _doc("NGRPO: reward of the virtual max-reward member.")] = 1.0
+    group_filter: Annotated[
+        Literal["none", "zero_std", "starpo_s"],
+        _doc("Which complete groups are trained: all; those whose rewards differ (DAPO dynamic "
+             "sampling); or the top `starpo_keep` share by reward std (StarPO-S)."),
+    ] = "none"
+    starpo_keep: Annotated[float, _doc("StarPO-S: share of groups kept (by reward std).", gt=0, le=1)] = 0.75
+    loss_agg: Annotated[
+        Literal["token_mean", "seq_mean", "seq_sum_norm"],
+        _doc("Loss aggregation: mean over all loss tokens of the batch; mean over sequences of "
+             "each one's token mean; Dr.GRPO's sum over tokens / (sequences x generation budget)."),
+    ] = "token_mean"
+    staleness_policy: Annotated[
+        Literal["drop", "decoupled"],
+        _doc("drop: groups older than train.max_staleness are dropped (counted); decoupled: "
+             "they are kept up to `decoupled_max_staleness` and trained with decoupled PPO "
+             "(behaviour logprobs from the actor, proximal logprobs recomputed, IS weight capped)."),
+    ] = "drop"
+    decoupled_max_staleness: Annotated[
+        int, _doc("With staleness_policy=decoupled: groups older than this are still dropped.", ge=0)
+    ] = 8
+    is_cap: Annotated[float, _doc("Decoupled PPO: cap of the behaviour importance weight (AReaL: 5).", gt=0)] = 5.0
+    kl_coef: Annotated[float, _doc("Weight of the KL penalty to the frozen initial policy (0: off).", ge=0)] = 0.0
+    kl_estimator: Annotated[Literal["k1", "k3"], _doc("KL estimator: k1 = log ratio; k3 = Schulman's unbiased, positive one.")] = "k3"
+    entropy_coef: Annotated[float, _doc("Weight of the entropy bonus (0: off).", ge=0)] = 0.0
+    checkpoint_every: Annotated[int, _doc("Save a resumable checkpoint every N steps (0: only at the end).", ge=0)] = 0
+    keep_checkpoints: Annotated[int, _doc("Most recent checkpoints kept on disk.", ge=1)] = 2
+    ranks: Annotated[int, _doc("Learner processes (DeepSpeed data parallel; >1 starts torchrun).", ge=1)] = 1
     zero_stage: Annotated[int, _doc("DeepSpeed ZeRO stage.", ge=0, le=3)] = 2
     sync_backend: Annotated[
         str, _doc("Weight broadcast backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo', 'nccl'.")
@@ -244,7 +289,23 @@ def _explain(exc: msgspec.ValidationError) -> str:
     if unknown:
         key = ".".join(p for p in (where, unknown.group(1)) if p)
         return f"unknown key '{key}'"
+    choices = _choices(where)
+    if choices:
+        what = f"{what}; expected one of {', '.join(map(repr, choices))}"
     return f"{where or '<root>'}: {what}"
+
+
+def _choices(dotted: str | None) -> tuple[Any, ...]:
+    """The allowed values of a Literal-typed key, or () for any other key."""
+    parts = (dotted or "").split(".")
+    if len(parts) != 2:
+        return ()
+    section = next((f for f in msgspec.structs.fields(Config) if f.name == parts[0]), None)
+    field = section and next((f for f in msgspec.structs.fields(section.type) if f.name == parts[1]), None)
+    if field is None:
+        return ()
+    tp = getattr(field.type, "__origin__", field.type)  # strip Annotated
+    return getattr(tp, "__args__", ()) if getattr(tp, "__origin__", None) is Literal else ()
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:

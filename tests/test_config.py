@@ -30,6 +30,7 @@ def test_file_then_overrides(tmp_path):
     (["train.steps=many"], "train.steps"),
     (["learner.lr=-1"], "learner.lr"),
     (["train"], "expected dotted.key=value"),
+    (["learner.advantage=ppo"], "expected one of 'grpo'"),
 ])
 def test_bad_keys_and_values_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

@@ -296,3 +296,18 @@ def test_accounting_invariant_holds_at_every_step(ops, group_size, groups_per_ba
     buf.drain()
     s = check_invariant(buf)
     assert s["buffered"] == 0 and groups(s)[:2] == (0, 0)
+
+
+def test_filtered_groups_are_discarded_with_their_cause():
+    buf = ReplayBuffer(group_size=2, groups_per_batch=2, max_staleness=5, max_groups=10)
+    for g in range(3):
+        for e in range(2):
+            buf.add(traj(f"g{g}", reward=float(e), group_size=2))
+    assert buf.take_batch(0, count=4) is None
+    batch = buf.take_batch(0, count=3)
+    assert [g.group_id for g in batch] == ["g0", "g1", "g2"]
+    buf.discard(batch[1:], "starpo_s")
+    stats = buf.statistics()
+    assert stats["trained"] == 2 and stats["dropped"] == {"starpo_s": 4}
+    assert stats["dropped_groups"] == 2 and stats["buffered"] == 0
+    assert stats["received"] == stats["trained"] + sum(stats["dropped"].values())
