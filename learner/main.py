@@ -1,23 +1,25 @@
 """The learner process: receive episodes, train on complete groups, push weights, announce.
 
     millstream learner [--config run.toml] actor.connect=tcp://... run.dir=runs/x
+    torchrun --nproc_per_node 2 -m learner ...        (the launcher does this for learner.ranks=2)
 
-One loop, synchronous on purpose (training is the slow part; ZeroMQ queues arriving experience in
-its own I/O thread meanwhile):
+One loop on rank 0, synchronous on purpose (training is the slow part; ZeroMQ queues arriving
+experience in its own I/O thread meanwhile):
 
-1. attach to the actor and push the initial weights as version 0 (or the resumed version), so the
-   actor never generates for this session with weights the learner does not have;
+1. restore a checkpoint if `run.resume` is set, attach to the actor and push the current policy
+   weights as the current version, so the actor never generates for this session with weights
+   the learner does not have (a resumed run continues at its checkpoint's version);
 2. drain arriving `Trajectory` / `EpisodeFailed` messages into the replay buffer;
-3. when `groups_per_batch` fresh groups are complete: GRPO advantages, one optimizer step,
-   push the new weights, announce the new version (the envpool gate paces admission by it);
+3. when enough fresh groups are complete: filter them (`learner.group_filter`), compute
+   advantages, take one optimizer step, push the new weights, announce the new version and the
+   admission limit (the envpool gate paces episodes by it);
 4. after `train.steps` steps: announce `final`, collect every worker's `PoolDone`, count what is
-   left in the buffer as dropped ("run_ended"), check the accounting identity, save the weights.
+   left in the buffer as dropped ("run_ended"), check the accounting identity, save.
 
-The version is also re-announced every second (a heartbeat): PUB/SUB drops messages sent before a
-subscriber connects, and the envpool uses the silence of a dead learner as its error signal.
-
-Standard output carries one progress line per step and nothing else (logs go to stderr), so the
-launcher can show it as is.
+Other ranks only follow rank 0's commands (`learner/team.py`). The version is re-announced every
+second (a heartbeat): PUB/SUB drops messages sent before a subscriber connects, and the envpool
+takes a silent learner as an error. Standard output carries one progress line per step and
+nothing else (logs go to stderr), so the launcher can show it as is.
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ from shared.protocol import (
 )
 from shared.runtime import resolve_model_dir, role_args, write_ready
 
-from .advantages import grpo_advantages
+from .advantages import compute_advantages, filter_groups, filter_pool_size
+from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .replay import ReplayBuffer
-from .stats import batch_metrics, progress_line
+from .stats import CollapseWatch, batch_metrics, progress_line
+from .team import Team
 from .trainer import Trainer, TrainSample
 from .weights import WeightSender
 
@@ -56,7 +60,7 @@ log = logging.getLogger("learner")
 
 
 class Experience:
-    """The learner's sockets: PULL for episodes, PUB for versions."""
+    """Rank 0's sockets: PULL for episodes, PUB for versions."""
 
     def __init__(self, cfg: Config) -> None:
         ctx = zmq.Context.instance()
@@ -89,139 +93,229 @@ class Experience:
         self.pub.close(linger=0)
 
 
-def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
-    run_dir = Path(cfg.run.dir or f"{cfg.run.root}/{cfg.run.name}-learner")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    actor_address = cfg.actor.connect or cfg.actor.address
-    model_dir = resolve_model_dir(cfg)
-    train = cfg.train
+class Leader:
+    """Rank 0: everything that talks to the envpool and the actor, and decides every step."""
 
-    trainer = Trainer(model_dir, cfg.learner, seed=cfg.run.seed, dtype="float32")
-    sync = WeightSender(actor_address, cfg.learner, dtype=cfg.model.dtype)
-    sync.attach()
-    sync_metrics = sync.push(trainer.named_weights(), trainer.version)
-    log.info("initial weights pushed as version %d in %.2fs", trainer.version, sync_metrics["sync/total_s"])
+    def __init__(self, cfg: Config, trainer: Trainer, team: Team, run_dir: Path) -> None:
+        self.cfg, self.trainer, self.team, self.run_dir = cfg, trainer, team, run_dir
+        train, learner = cfg.train, cfg.learner
+        bound = train.max_staleness if learner.staleness_policy == "drop" else learner.decoupled_max_staleness
+        self.buffer = ReplayBuffer(train.group_size, train.groups_per_batch, bound,
+                                   learner.max_buffer_groups)
+        self.group_base = 0  # first group number of this session (continues after a resume)
+        self.carried = 0  # complete groups restored from a checkpoint, holding admission slots
+        self.trained_groups = 0  # groups trained in this session
+        self.generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
+        self.collapse = CollapseWatch()
+        self.done_workers: dict[str, PoolDone] = {}
+        self.received_before = 0  # episodes a resumed buffer had received in earlier sessions
+        self.dropped_before = 0  # groups a resumed buffer had dropped (incl. partials at load)
 
-    exp = Experience(cfg)
-    buffer = ReplayBuffer(train.group_size, train.groups_per_batch, train.max_staleness,
-                          cfg.learner.max_buffer_groups)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
-    episodes_log = (run_dir / "trajectories.jsonl").open("ab")
-    done_workers: dict[str, PoolDone] = {}
-    write_ready(ready_file, experience=cfg.learner.experience_address,
-                versions=cfg.learner.version_address)
+    # --- admission -------------------------------------------------------------------------
 
-    def handle(message) -> None:
+    def limit(self) -> int:
+        cfg = self.cfg
+        return admit_limit(group_base=self.group_base,
+                           consumed=self.trained_groups + self.buffer.dropped_groups - self.dropped_before,
+                           carried=self.carried, groups_per_batch=cfg.train.groups_per_batch,
+                           max_staleness=cfg.train.max_staleness, slack=cfg.envpool.admission_slack)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self, ready_file: str | None) -> dict:
+        cfg, trainer = self.cfg, self.trainer
+        if cfg.run.resume:
+            self._resume(find_checkpoint(cfg.run.resume))
+        self.sync = WeightSender(cfg.actor.connect or cfg.actor.address, cfg.learner,
+                                 dtype=cfg.model.dtype)
+        self.sync.attach()
+        pushed = self._push_weights()
+        log.info("policy version %d pushed in %.2fs", trainer.version, pushed["sync/total_s"])
+        self.exp = Experience(cfg)
+        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self.episodes_log = (self.run_dir / "trajectories.jsonl").open("ab")
+        write_ready(ready_file, experience=cfg.learner.experience_address,
+                    versions=cfg.learner.version_address)
+        self.started = self.last_step = self.last_data = time.monotonic()
+        announced = self.limit()
+        self.exp.announce(trainer.version, announced, self.group_base)
+        while trainer.version < cfg.train.steps:
+            for message in self.exp.receive(0.05):
+                self._handle(message)
+                self.last_data = time.monotonic()
+            stepped = self._maybe_step()
+            if stepped or time.monotonic() - self.exp.last_announce > 1.0 or self.limit() != announced:
+                announced = self.limit()
+                self.exp.announce(trainer.version, announced, self.group_base)
+            if not stepped and time.monotonic() - self.last_data > cfg.learner.idle_timeout_s:
+                raise TimeoutError(f"no experience for {cfg.learner.idle_timeout_s}s; is the envpool "
+                                   f"alive? buffer: {self.buffer.statistics()}")
+        return self._finish()
+
+    def _handle(self, message) -> None:
         if isinstance(message, Trajectory):
-            buffer.add(message)
+            self.buffer.add(message)
         elif isinstance(message, EpisodeFailed):
-            buffer.fail(message)
-            episodes_log.write(orjson.dumps({"fate": f"failed:{message.cause}", **_msg(message)},
-                                            option=orjson.OPT_APPEND_NEWLINE))
+            self.buffer.fail(message)
+            self._log_episode({"fate": f"failed:{message.cause}", **msgspec.structs.asdict(message)})
         elif isinstance(message, PoolDone):
-            done_workers[message.worker] = message
+            self.done_workers[message.worker] = message
         else:
             log.warning("unexpected %s on the experience socket", type(message).__name__)
 
-    group_base = carried = 0  # a resumed session sets both (learner/checkpoint.py)
-    trained_groups = 0
-
-    def limit() -> int:
-        return admit_limit(group_base=group_base, consumed=trained_groups + buffer.dropped_groups,
-                           carried=carried, groups_per_batch=train.groups_per_batch,
-                           max_staleness=train.max_staleness, slack=cfg.envpool.admission_slack)
-
-    started = last_step = last_data = time.monotonic()
-    announced = limit()
-    exp.announce(trainer.version, announced, group_base)
-    while trainer.version < train.steps:
-        for message in exp.receive(0.05):
-            handle(message)
-            last_data = time.monotonic()
-        batch = buffer.take_batch(trainer.version)
-        if time.monotonic() - exp.last_announce > 1.0 or limit() != announced:
-            announced = limit()
-            exp.announce(trainer.version, announced, group_base)
-        if batch is None:
-            if time.monotonic() - last_data > cfg.learner.idle_timeout_s:
-                raise TimeoutError(f"no experience for {cfg.learner.idle_timeout_s}s; is the envpool alive? "
-                                   f"buffer: {buffer.statistics()}")
-            continue
+    def _maybe_step(self) -> bool:
+        cfg, trainer, buffer = self.cfg, self.trainer, self.buffer
         version = trainer.version
-        scored = [(traj, adv) for group in batch
-                  for traj, adv in zip(group.trajectories,
-                                       grpo_advantages([t.reward for t in group.trajectories]))]
-        samples = [TrainSample(t.token_ids, t.loss_mask, t.logprobs, [adv] * len(t.token_ids))
-                   for t, adv in scored]
-        step_metrics = trainer.train_step(samples, clip_low=cfg.learner.clip_low,
-                                          clip_high=cfg.learner.clip_high)
-        sync_metrics = sync.push(trainer.named_weights(), trainer.version)
-        trained_groups += len(batch)
-        announced = limit()
-        exp.announce(trainer.version, announced, group_base)
+        candidates = buffer.take_batch(version, count=filter_pool_size(cfg.learner, cfg.train.groups_per_batch))
+        if candidates is None:
+            return False
+        batch, rejected = filter_groups(candidates, cfg.learner)
+        if rejected:
+            buffer.discard(rejected, f"filtered_{cfg.learner.group_filter}")
+        if not batch:
+            return False
+        advantages = compute_advantages(batch, cfg.learner)
+        scored = [(t, adv) for g, g_adv in zip(batch, advantages) for t, adv in zip(g.trajectories, g_adv)]
+        samples = [TrainSample(t.token_ids, t.loss_mask, t.logprobs, adv) for t, adv in scored]
+        self.team.command("train", samples)
+        step_metrics = trainer.train_step(self.team.shard(samples), cfg.learner,
+                                          generation_budget=self.generation_budget)
+        self.trained_groups += len(batch)
+        sync_metrics = self._push_weights()
         now = time.monotonic()
-        record = {"step": trainer.version, "trained_version": version,
-                  **batch_metrics(batch, version, now - last_step, now - started),
+        record = {"step": trainer.version, "trained_version": version, "learner/ranks": self.team.world,
+                  **batch_metrics(batch, version, now - self.last_step, now - self.started),
                   **{f"train/{k}": v for k, v in step_metrics.items()},
-                  **sync_metrics, **_buffer_metrics(buffer)}
-        metrics.write(record)
-        print(progress_line(record, train.steps), flush=True)
+                  **sync_metrics, **self._buffer_metrics()}
+        self.metrics.write(record)
+        warning = self.collapse.update(record["reward/std"], step_metrics.get("entropy"))
+        if warning:
+            log.warning("collapse warning at step %d: %s", trainer.version, warning)
+            self.metrics.write({"event": "collapse_warning", "step": trainer.version, **warning})
+        print(progress_line(record, cfg.train.steps), flush=True)
         for traj, adv in scored:
-            episodes_log.write(orjson.dumps(
-                {"fate": "trained", "step": trainer.version, "trained_version": version,
-                 "advantage": adv, **_msg(traj)}, option=orjson.OPT_APPEND_NEWLINE))
-        last_step = now
+            first = next((a for a, m in zip(adv, traj.loss_mask) if m), 0.0)
+            self._log_episode({"fate": "trained", "step": trainer.version, "trained_version": version,
+                               "advantage": first, **msgspec.structs.asdict(traj)})
+        self.last_step = now
+        every = cfg.learner.checkpoint_every
+        if every and trainer.version % every == 0 and trainer.version < cfg.train.steps:
+            self._save()
+        return True
 
-    summary = _finish(cfg, exp, buffer, done_workers, handle, group_base)
-    trainer.save_pretrained(str(run_dir / "final"))
-    summary["final_weights"] = str(run_dir / "final")
-    summary["decode_errors"] = exp.codec.errors
-    metrics.write({"summary": summary})
-    (run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-    episodes_log.close()
-    metrics.close()
-    sync.close()
-    exp.close()
-    return summary
+    # --- collective steps (every rank enters them) -----------------------------------------
+
+    def _push_weights(self) -> dict:
+        self.team.command("weights")
+        return self.sync.push(self.trainer.named_weights(), self.trainer.version)
+
+    def _save(self) -> Path:
+        extra = {"next_group": self._next_group(), "run_dir": str(self.run_dir)}
+        self.team.command("save", extra)
+        path = save_checkpoint(self.run_dir, self.trainer, self.buffer, extra,
+                               keep=self.cfg.learner.keep_checkpoints)
+        self.metrics.write({"event": "checkpoint", "step": self.trainer.version, "path": str(path)})
+        return path
+
+    def _resume(self, path: Path) -> None:
+        self.team.command("load", str(path))
+        state = load_checkpoint(path, self.trainer, self.buffer)
+        self.group_base = int(state["next_group"])
+        self.carried = int(state["restored_groups"])
+        self.received_before = self.buffer.statistics()["received"]
+        self.dropped_before = self.buffer.dropped_groups
+        log.info("resumed from %s at policy version %d (%d groups carried, numbering from %d)",
+                 path, self.trainer.version, self.carried, self.group_base)
+
+    def _next_group(self) -> int:
+        seen = self.buffer.max_group_number()
+        return max(self.group_base, (-1 if seen is None else seen) + 1)
+
+    # --- the end ---------------------------------------------------------------------------
+
+    def _finish(self) -> dict:
+        cfg, buffer = self.cfg, self.buffer
+        deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
+        while len(self.done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
+            self.exp.announce(self.trainer.version, 0, self.group_base, final=True)
+            for message in self.exp.receive(0.2):
+                self._handle(message)
+        checkpoint = self._save()  # before the drain: its complete groups survive a resume
+        buffer.drain("run_ended")
+        stats = buffer.statistics()
+        started = sum(d.episodes_started for d in self.done_workers.values())
+        accounted = stats["trained"] + sum(stats["dropped"].values()) + sum(stats["failed"].values())
+        summary = {
+            "version": self.trainer.version,
+            "workers_done": len(self.done_workers),
+            "episodes_started": started,
+            "episodes_from_earlier_sessions": self.received_before,
+            "episodes_trained": stats["trained"],
+            "episodes_dropped": stats["dropped"],
+            "episodes_failed": stats["failed"],
+            "duplicates": stats["duplicates"],
+            "decode_errors": self.exp.codec.errors,
+            "checkpoint": str(checkpoint),
+            "final_weights": str(checkpoint / "hf"),
+        }
+        # Every episode this session's workers started arrived, and every episode the buffer
+        # ever received (this session's and, after a resume, earlier ones) has exactly one fate.
+        summary["accounting_ok"] = (len(self.done_workers) == cfg.envpool.workers
+                                    and started == stats["received"] - self.received_before
+                                    and stats["received"] == accounted)
+        if not summary["accounting_ok"]:
+            log.error("accounting does not add up: %s", summary)
+        self.team.command("stop")
+        self.metrics.write({"summary": summary})
+        (self.run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
+        for closable in (self.episodes_log, self.metrics, self.sync, self.exp):
+            closable.close()
+        return summary
+
+    def _buffer_metrics(self) -> dict:
+        stats = self.buffer.statistics()
+        out = {"episodes/received": stats["received"], "episodes/trained": stats["trained"],
+               "episodes/buffered": stats["buffered"], "groups/dropped": stats["dropped_groups"]}
+        out.update({f"episodes/dropped/{k}": v for k, v in stats["dropped"].items()})
+        out.update({f"episodes/failed/{k}": v for k, v in stats["failed"].items()})
+        return out
+
+    def _log_episode(self, record: dict) -> None:
+        self.episodes_log.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
 
 
-def _finish(cfg: Config, exp: Experience, buffer: ReplayBuffer, done_workers: dict, handle,
-            group_base: int) -> dict:
-    """Tell the workers to stop, collect their totals, account for every episode."""
-    deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
-    while len(done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
-        exp.announce(cfg.train.steps, 0, group_base, final=True)
-        for message in exp.receive(0.2):
-            handle(message)
-    buffer.drain("run_ended")
-    stats = buffer.statistics()
-    started = sum(d.episodes_started for d in done_workers.values())
-    accounted = stats["trained"] + sum(stats["dropped"].values()) + sum(stats["failed"].values())
-    summary = {
-        "workers_done": len(done_workers),
-        "episodes_started": started,
-        "episodes_trained": stats["trained"],
-        "episodes_dropped": stats["dropped"],
-        "episodes_failed": stats["failed"],
-        "duplicates": stats["duplicates"],
-        "accounting_ok": len(done_workers) == cfg.envpool.workers and started == accounted,
-    }
-    if not summary["accounting_ok"]:
-        log.error("accounting does not add up: %s", summary)
-    return summary
+def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
+    """Ranks > 0: enter each collective step rank 0 announces, until it says stop."""
+    buffer = ReplayBuffer(cfg.train.group_size, cfg.train.groups_per_batch, cfg.train.max_staleness,
+                          cfg.learner.max_buffer_groups)  # stays empty; checkpoints need one
+    generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
+    while True:
+        kind, payload = team.next_command()
+        if kind == "train":
+            trainer.train_step(team.shard(payload), cfg.learner, generation_budget=generation_budget)
+        elif kind == "weights":
+            for _ in trainer.named_weights():
+                pass
+        elif kind == "save":
+            save_checkpoint(Path(payload["run_dir"]), trainer, buffer, payload,
+                            keep=cfg.learner.keep_checkpoints)
+        elif kind == "load":
+            load_checkpoint(Path(payload), trainer, buffer)
+        elif kind == "stop":
+            return
+        else:
+            raise RuntimeError(f"unknown learner command {kind!r}")
 
 
-def _buffer_metrics(buffer: ReplayBuffer) -> dict:
-    stats = buffer.statistics()
-    out = {"episodes/received": stats["received"], "episodes/trained": stats["trained"],
-           "episodes/buffered": stats["buffered"], "groups/dropped": buffer.dropped_groups}
-    out.update({f"episodes/dropped/{k}": v for k, v in stats["dropped"].items()})
-    out.update({f"episodes/failed/{k}": v for k, v in stats["failed"].items()})
-    return out
-
-
-def _msg(message) -> dict:
-    return msgspec.structs.asdict(message)
+def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
+    run_dir = Path(cfg.run.dir or f"{cfg.run.root}/{cfg.run.name}-learner")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(resolve_model_dir(cfg), cfg.learner, seed=cfg.run.seed, dtype="float32")
+    team = Team()
+    if not team.leader:
+        follow(cfg, trainer, team)
+        return {"accounting_ok": True, "follower": team.rank}
+    return Leader(cfg, trainer, team, run_dir).run(ready_file)
 
 
 def main(argv: list[str] | None = None) -> None:

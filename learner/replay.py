@@ -27,14 +27,21 @@ counts groups, can free one slot per group that will never fill a batch.
 The buffer is bounded by `max_groups` (complete + partial). The envpool's admission gate is meant
 to make overflow impossible, so exceeding it raises `BufferFull`: a bug signal, not back-pressure.
 The buffer is single-threaded (the learner's receive loop owns it) and does no I/O.
+
+`state_dict` / `load_state_dict` carry it across a learner restart (learner/checkpoint.py writes
+the state to disk). Partial groups do not survive a resume: their missing members died with the
+previous envpool, so loading drops them under a cause ("incomplete_at_resume") like `drain`.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
-from shared.protocol import EpisodeFailed, Trajectory
+import msgspec
+
+from shared.protocol import EpisodeFailed, Trajectory, group_number
 
 __all__ = ["Group", "ReplayBuffer", "BufferFull"]
 
@@ -257,6 +264,97 @@ class ReplayBuffer:
     @staticmethod
     def _count(counter: dict[str, int], cause: str, n: int) -> None:
         counter[cause] = counter.get(cause, 0) + n
+
+    # --- checkpointing ---------------------------------------------------------------------
+
+    #: Layout version of `state_dict`; `load_state_dict` refuses any other.
+    STATE_FORMAT = 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume, as plain containers and `Trajectory` structs (msgspec
+        encodes it as is). Complete groups are listed in FIFO order; lists are copies."""
+        return {
+            "format": self.STATE_FORMAT,
+            "group_size": self.group_size,
+            "complete": [{"group_id": g.group_id, "trajectories": list(g.trajectories),
+                          "failed": g.failed, "oldest_version": g.oldest_version}
+                         for g in self._complete.values()],
+            "partial": [{"group_id": gid, "trajectories": list(p.trajectories),
+                         "failed": p.failed, "oldest": p.oldest}
+                        for gid, p in self._pending.items()],
+            "counters": {"received": self.received, "trained": self.trained,
+                         "duplicates": self.duplicates, "buffered": self.buffered,
+                         "dropped_groups": self.dropped_groups, "dropped": dict(self.dropped),
+                         "failed": dict(self.failed)},
+            "seen": sorted(self._seen),
+            "closed": dict(self._closed),
+            "last_staleness": list(self._last_staleness),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *,
+                        drop_partial_cause: str = "incomplete_at_resume") -> int:
+        """Replaces this buffer's contents with `state` (from `state_dict`, possibly through a
+        msgpack round trip); returns how many complete groups were restored.
+
+        Partial groups are dropped under `drop_partial_cause`, as `drain` would drop them: their
+        missing members died with the previous session's envpool and will never arrive (a late
+        one is counted under the same cause). The accounting identity holds before and after.
+        Raises ValueError if `state` is of another format or group size, is inconsistent, or
+        holds more than `max_groups` complete groups.
+        """
+        if state.get("format") != self.STATE_FORMAT:
+            raise ValueError(f"replay buffer state has format {state.get('format')!r}, this "
+                             f"code reads format {self.STATE_FORMAT}")
+        if state["group_size"] != self.group_size:
+            raise ValueError(f"replay buffer state was saved with group_size="
+                             f"{state['group_size']}, the buffer uses {self.group_size}: "
+                             "train.group_size cannot change across a resume")
+        if len(state["complete"]) > self.max_groups:
+            raise ValueError(f"replay buffer state holds {len(state['complete'])} complete "
+                             f"groups, more than max_groups={self.max_groups}")
+
+        def trajectories(raw: list) -> list[Trajectory]:
+            return [msgspec.convert(t, Trajectory) for t in raw]
+
+        complete: OrderedDict[str, Group] = OrderedDict()
+        for g in state["complete"]:
+            complete[g["group_id"]] = Group(g["group_id"], trajectories(g["trajectories"]),
+                                            int(g["failed"]), int(g["oldest_version"]))
+        partial = {p["group_id"]: _Pending(trajectories(p["trajectories"]), int(p["failed"]),
+                                           p["oldest"]) for p in state["partial"]}
+        c = state["counters"]
+        held = sum(len(g.trajectories) for g in complete.values()) + sum(
+            len(p.trajectories) for p in partial.values())
+        gone = c["trained"] + sum(c["dropped"].values()) + sum(c["failed"].values())
+        if c["buffered"] != held or c["received"] != gone + held:
+            raise ValueError(f"replay buffer state is inconsistent: {held} trajectories held, "
+                             f"counters {c}")
+
+        closed, seen = dict(state["closed"]), set(state["seen"])
+        # Nothing above changed the buffer: a bad state leaves it as it was.
+        self._complete, self._pending, self._closed, self._seen = complete, {}, closed, seen
+        self.received, self.trained = int(c["received"]), int(c["trained"])
+        self.duplicates, self.buffered = int(c["duplicates"]), int(c["buffered"])
+        self.dropped_groups = int(c["dropped_groups"])
+        self.dropped, self.failed = dict(c["dropped"]), dict(c["failed"])
+        self._last_staleness = list(state.get("last_staleness", []))
+        for gid, group in partial.items():
+            self._closed[gid] = drop_partial_cause
+            self._drop_group(group.trajectories, drop_partial_cause)
+        return len(self._complete)
+
+    def max_group_number(self) -> int | None:
+        """The highest `shared.protocol.group_number` of any group this buffer has seen
+        (buffered, trained or dropped; restored ones included), or None if none: a resumed
+        learner numbers new groups after it. Ids that are not `g<number>` are ignored."""
+        highest = None
+        for gid in (*self._closed, *self._pending, *self._complete):
+            try:
+                number = group_number(gid)
+            except ValueError:
+                continue
+            highest = number if highest is None else max(highest, number)
+        return highest
 
     # --- reporting -------------------------------------------------------------------------
 

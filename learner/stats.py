@@ -3,6 +3,11 @@
 Staleness is measured on the tokens actually trained: for every generated token, the learner
 version that trains on it minus the policy version that sampled it. Its max is what
 `train.max_staleness` bounds.
+
+`CollapseWatch` is RAGEN's early warning for the "echo trap": when the reward spread within
+groups and the policy's entropy fall together, the policy is converging on one templated
+answer and gradients are about to vanish. It compares the mean of the last `window` steps with
+the best earlier window and warns (once, until it recovers) when both fell below `ratio` of it.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import statistics
 
 from .replay import Group
 
-__all__ = ["batch_metrics", "progress_line"]
+__all__ = ["batch_metrics", "progress_line", "CollapseWatch"]
 
 
 def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: float) -> dict:
@@ -48,3 +53,34 @@ def progress_line(record: dict, steps: int) -> str:
             f"{record['staleness/mean']:.2f}/{record['staleness/max']} | "
             f"{record['perf/tokens_per_s']:.0f} tok/s | dropped {dropped} failed {failed} | "
             f"sync {record['sync/total_s']:.2f}s | {record['perf/elapsed_s']:.0f}s")
+
+
+class CollapseWatch:
+    def __init__(self, window: int = 5, ratio: float = 0.5) -> None:
+        self.window, self.ratio = window, ratio
+        self.stds: list[float] = []
+        self.entropies: list[float] = []
+        self.warned = False
+
+    def update(self, reward_std: float, entropy: float | None) -> dict | None:
+        """Record one step; returns the warning's details the step it first fires, else None."""
+        if entropy is None:
+            return None
+        self.stds.append(reward_std)
+        self.entropies.append(entropy)
+        w = self.window
+        if len(self.stds) < 2 * w:
+            return None
+        recent_std = statistics.fmean(self.stds[-w:])
+        recent_ent = statistics.fmean(self.entropies[-w:])
+        best_std = max(statistics.fmean(self.stds[i:i + w]) for i in range(len(self.stds) - 2 * w + 1))
+        best_ent = max(statistics.fmean(self.entropies[i:i + w])
+                       for i in range(len(self.entropies) - 2 * w + 1))
+        collapsing = recent_std < self.ratio * best_std and recent_ent < self.ratio * best_ent
+        if collapsing and not self.warned:
+            self.warned = True
+            return {"reward_std": recent_std, "reward_std_peak": best_std,
+                    "entropy": recent_ent, "entropy_peak": best_ent}
+        if not collapsing:
+            self.warned = False
+        return None

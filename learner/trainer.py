@@ -6,17 +6,26 @@ one optimizer step and returns plain-float metrics. `named_weights` and `save_pr
 updated weights to the weight broadcast and to disk, with Hugging Face names, so vLLM loads them.
 
     trainer = Trainer(model_dir, cfg.learner, seed=cfg.run.seed)
-    metrics = trainer.train_step(samples, clip_low=0.2, clip_high=0.28)
+    budget = cfg.envpool.max_tokens * cfg.envpool.max_turns   # most generated tokens per sequence
+    metrics = trainer.train_step(samples, cfg.learner, generation_budget=budget)
     for name, tensor in trainer.named_weights(): ...
+
+The loss (learner/loss.py, docs/algorithms.md) is chosen per step by the `LearnerConfig` passed to
+`train_step`: PPO clip with clip_low/clip_high; `loss_agg` token_mean / seq_mean / seq_sum_norm;
+`staleness_policy` "drop" (ratio against the behaviour logprobs) or "decoupled" (AReaL's decoupled
+PPO: proximal logprobs recomputed first, importance weight capped by `is_cap`); `kl_coef` /
+`kl_estimator` (KL to the frozen initial policy); `entropy_coef`. Only `micro_batch_size`, the
+optimizer and ZeRO settings are fixed at construction.
 
 Design choices:
 
 - One process needs no launcher. If torch.distributed is not up and no launcher set RANK/WORLD_SIZE,
   we pose as rank 0 of a world of 1 on a free loopback port. Under `torchrun`/`deepspeed` the
   launcher's variables win and every rank runs the same code (the learner shards samples per rank).
-- Loss normalisation is token-mean over the whole step: every micro-batch sums its per-token losses
-  and divides by the masked-token count of the *step*, so the micro-batch gradients add up to the
-  gradient of one big batch whatever the micro-batch size. Long sequences weigh by their tokens.
+- Loss normalisation is exact across micro-batches: every token's weight in the loss
+  (`aggregation_weights`) is computed from step totals (loss tokens, sequences, all ranks) and from
+  its own sequence, so the micro-batch gradients add up to the gradient of one big batch whatever
+  the micro-batch size, for every `loss_agg`.
 - Gradient accumulation: DeepSpeed normally fixes `gradient_accumulation_steps` (GAS) in the
   config, divides every loss by it in `backward`, and updates on its own micro-step counter. Our
   number of micro-batches changes from step to step, so GAS stays 1 (dividing by 1 is a no-op: the
@@ -26,9 +35,27 @@ Design choices:
   deepspeed 0.19.8 against a plain PyTorch step for ZeRO 0-3, one and two ranks. Its newer
   `managed_gradient_accumulation: false` mode (step() is the boundary) passed the same checks; we
   keep the boundary call because it is the long-documented API, not a recent addition.
-- Data parallel: each rank passes its own shard. The token count is all-reduced so the loss is the
-  token mean over every rank's tokens, and ranks run as many micro-batches (ZeRO-2/3 reduce inside
-  backward, so a rank with fewer repeats its last one at weight 0). Metrics are global.
+- Data parallel: each rank passes its own shard. Token and sequence counts are all-reduced so the
+  loss is normalised over every rank's data, and ranks run as many micro-batches (ZeRO-2/3 reduce
+  inside backward and ZeRO-3 gathers parameters inside every forward, so a rank with fewer repeats
+  its last one at weight 0, in the proximal pass too). Metrics are global.
+- Decoupled PPO needs the proximal policy's logprobs: the current weights before this step's
+  update. A no-grad forward pass over the whole batch (engine in eval mode: no dropout) computes
+  them before the first backward. It costs one extra forward per step (about a third of a step's
+  compute). Since a step is ONE optimizer update, proximal = current weights during the step, so
+  the ratio r = p / p_prox starts (and stays) at 1: the clip is inactive and the decoupled loss
+  acts as a capped importance-weighted policy gradient `-w' * A * grad logp`.
+- KL penalty: with `kl_coef > 0` at construction the trainer keeps a frozen reference, a plain
+  torch copy of the initial weights (`model_dir`, the same dtype as training: bf16 or fp32), in
+  eval mode without grads, on the engine's device. Memory: one more full copy of the weights per
+  rank (2 bytes/param in bf16, 4 in fp32) plus one micro-batch of no-grad activations and logits.
+  Under ZeRO-3 the policy's weights, gradients and optimizer state are sharded across ranks but the
+  reference is NOT: every rank holds all of it, so for a model that needs ZeRO-3 to fit the
+  reference can cost more than the rank's policy shard (ZeRO-3-partitioning it through a second,
+  optimizer-less DeepSpeed engine would fix that; not done here). Its forward involves no
+  collectives. The reference comes from `model_dir`, not from a checkpoint, so a resumed run keeps
+  the original reference. Without the penalty no reference exists and `kl` is not reported; a
+  Trainer built with kl_coef > 0 still reports `kl` on steps whose config sets kl_coef to 0.
 - Sequences are sorted by length before they are cut into micro-batches: less padding, same sum.
 - Weights are fp32 on CPU. `dtype="bfloat16"` turns on DeepSpeed bf16 (bf16 module, fp32 master
   copy in the ZeRO optimizer); the weights handed out then are bf16, as the actor wants on GPU.
@@ -49,7 +76,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from learner.loss import ppo_clip_loss, sequence_logprobs
+from learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
 from shared.config import LearnerConfig
 
 __all__ = ["TrainSample", "Trainer", "PAD_ID"]
@@ -110,6 +137,8 @@ class Trainer:
     """A causal LM under a DeepSpeed engine that takes one PPO-clip step per `train_step` call.
 
     `engine` is public for checkpointing (`engine.save_checkpoint` / `load_checkpoint`).
+    `reference` is the frozen initial policy (a plain torch module) when `learner_cfg.kl_coef > 0`,
+    else None; see the module docstring for its memory cost, under ZeRO-3 especially.
     """
 
     def __init__(self, model_dir: str, learner_cfg: LearnerConfig, *, seed: int,
@@ -134,6 +163,15 @@ class Trainer:
                                           eps=learner_cfg.adam_eps)
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                    config=self._ds_config(learner_cfg, dtype))
+            self.reference: torch.nn.Module | None = None
+            if learner_cfg.kl_coef > 0:
+                # Loaded after deepspeed.initialize, so a ZeRO-3 engine never sees it: a whole,
+                # unsharded copy on every rank (module docstring).
+                ref = AutoModelForCausalLM.from_pretrained(
+                    str(self.model_dir),
+                    dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+                ref.config.use_cache = False
+                self.reference = ref.to(self.engine.device).eval().requires_grad_(False)
         finally:
             # Our stand-in launcher variables must not leak into child processes (an actor or
             # a learner started from here would try to join this process's group).
@@ -185,11 +223,14 @@ class Trainer:
         return {k: v.to(self.device) for k, v in out.items()}
 
     @staticmethod
-    def _check(samples: list[TrainSample]) -> int:
-        """Validate the samples; return their number of loss tokens."""
+    def _check(samples: list[TrainSample], cfg: LearnerConfig,
+               generation_budget: int) -> tuple[int, int]:
+        """Validate the samples; return their loss tokens and sequences with loss tokens."""
         if not samples:
             raise ValueError("train_step needs at least one sample (on every rank)")
-        tokens = 0
+        if not isinstance(generation_budget, int) or generation_budget < 1:
+            raise ValueError(f"generation_budget must be an int >= 1, got {generation_budget!r}")
+        tokens = sequences = 0
         for i, s in enumerate(samples):
             t = len(s.token_ids)
             if not (len(s.loss_mask) == len(s.behav_logprobs) == len(s.advantages) == t):
@@ -198,8 +239,15 @@ class Trainer:
             if t and s.loss_mask[0]:
                 # Position 0 has no context, hence no logprob: it can never carry loss.
                 raise ValueError(f"sample {i}: loss_mask[0] must be 0")
-            tokens += sum(1 for m in s.loss_mask if m)
-        return tokens
+            n = sum(1 for m in s.loss_mask if m)
+            if cfg.loss_agg == "seq_sum_norm" and n > generation_budget:
+                # Dr.GRPO's constant normaliser assumes no sequence exceeds the budget; more
+                # means the caller's budget is wrong (e.g. max_tokens without max_turns).
+                raise ValueError(f"sample {i}: {n} loss tokens exceed generation_budget "
+                                 f"{generation_budget}")
+            tokens += n
+            sequences += n > 0
+        return tokens, sequences
 
     def _all_reduce(self, values: list[float] | torch.Tensor, op: str) -> list[float]:
         t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
@@ -207,69 +255,137 @@ class Trainer:
             dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return t.tolist()
 
-    def train_step(self, samples: list[TrainSample], *, clip_low: float,
-                   clip_high: float) -> dict[str, float]:
-        """One optimizer step over all `samples`; returns metrics as plain floats.
+    def _logits(self, module: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return module(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).logits
 
-        With several data-parallel ranks every rank calls this with its own shard; the loss is
-        the token mean over all ranks' tokens and the metrics are global.
+    @torch.no_grad()
+    def _frozen_logprobs(self, batches: list[dict[str, torch.Tensor]], n_chunks: int, *,
+                         proximal: bool) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+        """No-grad passes before the update: proximal logprobs (the engine's current weights, eval
+        mode) and reference logprobs, one [B, T] tensor per micro-batch, or None where not needed.
+
+        The proximal pass runs `n_chunks` forwards on every rank (ZeRO-3 gathers parameters
+        collectively inside each), repeating the last micro-batch; the reference is a plain module.
+        """
+        prox: list[torch.Tensor] | None = [] if proximal else None
+        ref: list[torch.Tensor] | None = [] if self.reference is not None else None
+        if proximal:
+            self.engine.eval()
+        for k in range(n_chunks):
+            batch = batches[min(k, len(batches) - 1)]
+            if proximal:
+                logp = gather_logprobs(self._logits(self.engine, batch), batch["ids"])
+                if k < len(batches):
+                    prox.append(logp)
+            if ref is not None and k < len(batches):
+                ref.append(gather_logprobs(self._logits(self.reference, batch), batch["ids"]))
+        return prox, ref
+
+    def train_step(self, samples: list[TrainSample], cfg: LearnerConfig, *,
+                   generation_budget: int) -> dict[str, float]:
+        """One optimizer step over all `samples` with the loss `cfg` describes; plain-float metrics.
+
+        `generation_budget` is the most generated tokens one sequence can have (envpool max_tokens
+        x max_turns); only loss_agg="seq_sum_norm" uses it. From `cfg` this reads clip_low,
+        clip_high, loss_agg, staleness_policy, is_cap, kl_coef, kl_estimator, entropy_coef; the
+        micro-batch size and optimizer settings are the constructor's.
+
+        With several data-parallel ranks every rank calls this with its own shard; normalisers
+        count all ranks' data and the metrics are global. Metrics (means are per loss token):
+          loss, pg_loss     the whole loss and its policy term (both aggregated by cfg.loss_agg)
+          kl                mean estimate of KL(current || reference) (only with a reference)
+          entropy           mean predictive entropy
+          clip_frac         share of tokens whose gradient the PPO clip removed
+          approx_kl         mean k3 KL vs the ratio's denominator (behaviour; proximal if decoupled)
+          ratio_mean/max    of r = p / p_behav (drop) or p / p_prox (decoupled)
+          is_weight_mean/max, is_capped_frac   decoupled only: raw w = p_prox / p_behav, and the
+                            share of tokens dropped because w > is_cap
+          grad_norm         global gradient norm before clipping
+          tokens, sequences loss tokens and samples of the step; step_time_s
         """
         start = time.perf_counter()
-        local_tokens = self._check(samples)
+        local_tokens, local_seqs = self._check(samples, cfg, generation_budget)
+        if cfg.kl_coef > 0 and self.reference is None:
+            raise ValueError("kl_coef > 0 needs the reference policy: build the Trainer with a "
+                             "learner config whose kl_coef > 0")
+        decoupled = cfg.staleness_policy == "decoupled"
         world = self.engine.dp_world_size
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].token_ids), reverse=True)
         mbs = self.micro_batch_size
         chunks = [order[lo:lo + mbs] for lo in range(0, len(order), mbs)]
         # ZeRO-2/3 reduce gradients inside backward, so all ranks must run as many micro-batches;
         # a rank with fewer repeats its last one at weight 0.
-        total_tokens, n_chunks = (int(v) for v in (self._all_reduce([local_tokens], "sum")[0],
-                                                   self._all_reduce([len(chunks)], "max")[0]))
+        total_tokens, total_seqs, all_samples = (
+            int(v) for v in self._all_reduce([local_tokens, local_seqs, len(samples)], "sum"))
+        n_chunks = int(self._all_reduce([len(chunks)], "max")[0])
         if total_tokens == 0:
-            # Token-mean over zero tokens is undefined; the caller should have filtered these.
+            # Every aggregation is undefined over zero tokens; the caller should filter these.
             raise ValueError("train_step got no loss-carrying tokens (every loss_mask is 0)")
-        # DeepSpeed averages gradients over ranks; dividing by tokens/world instead of tokens
-        # turns that average back into the sum, i.e. the token mean over every rank's tokens.
-        normalizer = total_tokens / world
+        batches = [self._batch([samples[i] for i in chunk]) for chunk in chunks]
+        prox, ref = self._frozen_logprobs(batches, n_chunks, proximal=decoupled)
         self.engine.train()
-        # Summed on the device and read once at the end: no host sync per micro-batch on GPU.
-        sums = torch.zeros(6, dtype=torch.float64, device=self.device)
-        ratio_max = torch.zeros((), dtype=torch.float64, device=self.device)
+        # Summed (or maxed) on the device and read once at the end: no host sync per micro-batch.
+        sums: dict[str, torch.Tensor] = {}
+        maxes: dict[str, torch.Tensor] = {}
         for k in range(n_chunks):
-            weight = 1.0 if k < len(chunks) else 0.0
+            last = k >= len(batches)
+            i = min(k, len(batches) - 1)
+            batch = batches[i]
             # Only the last backward of the step may finish the gradient reduction.
             self.engine.set_gradient_accumulation_boundary(k == n_chunks - 1)
-            batch = self._batch([samples[i] for i in chunks[min(k, len(chunks) - 1)]])
-            logits = self.engine(input_ids=batch["ids"], attention_mask=batch["attn"],
-                                 use_cache=False).logits
-            logp, entropy = sequence_logprobs(logits, batch["ids"])
-            loss, stats = ppo_clip_loss(logp, batch["behav"], batch["adv"], batch["mask"],
-                                        clip_low=clip_low, clip_high=clip_high,
-                                        normalizer=normalizer)
+            logits = self._logits(self.engine, batch)
+            logp, entropy = sequence_logprobs(logits, batch["ids"],
+                                              entropy_grad=cfg.entropy_coef > 0)
+            # DeepSpeed averages gradients over ranks; scaling by `world` turns that average back
+            # into the sum, so the step's loss is normalised by the totals over all ranks.
+            weights = aggregation_weights(batch["mask"], cfg.loss_agg, tokens=total_tokens,
+                                          sequences=total_seqs,
+                                          generation_budget=generation_budget) * world
+            loss, stats = rl_loss(
+                logp, entropy, batch["behav"], batch["adv"], batch["mask"], weights,
+                clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+                prox_logp=prox[i] if prox is not None else None,
+                is_cap=cfg.is_cap if decoupled else None,
+                ref_logp=ref[i] if ref is not None else None,
+                kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
             # Accumulates into the step's gradient; no optimizer update happens here.
-            self.engine.backward(loss * weight)
-            if weight:  # loss, entropy, clipped tokens, ratio, approx kl, sequences
-                sums += torch.stack([loss.detach() / world,
-                                     (entropy.detach() * batch["mask"]).sum(),
-                                     stats["clipped_tokens"], stats["ratio_sum"],
-                                     stats["approx_kl_sum"], stats["tokens"].new_tensor(
-                                         float(len(batch["ids"])))]).double()
-                ratio_max = torch.maximum(ratio_max, stats["ratio_max"].double())
+            self.engine.backward(loss * (0.0 if last else 1.0))
+            if not last:
+                stats["loss"] = loss.detach()
+                for key, value in stats.items():
+                    value = value.detach().double()
+                    if key.endswith("_max"):
+                        maxes[key] = torch.maximum(maxes[key], value) if key in maxes else value
+                    else:
+                        sums[key] = sums[key] + value if key in sums else value
             del logits, logp, entropy, loss  # free activations before the next micro-batch
         local_norm = self._local_grad_norm()
         self.engine.step()  # the one boundary: reduce, clip, AdamW update, zero the grads
-        loss_sum, entropy_sum, clipped, ratio_sum, kl_sum, sequences = self._all_reduce(sums, "sum")
-        return {
-            "loss": loss_sum,
+        s = dict(zip(sums, self._all_reduce(torch.stack(list(sums.values())), "sum")))
+        m = dict(zip(maxes, self._all_reduce(torch.stack(list(maxes.values())), "max")))
+        n = float(total_tokens)
+        # Each rank's loss carries the factor `world` (above): the global loss is their sum / world.
+        metrics = {"loss": s["loss"] / world, "pg_loss": s["pg_loss"] / world}
+        if "kl_sum" in s:
+            metrics["kl"] = s["kl_sum"] / n
+        metrics.update({
+            "entropy": s["entropy_sum"] / n,
+            "clip_frac": s["clipped_tokens"] / n,
+            "approx_kl": s["approx_kl_sum"] / n,
+            "ratio_mean": s["ratio_sum"] / n,
+            "ratio_max": m["ratio_max"],
+        })
+        if decoupled:
+            metrics.update({"is_weight_mean": s["is_weight_sum"] / n,
+                            "is_weight_max": m["is_weight_max"],
+                            "is_capped_frac": s["is_capped_tokens"] / n})
+        metrics.update({
             "grad_norm": self._grad_norm(local_norm),
-            "entropy": entropy_sum / total_tokens,
-            "clip_frac": clipped / total_tokens,
-            "approx_kl": kl_sum / total_tokens,
-            "ratio_mean": ratio_sum / total_tokens,
-            "ratio_max": self._all_reduce([ratio_max], "max")[0],
-            "tokens": float(total_tokens),
-            "sequences": sequences,
+            "tokens": n,
+            "sequences": float(all_samples),
             "step_time_s": time.perf_counter() - start,
-        }
+        })
+        return metrics
 
     def _local_grad_norm(self) -> float:
         # ZeRO-0 with a torch optimizer clips inside step() but keeps no norm, so we measure it

@@ -157,7 +157,10 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     version_address: Annotated[
         str, _doc("PUB address where policy versions are announced (port 0: launcher picks).")
     ] = "tcp://127.0.0.1:0"
-    lr: Annotated[float, _doc("AdamW learning rate.", gt=0)] = 2e-3
+    lr: Annotated[
+        float, _doc("AdamW learning rate. The default suits the tiny demo model; real LLMs "
+                    "want ~1e-6.", gt=0)
+    ] = 4e-3
     weight_decay: Annotated[float, _doc("AdamW weight decay.", ge=0)] = 0.0
     adam_beta1: Annotated[float, _doc("AdamW first-moment decay.", ge=0, lt=1)] = 0.9
     adam_beta2: Annotated[float, _doc("AdamW second-moment decay.", ge=0, lt=1)] = 0.999

@@ -93,6 +93,7 @@ class Supervisor:
             [sys.executable, "-m", module, *args],
             stdout=subprocess.PIPE if pipe_stdout else out, stderr=out, stdin=subprocess.DEVNULL,
             env=env, start_new_session=True)
+        (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
 
     def exited(self) -> dict[str, int]:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
@@ -138,7 +139,13 @@ def launch(cfg_path: str | None, overrides: list[str], *, out=sys.stdout) -> int
     try:
         if not cfg.actor.connect:
             sup.start("actor", "actor", config)
-        sup.start("learner", "learner", config, pipe_stdout=True)
+        if cfg.learner.ranks > 1:  # data-parallel learner: torchrun starts the ranks
+            sup.start("learner", "torch.distributed.run",
+                      ["--nproc_per_node", str(cfg.learner.ranks), "--master_addr", "127.0.0.1",
+                       "--master_port", str(free_port()), "-m", "learner", *config],
+                      pipe_stdout=True)
+        else:
+            sup.start("learner", "learner", config, pipe_stdout=True)
         for i in range(cfg.envpool.workers):
             sup.start(f"envpool-{i}", "envpool", [*config, "--worker-index", str(i)])
         relay = threading.Thread(target=_relay, args=(sup.procs["learner"].stdout, out), daemon=True)

@@ -311,3 +311,139 @@ def test_filtered_groups_are_discarded_with_their_cause():
     assert stats["trained"] == 2 and stats["dropped"] == {"starpo_s": 4}
     assert stats["dropped_groups"] == 2 and stats["buffered"] == 0
     assert stats["received"] == stats["trained"] + sum(stats["dropped"].values())
+
+
+# --- state_dict / load_state_dict (resume) ----------------------------------------------------
+
+
+def resumable_buffer() -> ReplayBuffer:
+    """Trained g1; dropped g0 (stale) and g2 (too small); complete g3 then g2b; partial g7 (one
+    trajectory) and g8 (one failure); a duplicate."""
+    buf = buffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=10)
+    for g, version in (("g0", 0), ("g1", 3), ("g3", 3), ("g2", 4)):
+        buf.add(traj(g, version, group_size=2))
+        if g == "g2":
+            buf.fail(failure(g, group_size=2))  # g2 completes with one trajectory (too small)
+            buf.add(traj("g2b", 4, group_size=2))
+            buf.add(traj("g2b", 4, group_size=2))
+        else:
+            buf.add(traj(g, version, group_size=2, episode=f"{g}-last"))
+    assert [g.group_id for g in buf.take_batch(3)] == ["g1"]  # g0 is dropped as stale
+    buf.add(traj("g7", 4, group_size=2))
+    buf.fail(failure("g8", group_size=2, cause="timeout"))  # partial with no trajectory
+    buf.add(traj("g3", 3, group_size=2, episode="g3-last"))  # duplicate
+    check_invariant(buf)
+    return buf
+
+
+def test_state_round_trips_through_msgpack_and_drops_partial_groups():
+    buf = resumable_buffer()
+    before = buf.statistics()
+    assert groups(before) == (2, 2, 2)
+    state = buf.state_dict()
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(state))
+    fresh = buffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=10)
+    assert fresh.load_state_dict(raw, drop_partial_cause="lost") == 2
+    after = check_invariant(fresh)
+    assert groups(after) == (2, 0, before["dropped_groups"] + 2)
+    assert after["dropped"] == {**before["dropped"], "lost": 1}
+    assert after["buffered"] == before["buffered"] - 1
+    for key in ("received", "trained", "failed", "duplicates", "staleness"):
+        assert after[key] == before[key], key
+    # FIFO order kept; restored trajectories are real Trajectory structs, equal to the originals.
+    batch = fresh.take_batch(4, count=2)
+    assert [g.group_id for g in batch] == ["g3", "g2b"]
+    assert batch[0].trajectories == state["complete"][0]["trajectories"]
+    assert isinstance(batch[0].trajectories[0], Trajectory)
+    # Seen ids and closed groups came back: a re-sent episode is a duplicate, a late member of
+    # the dropped partial group is dropped under the resume cause, a trained group stays closed.
+    fresh.add(traj("g7", 4, group_size=2, episode="g3-last"))
+    fresh.add(traj("g7", 4, group_size=2))
+    fresh.fail(failure("g8", group_size=2))
+    fresh.fail(failure("g1", group_size=2))
+    s = check_invariant(fresh)
+    assert s["duplicates"] == before["duplicates"] + 1
+    assert s["dropped"]["lost"] == 2
+    assert s["failed"]["env_error"] == before["failed"]["env_error"] + 2
+    assert groups(s)[:2] == (0, 0)
+    # The in-memory state_dict (not through msgpack) loads as well, and is a copy.
+    other = buffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=10)
+    assert other.load_state_dict(state) == 2
+    assert other.statistics()["dropped"]["incomplete_at_resume"] == 1
+    assert other.statistics()["dropped_groups"] == before["dropped_groups"] + 2
+    assert buf.statistics() == before
+
+
+def test_max_group_number_covers_every_group_seen():
+    buf = buffer(group_size=2)
+    assert buf.max_group_number() is None
+    buf.add(traj("not-a-group", group_size=2))
+    buf.add(traj("g12", group_size=2))
+    assert buf.max_group_number() == 12  # partial
+    buf.add(traj("g12", group_size=2))
+    buf.add(traj("g3", group_size=2))
+    buf.take_batch(0)  # g12 trained: still seen
+    assert buf.max_group_number() == 12
+    fresh = buffer(group_size=2)
+    fresh.load_state_dict(buf.state_dict())  # g3 partial: dropped at load, still seen
+    assert fresh.max_group_number() == 12 and buf.max_group_number() == 12
+
+
+def test_load_state_dict_refuses_mismatches():
+    state = resumable_buffer().state_dict()
+    with pytest.raises(ValueError, match="group_size"):
+        buffer(group_size=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="format"):
+        buffer(group_size=2).load_state_dict({**state, "format": 99})
+    with pytest.raises(ValueError, match="max_groups"):
+        buffer(group_size=2, max_groups=1).load_state_dict(state)
+    counters = state["counters"]
+    bad = {**state, "counters": {**counters, "received": counters["received"] + 1}}
+    target = buffer(group_size=2)
+    with pytest.raises(ValueError, match="inconsistent"):
+        target.load_state_dict(bad)
+    assert target.statistics()["received"] == 0  # nothing was changed
+
+
+_resume_op = st.one_of(_add, _add, _add, _fail, st.tuples(st.just("take"), st.integers(0, 1)),
+                       st.tuples(st.just("resume")))
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(_resume_op, min_size=5, max_size=60), group_size=st.integers(1, 3),
+       max_staleness=st.integers(0, 2))
+def test_accounting_holds_across_resumes(ops, group_size, max_staleness):
+    def new() -> ReplayBuffer:
+        return ReplayBuffer(group_size=group_size, groups_per_batch=1, max_staleness=max_staleness,
+                            max_groups=6, min_group_size=1)
+
+    buf, sent, version = new(), [], 0
+    for op in ops:
+        try:
+            if op[0] in ("add", "fail"):
+                ep = sent[-1] if op[3] and sent else f"e{len(sent)}"
+                gid = f"g{version - op[1]}"
+                if op[0] == "add":
+                    buf.add(traj(gid, max(0, version - op[2]), group_size=group_size, episode=ep))
+                else:
+                    buf.fail(failure(gid, cause=op[2], group_size=group_size, episode=ep))
+                sent.append(ep)
+            elif op[0] == "take":
+                version += op[1]
+                buf.take_batch(version)
+            else:
+                before = check_invariant(buf)
+                complete = [g.group_id for g in buf._complete.values()]
+                fresh = new()
+                raw = msgspec.msgpack.decode(msgspec.msgpack.encode(buf.state_dict()))
+                assert fresh.load_state_dict(raw) == before["complete_groups"]
+                after = check_invariant(fresh)
+                assert after["received"] == before["received"]
+                dropped = before["dropped_groups"] + before["partial_groups"]
+                assert after["dropped_groups"] == dropped
+                assert [g.group_id for g in fresh._complete.values()] == complete
+                assert fresh.max_group_number() == buf.max_group_number()
+                buf = fresh
+        except BufferFull:
+            pass
+        check_invariant(buf)

@@ -30,7 +30,7 @@ def millstream_run(actor, run_dir: Path, *overrides: str, timeout: float = 900) 
 
 
 def steps_of(run_dir: Path) -> list[dict]:
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "step" in r]
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
 
 
 def check_accounting(run_dir: Path) -> dict:
@@ -74,13 +74,10 @@ def test_learning_run_writes_loadable_final_weights(learning_run, actor):
     import torch
     from transformers import AutoModelForCausalLM
 
-    final = AutoModelForCausalLM.from_pretrained(run_dir_final(learning_run), dtype=torch.float32)
+    summary = orjson.loads((learning_run[0] / "summary.json").read_bytes())
+    final = AutoModelForCausalLM.from_pretrained(summary["final_weights"], dtype=torch.float32)
     start = AutoModelForCausalLM.from_pretrained(actor.model_dir, dtype=torch.float32)
     assert any(not torch.equal(a, b) for a, b in zip(final.parameters(), start.parameters()))
-
-
-def run_dir_final(learning_run) -> Path:
-    return learning_run[0] / "final"
 
 
 def test_staleness_bound_and_failures_are_accounted(actor, tmp_path):
