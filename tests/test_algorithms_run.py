@@ -77,3 +77,21 @@ def test_sigkill_then_resume_continues_the_policy(actor, tmp_path):
     assert trained_after and not trained_before & {r["group_id"] for r in trained_after}
     summary = orjson.loads((second / "summary.json").read_bytes())
     assert summary["version"] == 8 and summary["accounting_ok"]
+
+
+def test_decoupled_policy_trains_stale_groups_with_capped_weights(actor, tmp_path):
+    """staleness_policy=decoupled keeps groups beyond max_staleness (up to its own bound) and
+    trains them with decoupled PPO; the run reports importance-weight statistics."""
+    run_dir = tmp_path / "run"
+    millstream_run(actor, run_dir, "train.steps=5", "train.max_staleness=0",
+                   "envpool.admission_slack=2", "learner.staleness_policy=decoupled",
+                   "learner.decoupled_max_staleness=3", "train.groups_per_batch=2",
+                   "train.group_size=4")
+    summary = check_accounting(run_dir)
+    assert "stale" not in summary["episodes_dropped"]
+    steps = steps_of(run_dir)
+    assert max(r["staleness/max"] for r in steps) >= 1  # stale groups were trained, not dropped
+    assert all(r["staleness/max"] <= 3 for r in steps)
+    for r in steps:
+        assert 0 < r["train/is_weight_mean"] and r["train/is_weight_max"] > 0
+        assert 0 <= r["train/is_capped_frac"] <= 1
