@@ -125,7 +125,7 @@ def aggregation_weights(mask: Tensor, loss_agg: LossAgg, *, tokens: float, seque
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: KLEstimator) -> Tensor:
-    """Per-token estimate [B, T] of KL(current || reference) from the sampled tokens; 0 off the mask.
+    """Per-token estimate [B, T] of KL(current || reference) from the sampled tokens (0 off mask).
 
     With `d = ref_logp - logp` (log of r = p_ref / p_current), Schulman's approximators are
     `k1 = -d = logp - ref_logp` (unbiased for samples of the current policy, but any sign per token)
@@ -199,7 +199,8 @@ def ppo_clip_loss(
         raise ValueError("give exactly one of weights and normalizer")
     if normalizer is not None and normalizer <= 0:
         raise ValueError(f"normalizer must be > 0 (loss tokens in the batch), got {normalizer}")
-    tensors = [logp, behav_logp, advantages, mask] + [t for t in (weights, prox_logp) if t is not None]
+    optional = [t for t in (weights, prox_logp) if t is not None]
+    tensors = [logp, behav_logp, advantages, mask] + optional
     if any(t.shape != logp.shape for t in tensors):
         raise ValueError(
             "logp, behav_logp, advantages, mask (and weights, prox_logp) must share one [B, T] "

@@ -81,6 +81,8 @@ from shared.config import LearnerConfig
 
 __all__ = ["TrainSample", "Trainer", "PAD_ID"]
 
+_Logprobs = list[torch.Tensor]  # one [B, T] tensor per micro-batch
+
 #: Right-padding token id; padded positions carry attention_mask 0 and loss mask 0.
 PAD_ID = 0
 
@@ -260,15 +262,15 @@ class Trainer:
 
     @torch.no_grad()
     def _frozen_logprobs(self, batches: list[dict[str, torch.Tensor]], n_chunks: int, *,
-                         proximal: bool) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+                         proximal: bool) -> tuple[_Logprobs | None, _Logprobs | None]:
         """No-grad passes before the update: proximal logprobs (the engine's current weights, eval
         mode) and reference logprobs, one [B, T] tensor per micro-batch, or None where not needed.
 
         The proximal pass runs `n_chunks` forwards on every rank (ZeRO-3 gathers parameters
         collectively inside each), repeating the last micro-batch; the reference is a plain module.
         """
-        prox: list[torch.Tensor] | None = [] if proximal else None
-        ref: list[torch.Tensor] | None = [] if self.reference is not None else None
+        prox: _Logprobs | None = [] if proximal else None
+        ref: _Logprobs | None = [] if self.reference is not None else None
         if proximal:
             self.engine.eval()
         for k in range(n_chunks):
@@ -328,7 +330,7 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         maxes: dict[str, torch.Tensor] = {}
         for k in range(n_chunks):
-            last = k >= len(batches)
+            repeat = k >= len(batches)  # this rank ran out: its last micro-batch at weight 0
             i = min(k, len(batches) - 1)
             batch = batches[i]
             # Only the last backward of the step may finish the gradient reduction.
@@ -349,8 +351,8 @@ class Trainer:
                 ref_logp=ref[i] if ref is not None else None,
                 kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
             # Accumulates into the step's gradient; no optimizer update happens here.
-            self.engine.backward(loss * (0.0 if last else 1.0))
-            if not last:
+            self.engine.backward(loss * (0.0 if repeat else 1.0))
+            if not repeat:
                 stats["loss"] = loss.detach()
                 for key, value in stats.items():
                     value = value.detach().double()
