@@ -21,6 +21,7 @@ worker processes.
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 import torch
@@ -68,13 +69,7 @@ class WeightSyncExtension:
         flat = torch.empty(numel, dtype=DTYPES[dtype], device=device)
         broadcast(group, flat, self._ms_timeout)
 
-        def views():
-            for name, shape, offset in tensors:
-                count = 1
-                for size in shape:
-                    count *= size
-                yield name, flat[offset:offset + count].view(shape)
-
-        self.reload_weights(weights_iterator=views())
-        del flat
+        views = ((name, flat[offset:offset + math.prod(shape)].view(shape))
+                 for name, shape, offset in tensors)
+        self.reload_weights(weights_iterator=views)
         return time.monotonic() - started

@@ -66,7 +66,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import socket
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -78,6 +77,8 @@ import torch.distributed as dist
 
 from learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
 from shared.config import LearnerConfig
+
+from .dssetup import ds_config, import_deepspeed, init_distributed
 
 __all__ = ["TrainSample", "Trainer", "PAD_ID"]
 
@@ -102,39 +103,6 @@ class TrainSample:
     advantages: list[float]  # per-token advantage (already broadcast)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _import_deepspeed() -> Any:
-    # DeepSpeed picks its accelerator once, at import; say "cpu" explicitly rather than rely on
-    # detection. Imported lazily because it takes seconds and `import learner.trainer` should not.
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import deepspeed.ops
-
-    if not torch.cuda.is_available():
-        # The shared-memory comm op is a ~60 s g++ JIT build that a CPU run does not need.
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return deepspeed
-
-
-def _init_distributed(deepspeed: Any) -> list[str]:
-    """Join (or, with no launcher, create) the default process group; return env keys we set."""
-    ours: list[str] = []
-    if not dist.is_initialized() and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
-        # No launcher: be rank 0 of 1 (else DeepSpeed tries MPI discovery through mpi4py).
-        env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()))
-        os.environ.update(env)
-        ours = [k for k in env if k != "LOCAL_RANK"]  # every engine init reads LOCAL_RANK
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
-    return ours
-
-
 class Trainer:
     """A causal LM under a DeepSpeed engine that takes one PPO-clip step per `train_step` call.
 
@@ -150,8 +118,8 @@ class Trainer:
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         from transformers import AutoModelForCausalLM
 
-        deepspeed = _import_deepspeed()
-        ours = _init_distributed(deepspeed)
+        deepspeed = import_deepspeed()
+        ours = init_distributed(deepspeed)
         try:
             torch.manual_seed(seed)
             self.model_dir = Path(model_dir).expanduser()
@@ -164,7 +132,7 @@ class Trainer:
                                           betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
                                           eps=learner_cfg.adam_eps)
             self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                   config=self._ds_config(learner_cfg, dtype))
+                                                   config=ds_config(learner_cfg, dtype))
             self.reference: torch.nn.Module | None = None
             if learner_cfg.kl_coef > 0:
                 # Loaded after deepspeed.initialize, so a ZeRO-3 engine never sees it: a whole,
@@ -181,24 +149,6 @@ class Trainer:
                 os.environ.pop(key, None)
         self.device = self.engine.device
         self._zero3 = learner_cfg.zero_stage == 3
-
-    @staticmethod
-    def _ds_config(cfg: LearnerConfig, dtype: str) -> dict[str, Any]:
-        world = dist.get_world_size()
-        return {
-            "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
-            # GAS 1: backward's `loss / GAS` is a no-op, so our token-mean normaliser is the only
-            # scaling; train_step marks the accumulation boundary itself (any number of
-            # micro-batches per step). train_batch_size only feeds DeepSpeed's sample counter.
-            "gradient_accumulation_steps": 1,
-            "train_batch_size": cfg.micro_batch_size * world,
-            "gradient_clipping": cfg.grad_clip,
-            "zero_optimization": {"stage": cfg.zero_stage},
-            "bf16": {"enabled": dtype == "bfloat16"},
-            "zero_allow_untested_optimizer": True,  # torch AdamW as a client optimizer
-            "steps_per_print": 1 << 30,  # no progress lines in our logs
-            "wall_clock_breakdown": False,
-        }
 
     @property
     def version(self) -> int:

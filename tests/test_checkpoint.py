@@ -8,7 +8,6 @@ states, `latest`, pruning, and the hf/ folder loading in transformers with the t
 
 from __future__ import annotations
 
-import inspect
 import random
 
 import numpy as np
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from learner.checkpoint import STATE_FILE, find_checkpoint, load_checkpoint, save_checkpoint
 from learner.replay import ReplayBuffer
+from samples import random_samples
 from learner.trainer import Trainer, TrainSample
 from shared.config import LearnerConfig
 from shared.protocol import EpisodeFailed, Trajectory
@@ -29,24 +29,11 @@ CFG = LearnerConfig(lr=1e-2, micro_batch_size=2, zero_stage=2)
 
 
 def train(trainer: Trainer, samples: list[TrainSample], cfg: LearnerConfig = CFG) -> dict:
-    """One step, whichever `train_step` signature the trainer has (it is changing)."""
-    params = inspect.signature(trainer.train_step).parameters
-    if "clip_low" in params:
-        return trainer.train_step(samples, clip_low=cfg.clip_low, clip_high=cfg.clip_high)
     return trainer.train_step(samples, cfg, generation_budget=32)
 
 
 def samples(seed: int, n: int = 3) -> list[TrainSample]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        length = rng.randint(8, 20)
-        prompt = rng.randint(2, length - 3)
-        mask = [0] * prompt + [1] * (length - prompt)
-        adv = rng.uniform(-1.0, 1.0)
-        out.append(TrainSample([rng.randrange(3, 512) for _ in range(length)], mask,
-                               [-rng.uniform(4.0, 8.0) * m for m in mask], [adv * m for m in mask]))
-    return out
+    return random_samples(n, seed, max_len=20)
 
 
 def traj(group: str, member: int, reward: float = 1.0) -> Trajectory:

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
+from samples import random_samples
 from learner.trainer import PAD_ID, Trainer, TrainSample
 from shared.config import LearnerConfig
 
@@ -80,20 +81,6 @@ def sampled_sample(model, advantage: float, prompt_len: int = 6, gen_len: int = 
     mask = [0] * prompt_len + [1] * gen_len
     behav = [lp * m for lp, m in zip(logprobs(model, token_ids).tolist(), mask)]
     return TrainSample(token_ids, mask, behav, [advantage * m for m in mask])
-
-
-def random_samples(n: int, seed: int) -> list[TrainSample]:
-    """Sequences of different lengths (so micro-batches pad), each with a prompt and a response."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        length = rng.randint(8, 24)
-        prompt = rng.randint(2, length - 3)
-        mask = [0] * prompt + [1] * (length - prompt)
-        adv = rng.uniform(-1.0, 1.0)
-        out.append(TrainSample([rng.randrange(3, 512) for _ in range(length)], mask,
-                               [-rng.uniform(4.0, 8.0) * m for m in mask], [adv * m for m in mask]))
-    return out
 
 
 def padded(samples):
