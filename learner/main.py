@@ -310,7 +310,8 @@ def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
 def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
     run_dir = Path(cfg.run.dir or f"{cfg.run.root}/{cfg.run.name}-learner")
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(resolve_model_dir(cfg), cfg.learner, seed=cfg.run.seed, dtype="float32")
+    trainer = Trainer(resolve_model_dir(cfg), cfg.learner, seed=cfg.run.seed,
+                      dtype=cfg.learner.train_dtype)
     team = Team()
     if not team.leader:
         follow(cfg, trainer, team)

@@ -169,6 +169,11 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     clip_low: Annotated[float, _doc("PPO ratio clip below 1 (1 - clip_low).", ge=0)] = 0.2
     clip_high: Annotated[float, _doc("PPO ratio clip above 1 (1 + clip_high); DAPO uses 0.28.", ge=0)] = 0.28
     micro_batch_size: Annotated[int, _doc("Sequences per forward/backward pass.", ge=1)] = 16
+    train_dtype: Annotated[
+        Literal["float32", "bfloat16"],
+        _doc("Learner compute dtype (bfloat16 keeps fp32 master weights in the optimizer; use it "
+             "on GPU). Weights reach the actor cast to model.dtype."),
+    ] = "float32"
     advantage: Annotated[
         Literal["grpo", "drgrpo", "rloo", "ngrpo", "gigpo"],
         _doc("Advantage estimator (docs/algorithms.md): grpo = group mean/std; drgrpo = no std; "
