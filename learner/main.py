@@ -191,6 +191,9 @@ class Leader:
         warning = self.collapse.update(record["reward/std"], step_metrics.get("entropy"))
         if warning:
             log.warning("collapse warning at step %d: %s", trainer.version, warning)
+            print(f"warning: reward std and entropy collapsing at step {trainer.version} "
+                  f"(std {warning['reward_std']:.3f} from {warning['reward_std_peak']:.3f}, entropy "
+                  f"{warning['entropy']:.2f} from {warning['entropy_peak']:.2f})", flush=True)
             self.metrics.write({"event": "collapse_warning", "step": trainer.version, **warning})
         print(progress_line(record, cfg.train.steps), flush=True)
         for traj, adv in scored:
