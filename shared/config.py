@@ -110,9 +110,24 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     startup_timeout_s: Annotated[
         float, _doc("How long the engine may take to start and warm up.", gt=0)
     ] = 600.0
-    max_pending_deltas: Annotated[
-        int, _doc("Bound of the actor's outbound delta queue (backpressure beyond).", ge=1)
-    ] = 65536
+    kind: Annotated[
+        Literal["vllm", "synthetic"],
+        _doc("vllm: the real engine; synthetic: actor/synthetic.py, a timing model of a "
+             "continuously batching engine (same protocol, random tokens), for scale tests."),
+    ] = "vllm"
+    synthetic_step_s: Annotated[
+        float, _doc("Synthetic actor: time of one decode step with an empty batch.", ge=0)
+    ] = 0.002
+    synthetic_step_s_per_seq: Annotated[
+        float, _doc("Synthetic actor: extra decode-step time per running sequence.", ge=0)
+    ] = 0.00002
+    synthetic_prefill_s_per_token: Annotated[
+        float, _doc("Synthetic actor: prefill time per prompt token of newly admitted requests.", ge=0)
+    ] = 0.000002
+    synthetic_stop_prob: Annotated[
+        float, _doc("Synthetic actor: chance that each token is the end-of-turn token (0: always "
+                    "run to max_tokens; >0: geometric, long-tailed lengths).", ge=0, le=1)
+    ] = 0.02
 
 
 class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

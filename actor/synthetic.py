@@ -1,0 +1,206 @@
+"""The synthetic actor: a timing model of a continuously batching engine, on the real protocol.
+
+    millstream actor actor.kind=synthetic [actor.synthetic_step_s=0.002 ...]
+
+It is NOT a language model and never claims to be one. It exists so that envpool, learner and
+benchmarks can run at scale (thousands of episodes) without vLLM or a GPU. It speaks exactly the
+actor's protocol (`GenerateRequest` in, `TokenDelta` / `GenerateError` out, `Abort`, and the weight
+sync messages), so the client code under test is the production code.
+
+The model of the engine:
+- at most `actor.max_num_seqs` sequences run at once; the rest wait in arrival order;
+- each engine step first admits waiting requests into free slots, paying
+  `synthetic_prefill_s_per_token` per prompt token, then decodes one token for every running
+  sequence, taking `synthetic_step_s + synthetic_step_s_per_seq * running`;
+- a token is the end-of-turn token with probability `synthetic_stop_prob` (geometric, long-tailed
+  lengths), otherwise a uniformly random id; its logprob is the log of the probability it was
+  drawn with, so the numbers are honest for the sampler that made them;
+- sampling is seeded per request when the request carries a seed (reproducible runs).
+
+Weight updates are real on the wire: the actor joins the learner's broadcast group
+(`shared/weightsync.py`), receives the flat buffer (so sync time and bytes are measured), and
+then adopts the version. The weights themselves are discarded: there is no model to load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+
+from shared.config import Config
+from shared.protocol import (
+    Abort,
+    ActorInfo,
+    AttachLearner,
+    ErrorReply,
+    GenerateError,
+    GenerateRequest,
+    Hello,
+    TokenDelta,
+    WeightsApplied,
+    WeightUpdate,
+)
+from shared.transport import Channel
+
+__all__ = ["SyntheticActor", "model_vocab"]
+
+log = logging.getLogger(__name__)
+
+
+def model_vocab(model_dir: str) -> tuple[int, int]:
+    """(vocab size, end-of-turn token id) from a model directory's config.json."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    eos = config.get("eos_token_id", 0)
+    return int(config["vocab_size"]), int(eos[0] if isinstance(eos, list) else eos)
+
+
+@dataclass
+class _Seq:
+    peer: bytes
+    req: GenerateRequest
+    rng: random.Random
+    produced: int = 0
+    stop: set[int] = field(default_factory=set)
+
+
+class SyntheticActor:
+    def __init__(self, channel: Channel, cfg: Config, *, model: str, vocab_size: int, eos_id: int) -> None:
+        self.channel, self.cfg, self.model = channel, cfg, model
+        self.vocab_size, self.eos_id = vocab_size, eos_id
+        self.version = 0
+        self.session = ""
+        self._waiting: deque[_Seq] = deque()
+        self._running: dict[tuple[bytes, str], _Seq] = {}
+        self._aborted: set[tuple[bytes, str]] = set()
+        self._work = anyio.Event()
+        self._group = None
+        self._lock = anyio.Lock()
+        self.steps = 0
+        self.tokens = 0
+
+    async def serve(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.channel.run)
+            tg.start_soon(self._engine)
+            async for peer, messages in self.channel:
+                for message in messages:
+                    await self._dispatch(tg, peer, message)
+
+    async def _dispatch(self, tg, peer: bytes, message) -> None:
+        send = self.channel.send
+        if isinstance(message, GenerateRequest):
+            problem = self._check(message)
+            if problem:
+                await send(GenerateError(message.request_id, "bad_request", problem), to=peer)
+                return
+            stop = set(message.stop_token_ids) | {self.eos_id}
+            self._waiting.append(_Seq(peer, message, random.Random(message.seed), stop=stop))
+            self._work.set()
+        elif isinstance(message, Abort):
+            self._aborted.add((peer, message.request_id))
+            self._work.set()
+        elif isinstance(message, Hello):
+            await send(ActorInfo(self.model, self.version, 1, self.cfg.actor.max_model_len,
+                                 self.cfg.model.dtype), to=peer)
+        elif isinstance(message, AttachLearner):
+            tg.start_soon(self._attach, peer, message)
+        elif isinstance(message, WeightUpdate):
+            tg.start_soon(self._update, peer, message)
+        else:
+            await send(ErrorReply("unexpected_message", type(message).__name__), to=peer)
+
+    def _check(self, req: GenerateRequest) -> str | None:
+        if not req.prompt_token_ids:
+            return "empty prompt"
+        if req.max_tokens < 1:
+            return f"max_tokens must be >= 1, got {req.max_tokens}"
+        if len(req.prompt_token_ids) + req.max_tokens > self.cfg.actor.max_model_len:
+            return f"prompt + max_tokens exceeds max_model_len {self.cfg.actor.max_model_len}"
+        if any(not 0 <= t < self.vocab_size for t in req.prompt_token_ids):
+            return f"prompt token id outside the vocabulary [0, {self.vocab_size})"
+        return None
+
+    async def _engine(self) -> None:
+        a = self.cfg.actor
+        stop_p = a.synthetic_stop_prob
+        other_lp = math.log((1 - stop_p) / self.vocab_size) if stop_p < 1 else -math.inf
+        stop_lp = math.log(stop_p) if stop_p > 0 else -math.inf
+        while True:
+            if not self._waiting and not self._running:
+                self._work = anyio.Event()
+                with anyio.move_on_after(1.0):  # idle; bounded so aborts of queued work drain
+                    await self._work.wait()
+                continue
+            prefill = 0
+            while self._waiting and len(self._running) < a.max_num_seqs:
+                seq = self._waiting.popleft()
+                self._running[(seq.peer, seq.req.request_id)] = seq
+                prefill += len(seq.req.prompt_token_ids)
+            await anyio.sleep(a.synthetic_step_s + a.synthetic_step_s_per_seq * len(self._running)
+                              + a.synthetic_prefill_s_per_token * prefill)
+            self.steps += 1
+            async with self._lock:  # no token is produced while weights are being received
+                for key, seq in list(self._running.items()):
+                    await self._decode_one(key, seq, stop_p, stop_lp, other_lp)
+
+    async def _decode_one(self, key, seq: _Seq, stop_p: float, stop_lp: float, other_lp: float) -> None:
+        if key in self._aborted:
+            self._aborted.discard(key)
+            del self._running[key]
+            await self.channel.send(TokenDelta(seq.req.request_id, [], [], self.version, "abort"), to=seq.peer)
+            return
+        if seq.rng.random() < stop_p:
+            token, logprob = self.eos_id, stop_lp
+        else:
+            token, logprob = seq.rng.randrange(self.vocab_size), other_lp
+        seq.produced += 1
+        self.tokens += 1
+        finish = "stop" if token in seq.stop else ("length" if seq.produced >= seq.req.max_tokens else None)
+        if finish:
+            del self._running[key]
+        await self.channel.send(TokenDelta(seq.req.request_id, [token], [logprob], self.version, finish),
+                                to=seq.peer)
+
+    async def _attach(self, peer: bytes, msg: AttachLearner) -> None:
+        from shared.weightsync import make_group, open_store
+
+        def join():
+            store = open_store(msg.host, msg.port, msg.world_size, is_master=False, timeout_s=msg.timeout_s)
+            return make_group(store, 1, msg.world_size, msg.backend, msg.timeout_s, msg.session), store
+
+        try:
+            self._group, self._store = await anyio.to_thread.run_sync(join)
+        except Exception as exc:
+            await self.channel.send(ErrorReply("attach_failed", str(exc)[:500]), to=peer)
+            return
+        self.session = msg.session
+        self._timeout = msg.timeout_s
+        await self.channel.send(ActorInfo(self.model, self.version, 1, self.cfg.actor.max_model_len,
+                                          self.cfg.model.dtype), to=peer)
+
+    async def _update(self, peer: bytes, msg: WeightUpdate) -> None:
+        import torch
+
+        from shared.weightsync import DTYPES, broadcast
+
+        async with self._lock:
+            started = time.monotonic()
+            if msg.session != self.session or self._group is None:
+                await self.channel.send(ErrorReply("weight_update_failed", "session not attached"), to=peer)
+                return
+            flat = torch.empty(msg.numel, dtype=DTYPES[msg.dtype])
+            try:
+                await anyio.to_thread.run_sync(broadcast, self._group, flat, self._timeout)
+            except Exception as exc:
+                await self.channel.send(ErrorReply("weight_update_failed", str(exc)[:500]), to=peer)
+                return
+            self.version = msg.version
+            await self.channel.send(WeightsApplied(msg.version, time.monotonic() - started), to=peer)

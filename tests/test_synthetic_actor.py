@@ -1,0 +1,137 @@
+"""The synthetic actor: the real protocol and clients against a timing model (no vLLM).
+
+These tests start `python -m actor actor.kind=synthetic` as a process, like the launcher does.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from envpool.client import ActorClient, GenerationFailed
+from learner.weights import WeightSender
+from shared.config import LearnerConfig, TransportConfig
+from shared.transport import open_channel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def synthetic(tiny_model_dir, tmp_path_factory):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ready = tmp_path_factory.mktemp("synthetic") / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
+         f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=32",
+         "actor.synthetic_stop_prob=0.05"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "synthetic actor not ready"
+        time.sleep(0.1)
+    yield address
+    os.killpg(proc.pid, 9)
+    proc.wait()
+
+
+def run_client(address, fn):
+    async def main():
+        channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
+        client = ActorClient(channel, "syn")
+        out = {}
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(channel.run)
+            tg.start_soon(client.run)
+            try:
+                out["v"] = await fn(client)
+            except Exception as exc:
+                out["e"] = exc
+            tg.cancel_scope.cancel()
+        if "e" in out:
+            raise out["e"]
+        return out["v"]
+
+    return anyio.run(main, backend="trio")
+
+
+def gen(client, seed, n=40, stop=(2,)):
+    return client.generate([1, 5, 9], max_tokens=n, temperature=1.0, top_p=1.0, seed=seed,
+                           stop_token_ids=list(stop), timeout_s=60)
+
+
+def test_many_concurrent_requests_stream_to_completion(synthetic):
+    async def many(client):
+        results = {}
+
+        async def one(i):
+            results[i] = await gen(client, seed=i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(300):  # more than max_num_seqs: requests wait for slots
+                tg.start_soon(one, i)
+        return results, client.stats
+
+    results, stats = run_client(synthetic, many)
+    assert len(results) == 300 and stats.completed == 300 and stats.live == 0
+    lengths = [len(r.token_ids) for r in results.values()]
+    assert max(lengths) == 40 and min(lengths) < 40  # geometric stops, capped by max_tokens
+    for r in results.values():
+        assert len(r.logprobs) == len(r.token_ids) and all(lp < 0 for lp in r.logprobs)
+        assert (r.finish_reason == "stop") == (r.token_ids[-1] == 2)
+
+
+def test_seeded_requests_are_reproducible_and_bad_ones_named(synthetic):
+    async def twice(client):
+        return (await gen(client, seed=7)).token_ids, (await gen(client, seed=7)).token_ids
+
+    a, b = run_client(synthetic, twice)
+    assert a == b
+
+    async def bad(client):
+        return await client.generate([], max_tokens=3, temperature=1.0, top_p=1.0, seed=None,
+                                     stop_token_ids=[], timeout_s=30)
+
+    with pytest.raises(GenerationFailed, match="empty prompt"):
+        run_client(synthetic, bad)
+
+
+def test_weight_sync_is_real_on_the_wire(synthetic, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    sender = WeightSender(synthetic, LearnerConfig(sync_timeout_s=30), dtype="float32")
+    try:
+        sender.attach()
+        metrics = sender.push(model.named_parameters(), version=3)
+        assert metrics["sync/bytes"] == 4 * sum(p.numel() for p in model.parameters())
+
+        async def versions(client):
+            return set((await gen(client, seed=1, n=5)).versions)
+
+        assert run_client(synthetic, versions) == {3}
+    finally:
+        sender.close()
+
+
+def test_whole_loop_runs_on_the_synthetic_actor(tiny_model_dir, tmp_path):
+    """`millstream run actor.kind=synthetic`: envpool and learner unchanged, no vLLM at all."""
+    from test_run import check_accounting, steps_of
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "run", "actor.kind=synthetic",
+         f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.steps=3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    check_accounting(run_dir)
+    assert [r["step"] for r in steps_of(run_dir)] == [1, 2, 3]
+    assert "vllm" not in (run_dir / "logs" / "actor.log").read_text().lower()
