@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import anyio
 
@@ -75,7 +76,9 @@ def group_seed(run_seed: int, group_number: int) -> int:
 
 
 async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None = None,
-                     actor_address: str | None = None) -> WorkerStats:
+                     actor_address: str | None = None,
+                     stats_hook: Callable[[WorkerStats], None] | None = None) -> WorkerStats:
+    """Run one worker until the learner is final; `stats_hook` receives the live stats object."""
     chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
     actor_address = actor_address or cfg.actor.connect or cfg.actor.address
     name = f"w{worker_index}"
@@ -87,6 +90,8 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
     client = ActorClient(dealer, name)
     gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
     stats = WorkerStats()
+    if stats_hook is not None:
+        stats_hook(stats)
     slots = anyio.Semaphore(pool.max_concurrent_episodes)
     max_model_len = cfg.actor.max_model_len
     group_size = cfg.train.group_size
