@@ -1,5 +1,7 @@
 """Shared fixtures: the tiny model, and ONE real vLLM actor for the whole test session.
 
+`synthetic` is the synthetic actor (a timing model, no vLLM), for envpool tests at scale.
+
 The actor is started through its real entry point (`python -m actor`), exactly as the launcher
 starts it, and reused by every test that needs generation; end-to-end runs attach to it with
 `actor.connect=...` (a new learner session re-attaches and pushes its own weights first, so runs
@@ -68,3 +70,25 @@ def actor(tiny_model_dir, tmp_path_factory) -> RunningActor:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def synthetic(tiny_model_dir, tmp_path_factory) -> str:
+    """The synthetic actor (actor/synthetic.py) as a process; yields its address."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    ready = tmp_path_factory.mktemp("synthetic") / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
+         f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=32",
+         "actor.synthetic_stop_prob=0.05"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "synthetic actor not ready"
+        time.sleep(0.1)
+    yield address
+    os.killpg(proc.pid, 9)
+    proc.wait()

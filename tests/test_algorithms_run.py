@@ -36,7 +36,7 @@ def test_estimator_learns(actor, tmp_path, overrides):
 
 def test_two_rank_zero3_learner(actor, tmp_path):
     run_dir = tmp_path / "run"
-    proc = millstream_run(actor, run_dir, "train.steps=4", "learner.ranks=2", "learner.zero_stage=3")
+    millstream_run(actor, run_dir, "train.steps=4", "learner.ranks=2", "learner.zero_stage=3")
     summary = check_accounting(run_dir)
     assert summary["version"] == 4
     steps = steps_of(run_dir)

@@ -15,7 +15,6 @@ import pytest
 from envpool.worker import run_worker
 from shared.config import load_config
 from shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
-from test_synthetic_actor import synthetic  # noqa: F401  (the synthetic actor fixture)
 
 GROUPS, GROUP_SIZE = 250, 8  # 2,000 episodes, all admitted at once
 

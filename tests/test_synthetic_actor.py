@@ -1,13 +1,11 @@
 """The synthetic actor: the real protocol and clients against a timing model (no vLLM).
 
-These tests start `python -m actor actor.kind=synthetic` as a process, like the launcher does.
+The `synthetic` fixture (conftest) starts `python -m actor actor.kind=synthetic` as a process,
+like the launcher does.
 """
 
-import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -20,27 +18,6 @@ from shared.config import LearnerConfig, TransportConfig
 from shared.transport import open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def synthetic(tiny_model_dir, tmp_path_factory):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    ready = tmp_path_factory.mktemp("synthetic") / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
-         f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=32",
-         "actor.synthetic_stop_prob=0.05"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "synthetic actor not ready"
-        time.sleep(0.1)
-    yield address
-    os.killpg(proc.pid, 9)
-    proc.wait()
 
 
 def run_client(address, fn):
