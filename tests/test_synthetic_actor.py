@@ -12,32 +12,16 @@ import anyio
 import pytest
 import torch
 
-from envpool.client import ActorClient, GenerationFailed
+from envpool.client import GenerationFailed
 from learner.weights import WeightSender
-from shared.config import LearnerConfig, TransportConfig
-from shared.transport import open_channel
+from shared.config import LearnerConfig
+from test_actor import with_client
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_client(address, fn):
-    async def main():
-        channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
-        client = ActorClient(channel, "syn")
-        out = {}
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(channel.run)
-            tg.start_soon(client.run)
-            try:
-                out["v"] = await fn(client)
-            except Exception as exc:
-                out["e"] = exc
-            tg.cancel_scope.cancel()
-        if "e" in out:
-            raise out["e"]
-        return out["v"]
-
-    return anyio.run(main, backend="trio")
+    return anyio.run(with_client, address, fn, backend="trio")
 
 
 def gen(client, seed, n=40, stop=(2,)):
