@@ -44,9 +44,27 @@ from shared.protocol import (
 )
 from shared.transport import Channel
 
-__all__ = ["ActorServer", "ActorStats"]
+__all__ = ["ActorServer", "ActorStats", "check_request"]
 
 log = logging.getLogger(__name__)
+
+
+def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> str | None:
+    """What is wrong with a request, in words, or None. Shared by every actor kind."""
+    if not req.prompt_token_ids:
+        return "empty prompt"
+    if req.max_tokens < 1:
+        return f"max_tokens must be >= 1, got {req.max_tokens}"
+    total = len(req.prompt_token_ids) + req.max_tokens
+    if total > max_model_len:
+        return (f"prompt ({len(req.prompt_token_ids)}) + max_tokens ({req.max_tokens}) = "
+                f"{total} exceeds max_model_len {max_model_len}")
+    bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"prompt token id {bad} outside the vocabulary [0, {vocab_size})"
+    if req.temperature < 0 or not 0 < req.top_p <= 1:
+        return f"bad sampling parameters temperature={req.temperature} top_p={req.top_p}"
+    return None
 
 
 @dataclass
@@ -123,28 +141,12 @@ class ActorServer:
 
     # --- generation ------------------------------------------------------------------------
 
-    def _check(self, req: GenerateRequest) -> str | None:
-        if not req.prompt_token_ids:
-            return "empty prompt"
-        if req.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {req.max_tokens}"
-        total = len(req.prompt_token_ids) + req.max_tokens
-        if total > self.max_model_len:
-            return (f"prompt ({len(req.prompt_token_ids)}) + max_tokens ({req.max_tokens}) = "
-                    f"{total} exceeds max_model_len {self.max_model_len}")
-        bad = next((t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return f"prompt token id {bad} outside the vocabulary [0, {self.vocab_size})"
-        if req.temperature < 0 or not 0 < req.top_p <= 1:
-            return f"bad sampling parameters temperature={req.temperature} top_p={req.top_p}"
-        return None
-
     async def _generate(self, peer: bytes, req: GenerateRequest) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         key = f"{peer.hex()}/{req.request_id}"
-        problem = self._check(req)
+        problem = check_request(req, self.max_model_len, self.vocab_size)
         if problem is None and key in self._live:
             problem = f"request id {req.request_id!r} is already live"
         if problem is not None:

@@ -50,6 +50,8 @@ from shared.protocol import (
 )
 from shared.transport import Channel
 
+from .server import check_request
+
 __all__ = ["SyntheticActor", "model_vocab"]
 
 log = logging.getLogger(__name__)
@@ -97,7 +99,7 @@ class SyntheticActor:
     async def _dispatch(self, tg, peer: bytes, message) -> None:
         send = self.channel.send
         if isinstance(message, GenerateRequest):
-            problem = self._check(message)
+            problem = check_request(message, self.cfg.actor.max_model_len, self.vocab_size)
             if problem:
                 await send(GenerateError(message.request_id, "bad_request", problem), to=peer)
                 return
@@ -108,8 +110,7 @@ class SyntheticActor:
             self._aborted.add((peer, message.request_id))
             self._work.set()
         elif isinstance(message, Hello):
-            await send(ActorInfo(self.model, self.version, 1, self.cfg.actor.max_model_len,
-                                 self.cfg.model.dtype), to=peer)
+            await send(self._info(), to=peer)
         elif isinstance(message, AttachLearner):
             tg.start_soon(self._attach, peer, message)
         elif isinstance(message, WeightUpdate):
@@ -117,16 +118,8 @@ class SyntheticActor:
         else:
             await send(ErrorReply("unexpected_message", type(message).__name__), to=peer)
 
-    def _check(self, req: GenerateRequest) -> str | None:
-        if not req.prompt_token_ids:
-            return "empty prompt"
-        if req.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {req.max_tokens}"
-        if len(req.prompt_token_ids) + req.max_tokens > self.cfg.actor.max_model_len:
-            return f"prompt + max_tokens exceeds max_model_len {self.cfg.actor.max_model_len}"
-        if any(not 0 <= t < self.vocab_size for t in req.prompt_token_ids):
-            return f"prompt token id outside the vocabulary [0, {self.vocab_size})"
-        return None
+    def _info(self) -> ActorInfo:
+        return ActorInfo(self.model, self.version, 1, self.cfg.actor.max_model_len, self.cfg.model.dtype)
 
     async def _engine(self) -> None:
         a = self.cfg.actor
@@ -183,8 +176,7 @@ class SyntheticActor:
             return
         self.session = msg.session
         self._timeout = msg.timeout_s
-        await self.channel.send(ActorInfo(self.model, self.version, 1, self.cfg.actor.max_model_len,
-                                          self.cfg.model.dtype), to=peer)
+        await self.channel.send(self._info(), to=peer)
 
     async def _update(self, peer: bytes, msg: WeightUpdate) -> None:
         import torch

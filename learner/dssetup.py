@@ -13,21 +13,15 @@ Why a module of its own: these are the traps of running DeepSpeed without (and w
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from shared.config import LearnerConfig
+from shared.runtime import free_port
 
 __all__ = ["import_deepspeed", "init_distributed", "ds_config"]
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def import_deepspeed() -> Any:
@@ -50,7 +44,7 @@ def init_distributed(deepspeed: Any) -> list[str]:
     if not dist.is_initialized() and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # No launcher: be rank 0 of 1 (else DeepSpeed tries MPI discovery through mpi4py).
         env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(_free_port()))
+                   MASTER_PORT=str(free_port()))
         os.environ.update(env)
         ours = [k for k in env if k != "LOCAL_RANK"]  # every engine init reads LOCAL_RANK
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

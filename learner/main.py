@@ -289,8 +289,6 @@ class Leader:
 
 def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
     """Ranks > 0: enter each collective step rank 0 announces, until it says stop."""
-    buffer = ReplayBuffer(cfg.train.group_size, cfg.train.groups_per_batch, cfg.train.max_staleness,
-                          cfg.learner.max_buffer_groups)  # stays empty; checkpoints need one
     generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
     while True:
         kind, payload = team.next_command()
@@ -300,10 +298,10 @@ def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
             for _ in trainer.named_weights():
                 pass
         elif kind == "save":
-            save_checkpoint(Path(payload["run_dir"]), trainer, buffer, payload,
+            save_checkpoint(Path(payload["run_dir"]), trainer, None, payload,
                             keep=cfg.learner.keep_checkpoints)
         elif kind == "load":
-            load_checkpoint(Path(payload), trainer, buffer)
+            load_checkpoint(Path(payload), trainer, None)  # only rank 0 holds the buffer
         elif kind == "stop":
             return
         else:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,14 +31,9 @@ from pathlib import Path
 import orjson
 
 from .config import Config, dump_config, load_config
+from .runtime import free_port
 
-__all__ = ["launch", "free_port", "Supervisor"]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+__all__ = ["launch", "Supervisor"]
 
 
 def _with_port(address: str) -> str:

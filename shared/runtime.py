@@ -14,6 +14,7 @@ import argparse
 import logging
 import os
 import resource
+import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import orjson
 
 from .config import Config, load_config
 
-__all__ = ["role_args", "setup_logging", "resolve_model_dir", "raise_fd_limit", "write_ready"]
+__all__ = ["role_args", "setup_logging", "resolve_model_dir", "raise_fd_limit", "write_ready",
+           "free_port"]
 
 
 def role_args(role: str, argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
@@ -81,3 +83,10 @@ def write_ready(path: str | None, **info) -> None:
     tmp = Path(f"{path}.tmp")
     tmp.write_bytes(orjson.dumps({"pid": os.getpid(), **info}))
     tmp.replace(path)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (the OS picks; another process could take it later)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

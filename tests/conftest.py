@@ -11,7 +11,6 @@ do not see each other's weights). Starting vLLM costs ~1 minute here, hence once
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -20,13 +19,9 @@ from pathlib import Path
 import orjson
 import pytest
 
+from shared.runtime import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -75,9 +70,7 @@ def actor(tiny_model_dir, tmp_path_factory) -> RunningActor:
 @pytest.fixture(scope="session")
 def synthetic(tiny_model_dir, tmp_path_factory) -> str:
     """The synthetic actor (actor/synthetic.py) as a process; yields its address."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     ready = tmp_path_factory.mktemp("synthetic") / "ready.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
