@@ -24,16 +24,23 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from shared.protocol import (
     Abort,
+    ActorInfo,
     ErrorReply,
     GenerateError,
     GenerateRequest,
+    Hello,
     TokenDelta,
 )
+from shared.metrics import LatencyHistogram
 from shared.transport import Channel
 
-__all__ = ["ActorClient", "Generation", "GenerationFailed", "ClientStats"]
+__all__ = ["ActorClient", "ActorUnreachable", "Generation", "GenerationFailed", "ClientStats"]
 
 log = logging.getLogger(__name__)
+
+
+class ActorUnreachable(RuntimeError):
+    """The actor never answered the handshake."""
 
 
 class GenerationFailed(Exception):
@@ -63,6 +70,9 @@ class ClientStats:
     aborted: int = 0
     late_replies: int = 0
     error_replies: int = 0
+    retries: int = 0
+    #: Request-to-final-delta time of completed generations (turn latency as the env sees it).
+    latency: LatencyHistogram = field(default_factory=LatencyHistogram, repr=False)
 
 
 class ActorClient:
@@ -81,6 +91,8 @@ class ActorClient:
         self._routes: dict[str, MemoryObjectSendStream[TokenDelta | GenerateError]] = {}
         self._buffer = per_request_buffer
         self.stats = ClientStats()
+        self.info: ActorInfo | None = None
+        self._info_event = anyio.Event()
 
     async def run(self) -> None:
         async for _, messages in self.channel:
@@ -94,6 +106,9 @@ class ActorClient:
                         await route.send(message)
                     except (anyio.ClosedResourceError, anyio.BrokenResourceError):
                         self.stats.late_replies += 1  # its episode ended meanwhile
+                elif isinstance(message, ActorInfo):
+                    self.info = message
+                    self._info_event.set()
                 elif isinstance(message, ErrorReply):
                     # The actor could not read one of our frames: a bug worth shouting about.
                     self.stats.error_replies += 1
@@ -101,10 +116,54 @@ class ActorClient:
                 else:
                     log.warning("unexpected %s from the actor", type(message).__name__)
 
+    async def handshake(self, *, timeout_s: float, retries: int, backoff_s: float) -> ActorInfo:
+        """Say `Hello` until the actor answers; raises `ActorUnreachable` after `retries` more tries.
+
+        ZeroMQ connects in the background and queues what is sent meanwhile, so an actor that is
+        down looks exactly like a slow one: only an answer proves it is there. Each try waits
+        `timeout_s`; the pause between tries doubles from `backoff_s`.
+        """
+        for attempt in range(retries + 1):
+            self._info_event = anyio.Event()
+            await self.channel.send(Hello(self.worker))
+            with anyio.move_on_after(timeout_s):
+                await self._info_event.wait()
+                assert self.info is not None
+                return self.info
+            if attempt < retries:
+                log.warning("%s: no answer from the actor in %.1fs (try %d of %d)", self.worker,
+                            timeout_s, attempt + 1, retries + 1)
+                self.stats.retries += 1
+                await anyio.sleep(backoff_s * 2**attempt)
+        raise ActorUnreachable(f"the actor did not answer Hello in {retries + 1} tries of "
+                               f"{timeout_s}s each")
+
     async def generate(self, prompt_token_ids: list[int], *, max_tokens: int, temperature: float,
                        top_p: float, seed: int | None, stop_token_ids: list[int],
-                       timeout_s: float) -> Generation:
-        """Request a generation and collect its stream; raises `GenerationFailed`."""
+                       timeout_s: float, retries: int = 0, backoff_s: float = 1.0) -> Generation:
+        """Request a generation and collect its stream; raises `GenerationFailed`.
+
+        A request that gets no final delta within `timeout_s` (an actor that is unreachable,
+        restarting or overloaded) is aborted and sent again, up to `retries` more times, after
+        `backoff_s`, then twice that, and so on. The retry carries the same seed, so the run stays
+        reproducible; a request the actor answered with an error is never retried (resending a bad
+        request or one that killed the engine helps nobody).
+        """
+        for attempt in range(retries + 1):
+            try:
+                return await self._generate_once(
+                    prompt_token_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                    seed=seed, stop_token_ids=stop_token_ids, timeout_s=timeout_s)
+            except GenerationFailed as exc:
+                if exc.cause != "actor_timeout" or attempt == retries:
+                    raise
+                self.stats.retries += 1
+                await anyio.sleep(backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    async def _generate_once(self, prompt_token_ids: list[int], *, max_tokens: int,
+                             temperature: float, top_p: float, seed: int | None,
+                             stop_token_ids: list[int], timeout_s: float) -> Generation:
         request_id = f"{self.worker}-{next(self._ids)}"
         tx, rx = anyio.create_memory_object_stream[TokenDelta | GenerateError](self._buffer)
         self._routes[request_id] = tx
@@ -112,6 +171,7 @@ class ActorClient:
         self.stats.live += 1
         out = Generation()
         done = False
+        sent_at = anyio.current_time()
         try:
             with anyio.fail_after(timeout_s):
                 await self.channel.send(GenerateRequest(
@@ -131,6 +191,7 @@ class ActorClient:
             if out.finish_reason == "abort":
                 raise GenerationFailed("actor_abort", "the actor aborted the request")
             self.stats.completed += 1
+            self.stats.latency.add(anyio.current_time() - sent_at)
             return out
         except TimeoutError:
             raise GenerationFailed("actor_timeout", f"no final delta within {timeout_s}s") from None

@@ -12,6 +12,11 @@ longer than the context (`prompt_too_long`), or an episode over its time budget
 Ending by `max_turns` or by a full context is not a failure: the episode is *truncated*, and its
 trajectory is trained on with the rewards it earned.
 
+The environment may shape the next turn through its observation (envpool/envs/base.py): an
+untrained turn (`trained=False`) is generated but masked out of the loss, and `new_context=True`
+starts a fresh context (Delethink) that opens with the last `carry_tokens` generated ids; the
+trajectory then concatenates the contexts and lists where each begins (`segment_starts`).
+
 Sampling seeds derive from the group seed, the member index and the turn, so a run is
 reproducible and the members of a group still sample differently.
 """
@@ -66,11 +71,13 @@ async def _call_env(what: str, coro_fn, arg, timeout_s: float):
 
 
 async def run_episode(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClient,
-                      cfg: EnvPoolConfig, max_model_len: int) -> Trajectory | EpisodeFailed:
+                      cfg: EnvPoolConfig, max_model_len: int,
+                      starting: anyio.CapacityLimiter | None = None) -> Trajectory | EpisodeFailed:
+    """Play one episode; `starting` (optional) bounds how many environments reset at once."""
     started = time.monotonic()
     try:
         with anyio.fail_after(cfg.episode_timeout_s):
-            return await _play(spec, env, chat, client, cfg, max_model_len, started)
+            return await _play(spec, env, chat, client, cfg, max_model_len, started, starting)
     except TimeoutError:
         return _failed(spec, "episode_timeout", f"episode took longer than {cfg.episode_timeout_s}s")
     except _EnvFailure as exc:
@@ -83,51 +90,104 @@ def _failed(spec: EpisodeSpec, cause: str, message: str) -> EpisodeFailed:
     return EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, cause, message[:500])
 
 
+class _Context:
+    """The growing token record of one episode: every context it used, concatenated.
+
+    Token lists are parallel: ids, loss mask, behaviour logprobs, policy versions. `segment`
+    is where the context the model currently sees begins (0 unless the environment asked for a
+    fresh context).
+    """
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.segment = 0
+        self.segment_starts: list[int] = []
+
+    def add_prompt(self, ids: list[int]) -> None:
+        self.ids.extend(ids)
+        self.mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
+
+    def add_generation(self, gen, trained: bool) -> None:
+        self.ids.extend(gen.token_ids)
+        self.mask.extend([1 if trained else 0] * len(gen.token_ids))
+        self.logprobs.extend(gen.logprobs)
+        self.versions.extend(gen.versions)
+
+    def visible(self) -> list[int]:
+        return self.ids[self.segment:]
+
+    def start_segment(self) -> None:
+        self.segment = len(self.ids)
+        self.segment_starts.append(self.segment)
+
+
 async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClient,
-                cfg: EnvPoolConfig, max_model_len: int, started: float) -> Trajectory:
-    obs = await _call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
-    ids = chat.first_prompt(getattr(env, "system_prompt", ""), obs.text)
-    mask = [0] * len(ids)
-    logprobs = [0.0] * len(ids)
-    versions = [-1] * len(ids)
+                cfg: EnvPoolConfig, max_model_len: int, started: float,
+                starting: anyio.CapacityLimiter | None) -> Trajectory:
+    if starting is None:
+        obs = await _call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
+    else:
+        async with starting:  # bounds environments starting at once (sandboxes, containers)
+            obs = await _call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
+    system = getattr(env, "system_prompt", "")
+    ctx = _Context()
+    ctx.add_prompt(chat.first_prompt(system, obs.text))
     rewards: list[float] = []
     starts: list[int] = []
     ends: list[int] = []
     anchors: list[str] = []
     texts: list[str] = [obs.text]
+    invalid = 0
+    carried: list[int] = []  # carry-over ids that open the current reply (Delethink)
     for turn in range(cfg.max_turns):
-        budget = min(cfg.max_tokens, max_model_len - len(ids))
+        budget = min(cfg.max_tokens, max_model_len - len(ctx.visible()))
         if budget < 1:  # only possible before the first turn (later ones are checked below)
-            raise _EnvFailure("prompt_too_long", f"the first prompt has {len(ids)} tokens, "
+            raise _EnvFailure("prompt_too_long", f"the first prompt has {len(ctx.ids)} tokens, "
                               f"max_model_len is {max_model_len}")
         gen = await client.generate(
-            list(ids), max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
+            ctx.visible(), max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
             seed=sampling_seed(spec.seed, spec.member, turn), stop_token_ids=chat.stop_token_ids,
-            timeout_s=cfg.turn_timeout_s)
-        starts.append(len(ids))
+            timeout_s=cfg.turn_timeout_s, retries=cfg.actor_retries,
+            backoff_s=cfg.actor_retry_backoff_s)
+        starts.append(len(ctx.ids))
         anchors.append(obs.anchor)
-        ids.extend(gen.token_ids)
-        ends.append(len(ids))
-        mask.extend([1] * len(gen.token_ids))
-        logprobs.extend(gen.logprobs)
-        versions.extend(gen.versions)
+        ctx.add_generation(gen, obs.trained)
+        ends.append(len(ctx.ids))
         response = chat.decode(gen.token_ids)
         result = await _call_env("step", env.step, response, cfg.step_timeout_s)
         rewards.append(float(result.reward))
+        invalid += 0 if result.info.get("valid", True) else 1
         texts += [response, result.observation.text]
         if result.done:
             break
         obs = result.observation
+        if obs.new_context:
+            # Delethink: a fresh context of the prompt plus the reply's last tokens, as ids.
+            reply = carried + gen.token_ids  # a reply that continued a carry-over includes it
+            carry = [t for t in reply if t not in chat.stop_token_ids][-obs.carry_tokens:] \
+                if obs.carry_tokens > 0 else []
+            fresh = chat.first_prompt(system, obs.text)
+            if len(fresh) + len(carry) >= max_model_len:
+                break  # the fresh context leaves no room to generate: truncated
+            ctx.start_segment()
+            ctx.add_prompt(fresh)
+            ctx.add_prompt(carry)  # model tokens, but trained in the turn that produced them
+            carried = carry
+            continue
+        carried = []
         bridge = chat.close_turn(gen.token_ids) + chat.next_prompt(obs.text)
-        if len(ids) + len(bridge) >= max_model_len:
+        if len(ctx.visible()) + len(bridge) >= max_model_len:
             break  # no room to generate another turn: truncated, not failed
-        ids.extend(bridge)
-        mask.extend([0] * len(bridge))
-        logprobs.extend([0.0] * len(bridge))
-        versions.extend([-1] * len(bridge))
+        ctx.add_prompt(bridge)
     return Trajectory(
         episode_id=spec.episode_id, group_id=spec.group_id, seed=spec.seed, env=spec.env_name,
-        token_ids=ids, loss_mask=mask, logprobs=logprobs, versions=versions,
+        token_ids=ctx.ids, loss_mask=ctx.mask, logprobs=ctx.logprobs, versions=ctx.versions,
         reward=sum(rewards), turn_rewards=rewards, num_turns=len(rewards),
         group_size=spec.group_size, duration_s=time.monotonic() - started,
-        turn_starts=starts, turn_ends=ends, anchors=anchors, texts=texts)
+        turn_starts=starts, turn_ends=ends, anchors=anchors, texts=texts,
+        segment_starts=ctx.segment_starts, invalid_actions=invalid)

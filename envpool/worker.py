@@ -18,8 +18,11 @@ learner, a trajectory or a failure.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import os
+import resource
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,7 +31,9 @@ from typing import Callable
 
 import anyio
 
+
 from shared.config import Config
+from shared.metrics import LatencyHistogram, MetricsWriter, NullMetrics
 from shared.protocol import EpisodeFailed, PolicyVersion, PoolDone, Trajectory, group_id
 from shared.transport import open_channel
 
@@ -71,6 +76,19 @@ def tokenizer_dir(cfg: Config) -> str:
     return str(path)
 
 
+def _counters(channel_stats) -> dict:
+    return {k: v for k, v in dataclasses.asdict(channel_stats).items() if k != "peers"}
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc), or its peak where /proc is missing."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def group_seed(run_seed: int, group_number: int) -> int:
     return (run_seed * 7_919_981 + group_number * 104_729 + 17) % (2**31 - 1)
 
@@ -93,6 +111,7 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
     if stats_hook is not None:
         stats_hook(stats)
     slots = anyio.Semaphore(pool.max_concurrent_episodes)
+    starting = anyio.CapacityLimiter(pool.max_starting_envs)
     max_model_len = cfg.actor.max_model_len
     group_size = cfg.train.group_size
     if group_size > pool.max_concurrent_episodes:
@@ -107,7 +126,7 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
         result: Trajectory | EpisodeFailed | None = None
         try:
             env = make_env(pool.env, pool.env_args)
-            result = await run_episode(spec, env, chat, client, pool, max_model_len)
+            result = await run_episode(spec, env, chat, client, pool, max_model_len, starting)
         except anyio.get_cancelled_exc_class():
             result = EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, "run_ended",
                                    "the learner finished while this episode ran")
@@ -155,17 +174,47 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
             if gate.final:
                 stop_admitting.cancel()
 
+    metrics = MetricsWriter(Path(cfg.run.dir) / f"envpool-{name}.jsonl") if cfg.run.dir \
+        else NullMetrics()
+
+    def snapshot() -> None:
+        """One statistics record; the latency histogram covers the interval since the last."""
+        client_stats = client.stats
+        latency, client_stats.latency = client_stats.latency, LatencyHistogram()
+        metrics.write({
+            "worker": name, "started": stats.started, "finished": stats.finished,
+            "failed": dict(stats.failed), "live": stats.live, "groups": stats.groups,
+            "rss_bytes": rss_bytes(), "turns": client_stats.completed,
+            "turn_latency": latency.to_dict(), "gate": gate.statistics(),
+            "client": {k: v for k, v in vars(client_stats).items() if k != "latency"},
+            "actor_socket": _counters(dealer.statistics()),
+            "learner_socket": _counters(push.statistics()),
+        })
+
+    async def record_stats() -> None:
+        while True:
+            snapshot()
+            await anyio.sleep(pool.stats_every_s)
+
     async def progress(every_s: float = 10.0) -> None:
         while True:
             await anyio.sleep(every_s)
-            log.info("%s started=%d finished=%d failed=%s live=%d gate=%s", name, stats.started,
-                     stats.finished, dict(stats.failed), stats.live, gate.statistics())
+            log.info("%s started=%d finished=%d failed=%s live=%d gate=%s client=%s actor_socket=%s "
+                     "learner_socket=%s", name, stats.started, stats.finished, dict(stats.failed),
+                     stats.live, gate.statistics(), client.stats, dealer.statistics(),
+                     push.statistics())
 
     async with anyio.create_task_group() as io:
         for channel in (dealer, sub, push):
             io.start_soon(channel.run)
         io.start_soon(client.run)
+        info = await client.handshake(timeout_s=pool.actor_connect_timeout_s,
+                                      retries=pool.actor_retries,
+                                      backoff_s=pool.actor_retry_backoff_s)
+        log.info("%s: actor at %s serves %s (version %d)", name, actor_address, info.model,
+                 info.version)
         io.start_soon(progress)
+        io.start_soon(record_stats)
         if ready_file:
             Path(ready_file).write_text(json.dumps({"worker": name}))
         log.info("%s running %s, waiting for the learner's first version", name, pool.env)
@@ -176,6 +225,8 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
                 episodes.cancel_scope.cancel()  # final: the unfinished episodes end as run_ended
         await push.send(PoolDone(name, stats.started, stats.finished, sum(stats.failed.values())))
         flushed = await push.flush(timeout=30.0)
+        snapshot()
+        metrics.close()
         log.info("%s done: started=%d finished=%d failed=%s flushed=%s", name, stats.started,
                  stats.finished, dict(stats.failed), flushed)
         io.cancel_scope.cancel()

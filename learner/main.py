@@ -93,6 +93,15 @@ class Experience:
         self.pub.close(linger=0)
 
 
+def train_samples(traj: Trajectory, advantages: list[float]) -> list[TrainSample]:
+    """The sequences one trajectory trains: one per context it used (Delethink chunks are
+    separate contexts, `segment_starts`), skipping a context with no trained token."""
+    bounds = [0, *traj.segment_starts, len(traj.token_ids)]
+    return [TrainSample(traj.token_ids[a:b], traj.loss_mask[a:b], traj.logprobs[a:b],
+                        advantages[a:b])
+            for a, b in zip(bounds, bounds[1:]) if any(traj.loss_mask[a:b])]
+
+
 class Leader:
     """Rank 0: everything that talks to the envpool and the actor, and decides every step."""
 
@@ -176,7 +185,7 @@ class Leader:
             return False
         advantages = compute_advantages(batch, cfg.learner)
         scored = [(t, adv) for g, g_adv in zip(batch, advantages) for t, adv in zip(g.trajectories, g_adv)]
-        samples = [TrainSample(t.token_ids, t.loss_mask, t.logprobs, adv) for t, adv in scored]
+        samples = [s for t, adv in scored for s in train_samples(t, adv)]
         self.team.command("train", samples)
         step_metrics = trainer.train_step(self.team.shard(samples), cfg.learner,
                                           generation_budget=self.generation_budget)

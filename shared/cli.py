@@ -2,6 +2,7 @@
 
     millstream run [config.toml] [key=value ...]   start and supervise a whole run
     millstream actor|learner|envpool [args ...]    run one role (see `--help` of each)
+    millstream stress --env NAME --episodes N ...  how many concurrent episodes hold (bench/stress.py)
     millstream tiny-model DIR [--seed N ...]       build the tiny random Qwen2 model
     millstream config                              every config key, default and meaning
 
@@ -27,6 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     command, rest = argv[0], argv[1:]
     if command in ROLES:
         os.execv(sys.executable, [sys.executable, "-m", command, *rest])
+    if command == "stress":
+        os.execv(sys.executable, [sys.executable, "-m", "bench.stress", *rest])
     if command == "run":
         from .config import ConfigError
         from .launcher import launch

@@ -143,13 +143,33 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: Annotated[int, _doc("Generation budget of one turn, tokens.", ge=1)] = 24
     temperature: Annotated[float, _doc("Sampling temperature.", ge=0)] = 1.0
     top_p: Annotated[float, _doc("Nucleus sampling mass.", gt=0, le=1)] = 1.0
+    max_starting_envs: Annotated[
+        int, _doc("Environments resetting at once per worker (sandboxes and containers are costly "
+                  "to start; the rest wait their turn).", ge=1)
+    ] = 64
     step_timeout_s: Annotated[
-        float, _doc("Longest one env.reset/env.step may take; beyond: episode fails, 'timeout'.", gt=0)
+        float, _doc("Longest one env.reset/env.step may take; beyond: episode fails, 'env_timeout'.",
+                    gt=0)
     ] = 30.0
     turn_timeout_s: Annotated[
         float, _doc("Longest one generation may take; beyond: episode fails, 'actor_timeout'.", gt=0)
     ] = 120.0
     episode_timeout_s: Annotated[float, _doc("Longest one whole episode may take.", gt=0)] = 600.0
+    actor_retries: Annotated[
+        int, _doc("Retries of a generation that timed out, and of the start-up handshake, before "
+                  "the episode fails ('actor_timeout') or the worker stops (actor unreachable).",
+                  ge=0)
+    ] = 3
+    actor_retry_backoff_s: Annotated[
+        float, _doc("Pause before the first retry; it doubles with each further one.", ge=0)
+    ] = 1.0
+    stats_every_s: Annotated[
+        float, _doc("Interval of the worker's statistics records (episodes, turn latency "
+                    "histogram, memory, socket queues) in <run.dir>/envpool-w<i>.jsonl.", gt=0)
+    ] = 5.0
+    actor_connect_timeout_s: Annotated[
+        float, _doc("How long one handshake try waits for the actor's answer.", gt=0)
+    ] = 10.0
     admission_slack: Annotated[
         int,
         _doc("Extra batches the gate admits beyond the staleness bound. 0 is AReaL's rule; "

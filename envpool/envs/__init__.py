@@ -1,12 +1,19 @@
 """Environments, by name. Importing this package registers the built-in ones.
 
 Layout: `base.py` defines Observation/StepResult, the Env protocol and the registry (with the
-`millstream.envs` entry-point group for third-party environments); each other module is one
-environment with its rules in its docstring.
+`millstream.envs` entry-point group for third-party environments); every other module here is
+one environment with its rules in its docstring, and is imported (so registered) below: adding
+an environment is adding a module.
 """
 
-from . import bandit, evenchars, flaky  # noqa: F401  (registration side effects)
+import importlib
+import pkgutil
+
 from .base import ENTRY_POINT_GROUP, Env, Observation, StepResult, env_names, make_env, parse_answer, register
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base" and not _module.name.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module.name}")  # registration side effects
 
 __all__ = ["Env", "Observation", "StepResult", "make_env", "env_names", "register", "parse_answer",
            "ENTRY_POINT_GROUP"]

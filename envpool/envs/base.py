@@ -15,6 +15,16 @@ raises or hangs does not crash anything: the episode ends with a recorded cause 
 envpool/episode.py). A badly formed *action* is not an error: the environment answers it with
 `valid=False` and a format penalty, as RAGEN does.
 
+Two optional fields of `Observation` shape the *next* turn's context, for flows where not every
+generation is a plain chat reply:
+- `trained=False`: the model still generates the next turn, but its tokens carry no loss
+  (AgentFlow's executor and verifier turns around a trained planner);
+- `new_context=True`: the next turn starts a fresh context, the system prompt plus this
+  observation, followed by the last `carry_tokens` tokens the model generated, verbatim (ids, not
+  re-tokenized text), as the start of the model's reply (Delethink's Markovian chunks: each chunk
+  sees the query and a bounded carry-over only). The episode runner records where each context
+  starts, and the learner trains every context as its own sequence.
+
 Environments are found by name in `REGISTRY`; a third-party package adds one without touching
 millstream through the entry-point group `millstream.envs` (`name = "pkg.module:Class"`).
 """
@@ -45,6 +55,12 @@ class Observation:
     text: str
     #: Canonical state key: equal strings mean equal states (GiGPO anchors).
     anchor: str = ""
+    #: Whether the model's reply to this observation is trained (False: generated, masked out).
+    trained: bool = True
+    #: Start a fresh context for the reply (see the module docstring; Delethink chunks).
+    new_context: bool = False
+    #: With `new_context`: how many of the last generated tokens open the new context's reply.
+    carry_tokens: int = 0
 
 
 @dataclass(frozen=True)
