@@ -83,8 +83,10 @@ class ActorServer:
     """Serves one ROUTER channel with one `AsyncLLM`. Run `serve()` inside an asyncio loop."""
 
     def __init__(self, engine, channel: Channel, *, model: str, dtype: str, weight_ranks: int,
-                 max_model_len: int, vocab_size: int, rpc_timeout_s: float = 600.0) -> None:
+                 max_model_len: int, vocab_size: int, rpc_timeout_s: float = 600.0,
+                 stream_interval: int = 1) -> None:
         self.engine = engine
+        self.stream_interval = stream_interval
         self.channel = channel
         self.model = model
         self.dtype = dtype
@@ -169,6 +171,13 @@ class ActorServer:
         self.stats.requests += 1
         self.stats.live += 1
         finish: str | None = None
+        # Tokens wait in `pending` until `stream_interval` of them are there (fewer, larger
+        # messages at scale); a version change sends them first, so each delta's version is the
+        # one every token in it was received under.
+        pending_ids: list[int] = []
+        pending_logprobs: list[float] = []
+        pending_version = self.version
+        interval = self.stream_interval
         try:
             async for out in self.engine.generate({"prompt_token_ids": list(req.prompt_token_ids)},
                                                   params, key):
@@ -179,11 +188,18 @@ class ActorServer:
                     raise RuntimeError(f"engine returned {len(ids)} tokens, {len(logprobs)} logprobs")
                 if out.finished:
                     finish = comp.finish_reason or "stop"
-                if ids or finish:
-                    self.stats.tokens += len(ids)
-                    await self.channel.send(
-                        TokenDelta(req.request_id, ids, logprobs, self.version, finish), to=peer
-                    )
+                if pending_ids and self.version != pending_version:
+                    await self.channel.send(TokenDelta(req.request_id, pending_ids, pending_logprobs,
+                                                       pending_version, None), to=peer)
+                    pending_ids, pending_logprobs = [], []
+                pending_version = self.version
+                pending_ids += ids
+                pending_logprobs += logprobs
+                self.stats.tokens += len(ids)
+                if finish or len(pending_ids) >= interval:
+                    await self.channel.send(TokenDelta(req.request_id, pending_ids, pending_logprobs,
+                                                       pending_version, finish), to=peer)
+                    pending_ids, pending_logprobs = [], []
             if finish is None:  # the stream ended without a final output: it was aborted
                 finish = "abort"
                 await self.channel.send(TokenDelta(req.request_id, [], [], self.version, finish),

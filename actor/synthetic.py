@@ -71,6 +71,9 @@ class _Seq:
     rng: random.Random
     produced: int = 0
     stop: set[int] = field(default_factory=set)
+    #: Tokens produced but not yet streamed (`actor.stream_interval`).
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
 
 
 class SyntheticActor:
@@ -148,7 +151,7 @@ class SyntheticActor:
         if key in self._aborted:
             self._aborted.discard(key)
             del self._running[key]
-            await self.channel.send(TokenDelta(seq.req.request_id, [], [], self.version, "abort"), to=seq.peer)
+            await self._flush(seq, "abort")
             return
         if seq.rng.random() < stop_p:
             token, logprob = self.eos_id, stop_lp
@@ -156,10 +159,19 @@ class SyntheticActor:
             token, logprob = seq.rng.randrange(self.vocab_size), other_lp
         seq.produced += 1
         self.tokens += 1
+        seq.pending_ids.append(token)
+        seq.pending_logprobs.append(logprob)
         finish = "stop" if token in seq.stop else ("length" if seq.produced >= seq.req.max_tokens else None)
         if finish:
             del self._running[key]
-        await self.channel.send(TokenDelta(seq.req.request_id, [token], [logprob], self.version, finish),
+        if finish or len(seq.pending_ids) >= self.cfg.actor.stream_interval:
+            await self._flush(seq, finish)
+
+    async def _flush(self, seq: _Seq, finish: str | None) -> None:
+        """Stream the pending tokens of `seq` (all made under `self.version`)."""
+        ids, logprobs = seq.pending_ids, seq.pending_logprobs
+        seq.pending_ids, seq.pending_logprobs = [], []
+        await self.channel.send(TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish),
                                 to=seq.peer)
 
     async def _attach(self, peer: bytes, msg: AttachLearner) -> None:
@@ -194,5 +206,8 @@ class SyntheticActor:
             except Exception as exc:
                 await self.channel.send(ErrorReply("weight_update_failed", str(exc)[:500]), to=peer)
                 return
+            for seq in self._running.values():  # tokens made under the old version go first
+                if seq.pending_ids:
+                    await self._flush(seq, None)
             self.version = msg.version
             await self.channel.send(WeightsApplied(msg.version, time.monotonic() - started), to=peer)

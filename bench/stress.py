@@ -64,7 +64,7 @@ def parse_faults(text: str) -> dict[str, float]:
         if not 0 <= p <= 1:
             raise ValueError(f"--faults: {name}={p} is not a probability in [0, 1]")
         faults[name] = p
-    if sum(faults.values()) > 1:
+    if sum(faults.values()) > 1 + 1e-9:
         raise ValueError(f"--faults: probabilities sum to {sum(faults.values())} > 1")
     return faults
 
@@ -180,8 +180,8 @@ def _wait_ready(ready: Path, procs: Processes, timeout_s: float) -> None:
 def run_stress(ns: argparse.Namespace) -> dict:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = Path(ns.out or f"runs/stress-{ns.env}-{stamp}").resolve()
+    cfg, faults = stress_config(ns, out)  # bad input fails here, before anything is created
     out.mkdir(parents=True, exist_ok=True)
-    cfg, faults = stress_config(ns, out)
     (out / "config.toml").write_text(dump_config(cfg))
     raise_fd_limit()
     groups = ns.episodes // ns.group_size
@@ -234,12 +234,13 @@ def run_stress(ns: argparse.Namespace) -> dict:
             timed_out = now - t0 > ns.timeout_s
             if not final and (accounted >= ns.episodes or timed_out):
                 final = True  # workers end what still runs as run_ended, then send PoolDone
+                final_at = now
             if now - last_line >= 1.0:
                 follower.poll()
                 line = follower.progress_line(now - t0, accounted, ns.episodes, outcomes)
                 print(("\r" + line + "\x1b[K") if tty else line, end="" if tty else "\n", flush=True)
                 last_line = now
-            if final and now - t0 > ns.timeout_s + 120:
+            if final and now - final_at > 120:
                 break  # workers did not report PoolDone: report what we have
         wall = time.monotonic() - t0
         procs.wait([f"envpool-w{i}" for i in range(ns.workers)], 30)
@@ -266,8 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     ns = _parser().parse_args(argv)
     try:
         report = run_stress(ns)
-    except (ValueError, ConfigError, KeyError) as exc:
-        print(f"millstream stress: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, ConfigError, KeyError) as exc:
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"millstream stress: {message}", file=sys.stderr)
         sys.exit(2)
     except RuntimeError as exc:
         print(f"millstream stress: {exc}", file=sys.stderr)

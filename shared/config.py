@@ -100,6 +100,11 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: Annotated[str, _doc("'cpu' or 'cuda'; 'auto' picks cuda when available.")] = "auto"
     max_num_seqs: Annotated[int, _doc("vLLM continuous-batching width (sequences).", ge=1)] = 64
     max_model_len: Annotated[int, _doc("Longest prompt + generation, tokens.", ge=16)] = 1024
+    stream_interval: Annotated[
+        int, _doc("Tokens per streamed delta (the last delta of a request may be shorter; a "
+                  "policy-version change flushes early, so every token keeps its true version). "
+                  "1 streams every token; larger values cut messages at scale.", ge=1)
+    ] = 16
     kv_cache_bytes: Annotated[
         int, _doc("KV cache size on CPU, bytes (GPU uses gpu_memory_utilization).", ge=1 << 20)
     ] = 128 << 20

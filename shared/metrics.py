@@ -26,6 +26,13 @@ class MetricsWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("ab")
+        if self._file.tell() and not self._ends_with_newline():
+            self._file.write(b"\n")  # a writer killed mid-record left a torn line: end it
+
+    def _ends_with_newline(self) -> bool:
+        with self.path.open("rb") as f:
+            f.seek(-1, 2)
+            return f.read(1) == b"\n"
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(orjson.dumps({"time": time.time(), **record},

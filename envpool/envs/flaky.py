@@ -51,7 +51,7 @@ class Flaky:
                         ("garbage_prob", garbage_prob)):
             if not 0 <= p <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {p}")
-        if crash_prob + hang_prob + garbage_prob > 1:
+        if crash_prob + hang_prob + garbage_prob > 1 + 1e-9:
             raise ValueError(f"crash_prob + hang_prob + garbage_prob must be <= 1, got "
                              f"{crash_prob + hang_prob + garbage_prob}")
         self.inner = make_env(inner, inner_args)
