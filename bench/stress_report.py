@@ -51,30 +51,34 @@ class StatsFollower:
         return [recs[-1] for recs in self.records.values() if recs]
 
     def timeline(self) -> list[dict[str, Any]]:
-        """Per one-second bin since the first record: turns/s, episodes/s, latency, live, memory."""
+        """Per one-second bin since the first record: turns/s, episodes/s, latency, live, memory.
+
+        A worker's rates come from consecutive records (delta over their time apart), so a bin
+        that happens to hold two records of a worker, or none, does not show a spike or a gap.
+        """
         if not self.records:
             return []
         t0 = min(recs[0]["time"] for recs in self.records.values() if recs)
         bins: dict[int, dict[str, Any]] = {}
         for recs in self.records.values():
-            previous = None
-            for r in recs:
-                b = bins.setdefault(int(r["time"] - t0), {"turns": 0, "episodes": 0, "live": {},
-                                                          "rss": {}, "hist": LatencyHistogram()})
-                if previous is not None:
-                    b["turns"] += r["turns"] - previous["turns"]
-                    b["episodes"] += (r["finished"] + sum(r["failed"].values())
-                                      - previous["finished"] - sum(previous["failed"].values()))
+            for previous, r in zip([None, *recs], recs):
+                b = bins.setdefault(int(r["time"] - t0), {"rates": {}, "live": {}, "rss": {},
+                                                          "hist": LatencyHistogram()})
+                if previous is not None and r["time"] > previous["time"]:
+                    dt = r["time"] - previous["time"]
+                    ended = (r["finished"] + sum(r["failed"].values())
+                             - previous["finished"] - sum(previous["failed"].values()))
+                    b["rates"].setdefault(r["worker"], []).append(
+                        ((r["turns"] - previous["turns"]) / dt, ended / dt))
                 b["live"][r["worker"]] = r["live"]
                 b["rss"][r["worker"]] = r["rss_bytes"]
                 b["hist"].merge(LatencyHistogram.from_dict(r["turn_latency"]))
-                previous = r
         rows = []
-        for second in range(max(bins) + 1):
-            b = bins.get(second)
-            if b is None:
-                continue
-            rows.append({"t": second, "turns": b["turns"], "episodes": b["episodes"],
+        for second in sorted(bins):
+            b = bins[second]
+            means = [tuple(sum(x) / len(x) for x in zip(*rates)) for rates in b["rates"].values()]
+            rows.append({"t": second, "turns": sum(m[0] for m in means),
+                         "episodes": sum(m[1] for m in means),
                          "live": sum(b["live"].values()), "rss_mb": sum(b["rss"].values()) / 2**20,
                          "p50_s": b["hist"].percentile(50), "p99_s": b["hist"].percentile(99)})
         return rows

@@ -20,6 +20,7 @@ This module uses `tokenizers` and `jinja2` only: the envpool never imports torch
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from pathlib import Path
 
 import jinja2
@@ -44,6 +45,12 @@ class ChatFormat:
                                             if (i := tokenizer.token_to_id(t)) is not None)})
         self._eos_text = eos_token
         self._after_eos = self._text_after_assistant()
+        self._probe = [{"role": "user", "content": _PROBE_USER},
+                       {"role": "assistant", "content": _PROBE_ASSISTANT}]
+        self._probe_text = self.render(self._probe, add_generation_prompt=False)
+        # The members of a group share their first prompt; rendering a template is the
+        # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
+        self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> "ChatFormat":
@@ -66,10 +73,20 @@ class ChatFormat:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    FIRST_PROMPT_CACHE = 1024
+
     def first_prompt(self, system: str, observation: str) -> list[int]:
-        messages = ([{"role": "system", "content": system}] if system else [])
-        messages.append({"role": "user", "content": observation})
-        return self.encode(self.render(messages, add_generation_prompt=True))
+        key = (system, observation)
+        ids = self._first.get(key)
+        if ids is None:
+            messages = ([{"role": "system", "content": system}] if system else [])
+            messages.append({"role": "user", "content": observation})
+            ids = self._first[key] = self.encode(self.render(messages, add_generation_prompt=True))
+            if len(self._first) > self.FIRST_PROMPT_CACHE:
+                self._first.popitem(last=False)
+        else:
+            self._first.move_to_end(key)
+        return list(ids)  # callers may extend it
 
     def close_turn(self, response_ids: list[int]) -> list[int]:
         """Tokens that end the assistant turn after `response_ids` (not generated, no loss).
@@ -82,10 +99,8 @@ class ChatFormat:
 
     def next_prompt(self, observation: str) -> list[int]:
         """Tokens of one more user turn plus the generation prompt."""
-        base = [{"role": "user", "content": _PROBE_USER},
-                {"role": "assistant", "content": _PROBE_ASSISTANT}]
-        before = self.render(base, add_generation_prompt=False)
-        after = self.render(base + [{"role": "user", "content": observation}],
+        before = self._probe_text
+        after = self.render(self._probe + [{"role": "user", "content": observation}],
                             add_generation_prompt=True)
         if not after.startswith(before):
             raise ValueError("the chat template re-renders earlier turns; cannot extend token-wise")

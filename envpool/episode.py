@@ -60,14 +60,15 @@ class _EnvFailure(Exception):
 
 async def _call_env(what: str, coro_fn, arg, timeout_s: float):
     try:
-        with anyio.fail_after(timeout_s):
+        # A class-based scope rather than `fail_after` (cheaper, and this runs twice a turn).
+        with anyio.CancelScope(deadline=anyio.current_time() + timeout_s) as scope:
             return await coro_fn(arg)
-    except TimeoutError:
-        raise _EnvFailure("env_timeout", f"env.{what} took longer than {timeout_s}s") from None
     except anyio.get_cancelled_exc_class():
         raise
     except Exception as exc:  # the environment's bug ends this episode, nothing else
         raise _EnvFailure("env_error", f"env.{what} raised {type(exc).__name__}: {exc}") from None
+    assert scope.cancelled_caught  # only a timeout leaves the scope without a return value
+    raise _EnvFailure("env_timeout", f"env.{what} took longer than {timeout_s}s")
 
 
 async def run_episode(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClient,
@@ -76,9 +77,8 @@ async def run_episode(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: Act
     """Play one episode; `starting` (optional) bounds how many environments reset at once."""
     started = time.monotonic()
     try:
-        with anyio.fail_after(cfg.episode_timeout_s):
+        with anyio.CancelScope(deadline=anyio.current_time() + cfg.episode_timeout_s):
             return await _play(spec, env, chat, client, cfg, max_model_len, started, starting)
-    except TimeoutError:
         return _failed(spec, "episode_timeout", f"episode took longer than {cfg.episode_timeout_s}s")
     except _EnvFailure as exc:
         return _failed(spec, exc.cause, str(exc))
@@ -163,8 +163,8 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
         rewards.append(float(result.reward))
         invalid += 0 if result.info.get("valid", True) else 1
         texts += [response, result.observation.text]
-        if result.done:
-            break
+        if result.done or turn == cfg.max_turns - 1:
+            break  # ended, or cut by max_turns: no prompt for a turn that is never played
         obs = result.observation
         if obs.new_context:
             # Delethink: a fresh context of the prompt plus the reply's last tokens, as ids.

@@ -99,7 +99,17 @@ class Channel:
     # --- public API ------------------------------------------------------------------------
 
     async def send(self, message: Message, to: bytes = b"", timeout: float = 60.0) -> None:
-        """Queue a message; waits while the queue is full (backpressure), at most `timeout` s."""
+        """Queue a message; waits while the queue is full (backpressure), at most `timeout` s.
+
+        The common case, room in the queue, takes no cancel scope and no checkpoint: at
+        thousands of sends a second the scope showed in profiles, and every caller awaits
+        something else right after.
+        """
+        try:
+            self._out_tx.send_nowait((to, message))
+            return
+        except anyio.WouldBlock:
+            pass
         try:
             with anyio.fail_after(timeout):
                 await self._out_tx.send((to, message))

@@ -1,10 +1,12 @@
-"""One episode against the real actor: token-in/token-out bookkeeping and failure causes."""
+"""One episode: token-in/token-out bookkeeping and failure causes against the real actor, and
+the turns an observation shapes (untrained turns, fresh contexts, invalid actions) against the
+synthetic actor or a scripted client."""
 
 import anyio
 import pytest
 
 from envpool.chat import ChatFormat
-from envpool.client import ActorClient
+from envpool.client import ActorClient, Generation
 from envpool.envs import Observation, StepResult, make_env
 from envpool.episode import EpisodeSpec, run_episode
 from shared.config import EnvPoolConfig, TransportConfig
@@ -90,3 +92,226 @@ def test_first_prompt_longer_than_context_is_a_named_failure(actor):
     env = make_env("evenchars", {"prompt": "word " * 1500})
     result, _ = play(actor, env)
     assert isinstance(result, EpisodeFailed) and result.cause == "prompt_too_long"
+
+
+# --- observation-shaped turns: untrained turns, fresh contexts (Delethink), invalid actions ----
+#
+# `Scripted` plays observations from a list; `ScriptedClient` answers with fixed generations
+# (exact token ids, for exact checks of the carried ids); `Recorder` wraps the production client
+# against the synthetic actor and remembers each request's prompt and each generation.
+
+STOP = 2  # <|im_end|> of the tiny model (the chat format's eos), a stop token
+
+
+class Scripted:
+    """reset -> `first`; step k -> `steps[k]` = (observation, reward, done, info)."""
+
+    def __init__(self, first, steps, system_prompt=""):
+        self.first, self.steps, self.system_prompt = first, steps, system_prompt
+        self.actions = []
+
+    async def reset(self, seed):
+        self.actions = []
+        return self.first
+
+    async def step(self, action):
+        self.actions.append(action)
+        obs, reward, done, info = self.steps[len(self.actions) - 1]
+        return StepResult(obs, reward, done, info)
+
+
+class ScriptedClient:
+    """Returns `replies[k]` (token ids) for the k-th request, cut to max_tokens, and records."""
+
+    def __init__(self, replies):
+        self.replies, self.prompts, self.generations = replies, [], []
+
+    async def generate(self, prompt_token_ids, *, max_tokens, stop_token_ids, **_):
+        ids = self.replies[len(self.prompts)][:max_tokens]
+        self.prompts.append(list(prompt_token_ids))
+        gen = Generation(list(ids), [-0.5] * len(ids), [3] * len(ids),
+                         "stop" if ids and ids[-1] in stop_token_ids else "length")
+        self.generations.append(gen)
+        return gen
+
+
+class Recorder:
+    def __init__(self, client):
+        self.client, self.prompts, self.generations = client, [], []
+
+    async def generate(self, prompt_token_ids, **kwargs):
+        self.prompts.append(list(prompt_token_ids))
+        gen = await self.client.generate(prompt_token_ids, **kwargs)
+        self.generations.append(gen)
+        return gen
+
+
+def play_scripted(model_dir, env, replies, max_model_len=1024, **cfg):
+    chat = ChatFormat.from_model_dir(model_dir)
+    client = ScriptedClient(replies)
+    spec = EpisodeSpec("e0", "g0", seed=11, member=0, group_size=1, env_name="test")
+    result = anyio.run(run_episode, spec, env, chat, client, EnvPoolConfig(**cfg), max_model_len,
+                       backend="trio")
+    return result, chat, client
+
+
+def play_recorded(address, model_dir, env, seed=11, **cfg):
+    chat = ChatFormat.from_model_dir(model_dir)
+    spec = EpisodeSpec("e0", "g0", seed=seed, member=0, group_size=1, env_name="test")
+    box = {}
+
+    async def main():
+        channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
+        client = Recorder(ActorClient(channel, "episode-test"))
+        box["client"] = client
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(channel.run)
+            tg.start_soon(client.client.run)
+            result = await run_episode(spec, env, chat, client, EnvPoolConfig(**cfg), 1024)
+            tg.cancel_scope.cancel()
+        return result
+
+    return anyio.run(main, backend="trio"), chat, box["client"]
+
+
+def ranges(traj):
+    return list(zip(traj.turn_starts, traj.turn_ends))
+
+
+@pytest.mark.parametrize("trained", [(True, False, True), (False, True, False)])
+def test_untrained_turn_is_generated_but_masked(synthetic, tiny_model_dir, trained):
+    # The observation each turn answers carries its `trained`; the last step ends the episode.
+    first = Observation("one", "a0", trained=trained[0])
+    steps = [(Observation("two", "a1", trained=trained[1]), 0.0, False, {}),
+             (Observation("three", "a2", trained=trained[2]), 0.0, False, {}),
+             (Observation("", "end"), 1.0, True, {})]
+    traj, chat, client = play_recorded(synthetic, tiny_model_dir, Scripted(first, steps),
+                                       max_tokens=8, max_turns=4)
+    assert isinstance(traj, Trajectory) and traj.num_turns == 3
+    assert traj.anchors == ["a0", "a1", "a2"] and traj.turn_rewards == [0.0, 0.0, 1.0]
+    for (s, e), gen, flag in zip(ranges(traj), client.generations, trained):
+        assert e - s == len(gen.token_ids) >= 1
+        assert traj.loss_mask[s:e] == [int(flag)] * (e - s)
+        # Trained or not, the behaviour logprobs and versions of the tokens are kept.
+        assert traj.logprobs[s:e] == gen.logprobs and all(lp < 0 for lp in gen.logprobs)
+        assert traj.versions[s:e] == gen.versions and all(v >= 0 for v in gen.versions)
+    assert sum(traj.loss_mask) == sum(e - s for (s, e), f in zip(ranges(traj), trained) if f)
+    # An untrained turn is still part of the one chat context the next turns see.
+    assert traj.segment_starts == []
+    for t in range(3):
+        assert client.prompts[t] == traj.token_ids[: traj.turn_starts[t]]
+
+
+def test_fresh_contexts_open_with_the_prompt_and_the_carried_ids(tiny_model_dir):
+    g0 = [101, 102, 103, 104, 105, 106, STOP]  # ends on the stop token (removed from a carry)
+    g1 = [201, 202, STOP]  # shorter than the next carry: the carry reaches into the last one
+    g2 = list(range(301, 311))  # cut by max_tokens=8
+    first = Observation("Query.", "c0")
+    steps = [(Observation("Query. Go on (2).", "c1", new_context=True, carry_tokens=4), 0.0, False, {}),
+             (Observation("Query. Go on (3).", "c2", new_context=True, carry_tokens=5), 0.0, False, {}),
+             (Observation("", "done"), 1.0, True, {})]
+    env = Scripted(first, steps, system_prompt="Think in chunks.")
+    traj, chat, client = play_scripted(tiny_model_dir, env, [g0, g1, g2], max_tokens=8, max_turns=5)
+    assert isinstance(traj, Trajectory) and traj.num_turns == 3
+    p0 = chat.first_prompt("Think in chunks.", "Query.")
+    p1 = chat.first_prompt("Think in chunks.", "Query. Go on (2).")
+    p2 = chat.first_prompt("Think in chunks.", "Query. Go on (3).")
+    carry1 = [103, 104, 105, 106]  # the last 4 generated ids, the stop token removed
+    carry2 = [104, 105, 106, 201, 202]  # the last 5 of (carried + generated), stop removed
+    g2c = g2[:8]
+    expected = p0 + g0 + p1 + carry1 + g1 + p2 + carry2 + g2c
+    assert traj.token_ids == expected
+    s1, s2 = len(p0 + g0), len(p0 + g0 + p1 + carry1 + g1)
+    assert traj.segment_starts == [s1, s2]
+    assert ranges(traj) == [(len(p0), s1), (s1 + len(p1 + carry1), s2),
+                            (s2 + len(p2 + carry2), len(expected))]
+    # Each request saw its own context only: the fresh prompt and the carry, nothing before.
+    assert client.prompts == [p0, p1 + carry1, p2 + carry2]
+    # Only generated ids carry loss; the carried ids are context (trained where generated).
+    assert traj.loss_mask == [0] * len(p0) + [1] * 7 + [0] * len(p1 + carry1) + [1] * 3 \
+        + [0] * len(p2 + carry2) + [1] * 8
+    assert [traj.versions[i] for i in range(len(expected)) if traj.loss_mask[i]] == [3] * 18
+    assert [traj.logprobs[i] for i in range(len(expected)) if not traj.loss_mask[i]] == \
+        [0.0] * (len(expected) - 18)
+    # The environment saw each reply without the carry: the model's own continuation.
+    assert env.actions == [chat.decode(g0), chat.decode(g1), chat.decode(g2c)]
+
+
+@pytest.mark.parametrize("carry_tokens", [0, 1, 50])
+def test_carry_length_zero_one_and_more_than_generated(tiny_model_dir, carry_tokens):
+    g0, g1 = [111, 112, 113, STOP], [121, STOP]
+    first = Observation("Ask.", "s0")
+    steps = [(Observation("Ask again.", "s1", new_context=True, carry_tokens=carry_tokens), 0.0, False, {}),
+             (Observation("", "done"), 0.0, True, {})]
+    traj, chat, client = play_scripted(tiny_model_dir, Scripted(first, steps), [g0, g1],
+                                       max_tokens=8)
+    carry = {0: [], 1: [113], 50: [111, 112, 113]}[carry_tokens]
+    fresh = chat.first_prompt("", "Ask again.")
+    assert traj.segment_starts == [len(chat.first_prompt("", "Ask.")) + len(g0)]
+    assert client.prompts[1] == fresh + carry
+    assert traj.token_ids[traj.segment_starts[0]:] == fresh + carry + g1
+
+
+def test_fresh_context_without_room_truncates(tiny_model_dir):
+    chat = ChatFormat.from_model_dir(tiny_model_dir)
+    first = Observation("Hi.", "s0")
+    long_text = "word " * 200
+    steps = [(Observation(long_text, "s1", new_context=True, carry_tokens=2), 0.0, False, {}),
+             (Observation("", "done"), 0.0, True, {})]
+    room = len(chat.first_prompt("", "Hi.")) + 20
+    assert len(chat.first_prompt("", long_text)) > room  # the fresh context cannot fit
+    traj, _, client = play_scripted(tiny_model_dir, Scripted(first, steps), [[131, 132, 133], [141]],
+                                    max_model_len=room, max_tokens=8)
+    assert isinstance(traj, Trajectory) and traj.num_turns == 1 and len(client.prompts) == 1
+    assert traj.segment_starts == [] and len(traj.token_ids) == traj.turn_ends[0]
+
+
+def test_fresh_contexts_against_the_synthetic_actor(synthetic, tiny_model_dir):
+    first = Observation("Query.", "c0")
+    steps = [(Observation("Query, chunk 2.", "c1", new_context=True, carry_tokens=6), 0.0, False, {}),
+             (Observation("Query, chunk 3.", "c2", new_context=True, carry_tokens=10), 0.0, False, {}),
+             (Observation("", "done"), 0.0, True, {})]
+    traj, chat, client = play_recorded(synthetic, tiny_model_dir, Scripted(first, steps, "Sys."),
+                                       max_tokens=8, max_turns=3)
+    assert isinstance(traj, Trajectory) and traj.num_turns == 3
+    gens = [g.token_ids for g in client.generations]
+    stop = set(chat.stop_token_ids)
+    carry1 = [i for i in gens[0] if i not in stop][-6:]
+    carry2 = [i for i in carry1 + gens[1] if i not in stop][-10:]
+    p1, p2 = chat.first_prompt("Sys.", "Query, chunk 2."), chat.first_prompt("Sys.", "Query, chunk 3.")
+    assert client.prompts == [chat.first_prompt("Sys.", "Query."), p1 + carry1, p2 + carry2]
+    s1, s2 = traj.segment_starts
+    assert (s1, s2) == (traj.turn_ends[0], traj.turn_ends[1])
+    assert traj.token_ids[s1:s2] == p1 + carry1 + gens[1]
+    assert traj.token_ids[s2:] == p2 + carry2 + gens[2]
+    assert traj.loss_mask[s1] == traj.loss_mask[s2] == 0
+    assert [i for i, m in enumerate(traj.loss_mask) if m] == \
+        [i for s, e in ranges(traj) for i in range(s, e)]
+
+
+def test_invalid_actions_are_counted(synthetic, tiny_model_dir):
+    first = Observation("go", "t0")
+    steps = [(Observation("again", "t1"), -0.1, False, {"valid": False}),
+             (Observation("again", "t2"), 0.0, False, {}),  # no "valid": counts as valid
+             (Observation("again", "t3"), 0.5, False, {"valid": True}),
+             (Observation("", "t4"), -0.1, True, {"valid": False, "success": False})]
+    traj, _, _ = play_recorded(synthetic, tiny_model_dir, Scripted(first, steps),
+                               max_tokens=4, max_turns=4)
+    assert isinstance(traj, Trajectory) and traj.num_turns == 4
+    assert traj.invalid_actions == 2
+    assert traj.turn_rewards == [-0.1, 0.0, 0.5, -0.1] and traj.reward == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["bridge", "new_context"])
+def test_nothing_follows_the_last_reply(tiny_model_dir, fresh):
+    first = Observation("Go.", "s0")
+    more = Observation("More.", "s1", new_context=fresh, carry_tokens=2 if fresh else 0)
+    steps = [(more, 0.0, False, {}), (more, 0.0, False, {}), (more, 0.0, False, {})]
+    traj, _, _ = play_scripted(tiny_model_dir, Scripted(first, steps), [[151, 152]] * 3,
+                               max_tokens=4, max_turns=2)
+    assert isinstance(traj, Trajectory) and traj.num_turns == 2
+    # The trajectory is the context the model saw: it ends with its last reply, and every
+    # segment holds a generated turn.
+    assert len(traj.token_ids) == traj.turn_ends[-1]
+    bounds = [*traj.segment_starts, len(traj.token_ids)]
+    assert all(any(a < t < b for t in traj.turn_starts) for a, b in zip(bounds, bounds[1:]))
