@@ -16,7 +16,7 @@ STAMP := $(VENV)/.millstream-cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-gpu run test clean
+.PHONY: install install-gpu run test bench-stress clean
 
 install: $(STAMP)
 
@@ -37,6 +37,10 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The envpool scale benchmarks recorded in bench/README.md (about 4 minutes on 2 cores).
+bench-stress: install
+	$(BIN)/python -m bench.stress_suite $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -6,8 +6,10 @@ memory, socket queues and the histogram of the turn latencies of that interval.
 `StatsFollower` reads those files as they grow; the timeline sums workers per one-second bin and
 merges their latency histograms, so percentiles are over turns, not averages of averages.
 
-Memory per live episode is measured, not estimated: a worker's resident memory at its peak of
-live episodes minus its memory before it admitted any, divided by that peak.
+Memory per live episode is measured, not estimated, and reported conservatively: a worker's
+highest resident memory minus its memory before it admitted any episode, divided by its peak of
+live episodes (the value at the moment of that peak is reported too; it is lower, because
+episodes that just started hold short contexts). Freed memory the allocator keeps counts.
 """
 
 from __future__ import annotations
@@ -95,11 +97,15 @@ class StatsFollower:
         for worker, recs in self.records.items():
             base = recs[0]["rss_bytes"]
             peak = max(recs, key=lambda r: r["live"])
+            top = max(r["rss_bytes"] for r in recs)
             per_worker[worker] = {
-                "rss_start_mb": base / 2**20, "rss_peak_mb": max(r["rss_bytes"] for r in recs) / 2**20,
-                "peak_live": peak["live"],
-                "bytes_per_live_episode": ((peak["rss_bytes"] - base) / peak["live"]
-                                           if peak["live"] else None)}
+                "rss_start_mb": base / 2**20, "rss_peak_mb": top / 2**20, "peak_live": peak["live"],
+                # Conservative: the worker's highest memory, whenever it came, over its most
+                # live episodes (later in a run episodes hold longer contexts).
+                "bytes_per_live_episode": (top - base) / peak["live"] if peak["live"] else None,
+                # The memory when the most episodes were live (most of them just started).
+                "bytes_per_live_episode_at_peak_live": ((peak["rss_bytes"] - base) / peak["live"]
+                                                        if peak["live"] else None)}
         return per_worker
 
     def progress_line(self, elapsed: float, accounted: int, total: int, outcomes: Counter) -> str:
