@@ -115,6 +115,7 @@ async def serve(cfg: Config, ready_file: str | None) -> None:
             vocab_size=model_config.get_vocab_size(),
             rpc_timeout_s=cfg.learner.sync_timeout_s,
             stream_interval=cfg.actor.stream_interval,
+            max_live_requests=cfg.actor.max_live_requests,
         )
         log.info("actor ready at %s in %.1fs (warm-up %.2fs), model %s",
                  channel.address, time.monotonic() - started, warm, model_dir)

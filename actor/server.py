@@ -84,8 +84,9 @@ class ActorServer:
 
     def __init__(self, engine, channel: Channel, *, model: str, dtype: str, weight_ranks: int,
                  max_model_len: int, vocab_size: int, rpc_timeout_s: float = 600.0,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, max_live_requests: int = 65536) -> None:
         self.engine = engine
+        self.max_live_requests = max_live_requests
         self.stream_interval = stream_interval
         self.channel = channel
         self.model = model
@@ -151,6 +152,12 @@ class ActorServer:
         problem = check_request(req, self.max_model_len, self.vocab_size)
         if problem is None and key in self._live:
             problem = f"request id {req.request_id!r} is already live"
+        if problem is None and len(self._live) >= self.max_live_requests:
+            self.stats.errors += 1
+            await self.channel.send(GenerateError(
+                req.request_id, "overloaded", f"{len(self._live)} requests live, the limit "
+                f"(actor.max_live_requests) is {self.max_live_requests}"), to=peer)
+            return
         if problem is not None:
             self.stats.errors += 1
             await self.channel.send(GenerateError(req.request_id, "bad_request", problem), to=peer)

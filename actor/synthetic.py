@@ -106,6 +106,12 @@ class SyntheticActor:
             if problem:
                 await send(GenerateError(message.request_id, "bad_request", problem), to=peer)
                 return
+            live = len(self._waiting) + len(self._running)
+            if live >= self.cfg.actor.max_live_requests:
+                await send(GenerateError(message.request_id, "overloaded", f"{live} requests live, "
+                                         f"the limit (actor.max_live_requests) is "
+                                         f"{self.cfg.actor.max_live_requests}"), to=peer)
+                return
             stop = set(message.stop_token_ids) | {self.eos_id}
             self._waiting.append(_Seq(peer, message, random.Random(message.seed), stop=stop))
             self._work.set()

@@ -100,6 +100,8 @@ class ActorClient:
     """
 
     MAX_DELTAS = 4096
+    #: Failures that say "try later", not "this request is wrong".
+    RETRYABLE = ("actor_timeout", "actor_overloaded")
 
     def __init__(self, channel: Channel, worker: str) -> None:
         self.channel = channel
@@ -136,6 +138,12 @@ class ActorClient:
                 else:
                     log.warning("unexpected %s from the actor", type(message).__name__)
 
+    def statistics(self) -> dict:
+        """Counters, plus the deltas received and not yet read by their episodes."""
+        counters = {k: v for k, v in vars(self.stats).items() if k != "latency"}
+        return {**counters, "queued_deltas": sum(len(i.replies) for i in self._routes.values()),
+                "queued_deltas_max_per_request": self.MAX_DELTAS}
+
     async def handshake(self, *, timeout_s: float, retries: int, backoff_s: float) -> ActorInfo:
         """Say `Hello` until the actor answers; raises `ActorUnreachable` after `retries` more tries.
 
@@ -164,10 +172,10 @@ class ActorClient:
         """Request a generation and collect its stream; raises `GenerationFailed`.
 
         A request that gets no final delta within `timeout_s` (an actor that is unreachable,
-        restarting or overloaded) is aborted and sent again, up to `retries` more times, after
-        `backoff_s`, then twice that, and so on. The retry carries the same seed, so the run stays
-        reproducible; a request the actor answered with an error is never retried (resending a bad
-        request or one that killed the engine helps nobody).
+        restarting or overloaded), or that the actor refused as `overloaded`, is sent again, up to
+        `retries` more times, after `backoff_s`, then twice that, and so on. The retry carries the
+        same seed, so the run stays reproducible. Other errors are never retried (resending a bad
+        request, or one that killed the engine, helps nobody).
         """
         for attempt in range(retries + 1):
             try:
@@ -175,7 +183,7 @@ class ActorClient:
                     prompt_token_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     seed=seed, stop_token_ids=stop_token_ids, timeout_s=timeout_s)
             except GenerationFailed as exc:
-                if exc.cause != "actor_timeout" or attempt == retries:
+                if exc.cause not in self.RETRYABLE or attempt == retries:
                     raise
                 self.stats.retries += 1
                 await anyio.sleep(backoff_s * 2**attempt)

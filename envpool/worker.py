@@ -189,7 +189,7 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
             "failed": dict(stats.failed), "live": stats.live, "groups": stats.groups,
             "rss_bytes": rss_bytes(), "turns": client_stats.completed,
             "turn_latency": latency.to_dict(), "gate": gate.statistics(),
-            "client": {k: v for k, v in vars(client_stats).items() if k != "latency"},
+            "client": client.statistics(),
             "actor_socket": _counters(dealer.statistics()),
             "learner_socket": _counters(push.statistics()),
         })

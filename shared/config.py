@@ -100,6 +100,11 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device: Annotated[str, _doc("'cpu' or 'cuda'; 'auto' picks cuda when available.")] = "auto"
     max_num_seqs: Annotated[int, _doc("vLLM continuous-batching width (sequences).", ge=1)] = 64
     max_model_len: Annotated[int, _doc("Longest prompt + generation, tokens.", ge=16)] = 1024
+    max_live_requests: Annotated[
+        int, _doc("Requests the actor holds at once (running and queued); beyond it a request is "
+                  "refused as 'overloaded', and the envpool retries it with backoff. Bounds the "
+                  "actor's memory whatever the clients do.", ge=1)
+    ] = 65536
     stream_interval: Annotated[
         int, _doc("Tokens per streamed delta (the last delta of a request may be shorter; a "
                   "policy-version change flushes early, so every token keeps its true version). "

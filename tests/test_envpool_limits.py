@@ -1,0 +1,215 @@
+"""Admission limits and actor trouble: bounded retries, a named error for an absent actor, a
+bounded number of environments starting at once, and an actor that refuses work beyond its bound.
+
+Where the test is about the client's retry logic, the other end is a ROUTER socket the test
+scripts by hand (`ScriptedPeer`): it answers what the test says, it is not an actor.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+import zmq
+
+from envpool.chat import ChatFormat
+from envpool.client import ActorClient, ActorUnreachable, GenerationFailed
+from envpool.envs import Observation, StepResult
+from envpool.episode import EpisodeSpec, run_episode
+from shared.config import EnvPoolConfig, TransportConfig
+from shared.protocol import Abort, Codec, GenerateError, GenerateRequest, Hello, TokenDelta, Trajectory
+from shared.runtime import free_port
+from shared.transport import open_channel
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+GEN = dict(max_tokens=4, temperature=1.0, top_p=1.0, seed=7, stop_token_ids=[0])
+
+
+class ScriptedPeer:
+    """A ROUTER the test drives: `script(n, request)` returns the reply to the n-th request."""
+
+    def __init__(self, script):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        self.script, self.codec = script, Codec()
+        self.requests: list[GenerateRequest] = []
+        self.aborts: list[str] = []
+
+    async def serve(self):
+        while True:
+            while self.sock.poll(0):
+                peer, frame = self.sock.recv_multipart()
+                for m in self.codec.decode(frame):
+                    if isinstance(m, GenerateRequest):
+                        self.requests.append(m)
+                        reply = self.script(len(self.requests) - 1, m)
+                        if reply is not None:
+                            self.sock.send_multipart([peer, self.codec.encode([reply])])
+                    elif isinstance(m, Abort):
+                        self.aborts.append(m.request_id)
+            await anyio.sleep(0.005)
+
+
+def with_client(address, body):
+    async def main():
+        channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
+        client = ActorClient(channel, "limits-test")
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(channel.run)
+            tg.start_soon(client.run)
+            try:
+                return await body(client, tg)
+            finally:
+                tg.cancel_scope.cancel()
+
+    return anyio.run(main, backend="trio")
+
+
+def final(request, ids=(5, 6)):
+    return TokenDelta(request.request_id, list(ids), [-0.5] * len(ids), 3, "length")
+
+
+def test_handshake_names_an_absent_actor_after_bounded_tries():
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # connected to, never answers
+    address = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
+    started = time.monotonic()
+
+    async def body(client, tg):
+        with pytest.raises(ActorUnreachable, match=r"did not answer Hello in 3 tries of 0.2s"):
+            await client.handshake(timeout_s=0.2, retries=2, backoff_s=0.05)
+        return client.stats.retries
+
+    assert with_client(address, body) == 2
+    assert time.monotonic() - started >= 3 * 0.2 + 0.05 + 0.1  # every try and pause was waited
+    hellos = 0
+    while silent.poll(100):
+        hellos += sum(isinstance(m, Hello) for m in Codec().decode(silent.recv_multipart()[1]))
+    assert hellos == 3
+    silent.close(0)
+
+
+def test_overloaded_refusal_is_retried_with_the_same_request():
+    peer = ScriptedPeer(lambda n, r: GenerateError(r.request_id, "overloaded", "full")
+                        if n == 0 else final(r))
+
+    async def body(client, tg):
+        tg.start_soon(peer.serve)
+        gen = await client.generate([1, 2, 3], timeout_s=5, retries=2, backoff_s=0.01, **GEN)
+        return gen, client.stats.retries
+
+    gen, retries = with_client(peer.address, body)
+    assert gen.token_ids == [5, 6] and gen.versions == [3, 3] and retries == 1
+    first, second = peer.requests
+    assert first.request_id != second.request_id  # a new id: a late reply cannot be confused
+    assert (first.prompt_token_ids, first.seed) == (second.prompt_token_ids, second.seed) == ([1, 2, 3], 7)
+
+
+def test_a_timed_out_request_is_aborted_then_retried():
+    peer = ScriptedPeer(lambda n, r: None if n == 0 else final(r))  # the first one is lost
+
+    async def body(client, tg):
+        tg.start_soon(peer.serve)
+        return await client.generate([1, 2], timeout_s=0.3, retries=1, backoff_s=0.01, **GEN)
+
+    gen = with_client(peer.address, body)
+    assert gen.token_ids == [5, 6]
+    assert peer.aborts == [peer.requests[0].request_id]
+
+
+def failure_cause(peer, retries):
+    async def body(client, tg):
+        tg.start_soon(peer.serve)
+        with pytest.raises(GenerationFailed) as info:
+            await client.generate([1], timeout_s=5, retries=retries, backoff_s=0.01, **GEN)
+        return info.value.cause
+
+    return with_client(peer.address, body)
+
+
+def test_retries_are_bounded_and_other_errors_are_not_retried():
+    always_full = ScriptedPeer(lambda n, r: GenerateError(r.request_id, "overloaded", "full"))
+    assert failure_cause(always_full, retries=2) == "actor_overloaded"
+    assert len(always_full.requests) == 3  # one try and two retries, then the episode fails
+    bad = ScriptedPeer(lambda n, r: GenerateError(r.request_id, "bad_request", "no"))
+    assert failure_cause(bad, retries=2) == "actor_bad_request"
+    assert len(bad.requests) == 1
+
+
+class SlowStart:
+    """Resets take 0.1 s and record how many run at once."""
+
+    system_prompt = ""
+    running = peak = 0
+
+    async def reset(self, seed):
+        SlowStart.running += 1
+        SlowStart.peak = max(SlowStart.peak, SlowStart.running)
+        await anyio.sleep(0.1)
+        SlowStart.running -= 1
+        return Observation("hi", anchor="start")
+
+    async def step(self, action):
+        return StepResult(Observation("", anchor="end"), 0.0, True, {"valid": True})
+
+
+def test_environments_start_at_most_max_starting_envs_at_once(synthetic, tiny_model_dir):
+    chat = ChatFormat.from_model_dir(tiny_model_dir)
+    cfg = EnvPoolConfig(max_tokens=4, max_starting_envs=3)
+    results = []
+
+    async def body(client, tg):
+        starting = anyio.CapacityLimiter(cfg.max_starting_envs)
+
+        async def one(i):
+            spec = EpisodeSpec(f"e{i}", "g0", seed=1, member=i, group_size=12, env_name="slow")
+            results.append(await run_episode(spec, SlowStart(), chat, client, cfg, 1024, starting))
+
+        async with anyio.create_task_group() as episodes:
+            for i in range(12):
+                episodes.start_soon(one, i)
+
+    started = time.monotonic()
+    with_client(synthetic, body)
+    assert SlowStart.peak == 3
+    assert time.monotonic() - started >= 4 * 0.1  # 12 resets, 3 at a time
+    assert len(results) == 12 and all(isinstance(r, Trajectory) for r in results)
+
+
+def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tmp_path):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
+         f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=2",
+         "actor.max_live_requests=4", "actor.synthetic_step_s=0.05", "actor.synthetic_stop_prob=0"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        causes = []
+
+        async def body(client, tg):
+            async def one():
+                try:
+                    await client.generate([1, 2], timeout_s=30, retries=0, **GEN)
+                    causes.append("ok")
+                except GenerationFailed as exc:
+                    causes.append(exc.cause)
+
+            async with anyio.create_task_group() as requests:
+                for _ in range(10):
+                    requests.start_soon(one)
+
+        with_client(address, body)
+        assert causes.count("ok") == 4 and causes.count("actor_overloaded") == 6, causes
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
