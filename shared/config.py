@@ -166,7 +166,8 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 120.0
     episode_timeout_s: Annotated[float, _doc("Longest one whole episode may take.", gt=0)] = 600.0
     actor_retries: Annotated[
-        int, _doc("Retries of a generation that timed out, and of the start-up handshake, before "
+        int, _doc("Retries of a generation that timed out or was refused as overloaded, and of the "
+                  "start-up handshake, before "
                   "the episode fails ('actor_timeout') or the worker stops (actor unreachable).",
                   ge=0)
     ] = 3

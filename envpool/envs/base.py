@@ -44,6 +44,7 @@ __all__ = [
     "make_env",
     "env_names",
     "parse_answer",
+    "parse_moves",
     "ENTRY_POINT_GROUP",
 ]
 
@@ -128,3 +129,13 @@ def parse_answer(text: str) -> list[str] | None:
         return None
     actions = [part.strip() for part in match.group(1).split("||")]
     return [a for a in actions if a] or None
+
+
+def parse_moves(text: str, allowed, max_moves: int) -> list[str] | None:
+    """Grid games' actions: up to `max_moves` names from `allowed` (case-insensitive) in one
+    answer block, e.g. `<answer>Up || Left</answer>` -> ["up", "left"]; None if any is unknown."""
+    answer = parse_answer(text)
+    if answer is None or len(answer) > max_moves:
+        return None
+    moves = [a.lower() for a in answer]
+    return moves if all(m in allowed for m in moves) else None

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from .base import Observation, StepResult, parse_answer, register
+from .base import Observation, StepResult, parse_moves, register
 
 __all__ = ["FrozenLake", "generate_lake", "MOVES"]
 
@@ -101,7 +101,7 @@ class FrozenLake:
     async def step(self, action: str) -> StepResult:
         if self._done:
             raise RuntimeError("step() after the episode ended; call reset() first")
-        moves = self._parse(action)
+        moves = parse_moves(action, MOVES, self.max_actions_per_turn)
         if moves is None:
             obs = self._observe("Invalid answer; use Left, Down, Right or Up.\n")
             return StepResult(obs, self.format_penalty, False, {"valid": False, "success": False})
@@ -117,13 +117,6 @@ class FrozenLake:
                 break
         info = {"valid": True, "success": self.player == self.goal, "actions_executed": executed}
         return StepResult(self._observe(), reward, self._done, info)
-
-    def _parse(self, action: str) -> list[str] | None:
-        answer = parse_answer(action)
-        if answer is None or len(answer) > self.max_actions_per_turn:
-            return None
-        moves = [a.lower() for a in answer]
-        return moves if all(m in MOVES for m in moves) else None
 
     def _slip(self, move: str) -> str:
         if not self.slippery:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import random
 
-from .base import Observation, StepResult, parse_answer, register
+from .base import Observation, StepResult, parse_moves, register
 
 __all__ = ["Sokoban", "Level", "generate_level", "MOVES"]
 
@@ -171,7 +171,7 @@ class Sokoban:
     async def step(self, action: str) -> StepResult:
         if self._done or self.level is None:
             raise RuntimeError("step() after the episode ended; call reset() first")
-        moves = self._parse(action)
+        moves = parse_moves(action, MOVES, self.max_actions_per_turn)
         if moves is None:
             obs = self._observe("Invalid answer; use Up, Down, Left or Right.\n")
             return StepResult(obs, self.format_penalty, False, {"valid": False, "success": False})
@@ -185,13 +185,6 @@ class Sokoban:
                 "boxes_on_target": len(self.boxes & self.level.targets)}
         # Rounded so that sums of -0.1 compare as the decimals they stand for.
         return StepResult(self._observe(), round(reward, 6), self._done, info)
-
-    def _parse(self, action: str) -> list[str] | None:
-        answer = parse_answer(action)
-        if answer is None or len(answer) > self.max_actions_per_turn:
-            return None
-        moves = [a.lower() for a in answer]
-        return moves if all(m in MOVES for m in moves) else None
 
     def _push(self, move: str) -> float:
         """Apply one move; its gym-sokoban reward."""
