@@ -6,7 +6,8 @@ Sockets: one DEALER to the actor (every episode's requests, multiplexed), one SU
 learner's `PolicyVersion`s (they drive the admission gate), one PUSH of `Trajectory` /
 `EpisodeFailed` to the learner.
 
-Life of a worker: wait for the learner's first version; then, as long as the gate allows and
+Life of a worker: wait for the learner's first version; make sure the actor answers (`Hello`,
+bounded retries); then, as long as the gate allows and
 capacity (`envpool.max_concurrent_episodes`) remains, start the next group: `group_size` episodes
 with the same environment seed. When the learner announces `final`, stop admitting, cancel the
 episodes still running (each is reported as failed with cause `run_ended`, so nothing is lost),
@@ -150,11 +151,24 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
                 f"{stats.actor_failure_streak} episodes in a row failed on the actor's side, the "
                 f"last with {result.cause}: {result.message}")
 
+    async def greet_actor() -> None:
+        info = await client.handshake(timeout_s=pool.actor_connect_timeout_s,
+                                      retries=pool.actor_retries,
+                                      backoff_s=pool.actor_retry_backoff_s)
+        log.info("%s: actor at %s serves %s (version %d)", name, actor_address, info.model,
+                 info.version)
+
     async def admit_groups(episodes) -> None:
+        greeted = False
         while True:
             number = await gate.admit(pool.version_timeout_s)
             if number is None:
                 return
+            if not greeted:
+                # Only now: the learner announces its first version after the actor took its
+                # weights, so an actor still loading (a minute for vLLM) is not taken for gone.
+                await greet_actor()
+                greeted = True
             for _ in range(group_size):
                 try:  # the free-slot case must not wait a scheduler round per slot: at 10,000
                     slots.acquire_nowait()  # episodes that alone made filling the pool take 8 s
@@ -211,11 +225,6 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
         for channel in (dealer, sub, push):
             io.start_soon(channel.run)
         io.start_soon(client.run)
-        info = await client.handshake(timeout_s=pool.actor_connect_timeout_s,
-                                      retries=pool.actor_retries,
-                                      backoff_s=pool.actor_retry_backoff_s)
-        log.info("%s: actor at %s serves %s (version %d)", name, actor_address, info.model,
-                 info.version)
         io.start_soon(progress)
         io.start_soon(record_stats)
         if ready_file:

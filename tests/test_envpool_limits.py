@@ -213,3 +213,68 @@ def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tm
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handshake(tiny_model_dir,
+                                                                                    tmp_path):
+    """As under `millstream run`: vLLM takes a minute to load, the envpool starts at once.
+
+    The worker greets the actor only after the learner's first version (which the learner sends
+    once the actor took its weights), so handshake tries shorter than the actor's start-up do
+    not fail the run. Here the stand-in learner announces 3 s after the worker started, once the
+    actor is up; the handshake alone (2 tries of 0.5 s) would have given up long before.
+    """
+    from envpool.worker import run_worker
+    from shared.config import load_config
+    from shared.protocol import PolicyVersion, PoolDone
+
+    ctx = zmq.Context.instance()
+    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+    exp = pull.bind_to_random_port("tcp://127.0.0.1")
+    ver = pub.bind_to_random_port("tcp://127.0.0.1")
+    address = f"tcp://127.0.0.1:{free_port()}"
+    cfg = load_config(None, [
+        f"model.path={tiny_model_dir}", f"actor.connect={address}", "train.group_size=2",
+        f"learner.experience_address=tcp://127.0.0.1:{exp}",
+        f"learner.version_address=tcp://127.0.0.1:{ver}", "envpool.env=noop",
+        "envpool.actor_connect_timeout_s=0.5", "envpool.actor_retries=1",
+        "envpool.actor_retry_backoff_s=0.1"])
+    codec = Codec()
+    ready = tmp_path / "ready.json"
+    procs = []
+    got = []
+
+    async def learner_stand_in():
+        await anyio.sleep(3)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
+             f"model.path={tiny_model_dir}", f"actor.address={address}"],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
+        while not ready.exists():
+            await anyio.sleep(0.1)
+        final = False
+        while not any(isinstance(m, PoolDone) for m in got):
+            pub.send(codec.encode([PolicyVersion(0, 1, 0, final=final)]))
+            while pull.poll(0):
+                got.extend(codec.decode(pull.recv()))
+            final = final or sum(isinstance(m, Trajectory) for m in got) == 2
+            await anyio.sleep(0.05)
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(learner_stand_in)
+            stats = await run_worker(cfg, 0, None)
+            with anyio.fail_after(30):
+                while not any(isinstance(m, PoolDone) for m in got):
+                    await anyio.sleep(0.05)
+        return stats
+
+    try:
+        stats = anyio.run(main, backend="trio")
+    finally:
+        for proc in procs:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        pull.close(0)
+        pub.close(0)
+    assert stats.finished == 2 and not stats.failed
