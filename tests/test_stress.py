@@ -128,7 +128,8 @@ def test_entry_point_alone_registers_the_plugin():
 
 @pytest.fixture(scope="module")
 def stress_run(tiny_model_dir, tmp_path_factory):
-    """One `millstream stress` run of the plugin env with all three faults; (process, out dir).
+    """One `millstream stress` run of the plugin env with all three faults, two envpool worker
+    processes sharing the actor; (process, out dir).
 
     Faults are drawn per reset/step call: crash 0.05, hang 0.02 (a hang outlives
     `envpool.step_timeout_s=1`, so it ends as env_timeout). A coinflip episode makes up to 3
@@ -140,7 +141,7 @@ def stress_run(tiny_model_dir, tmp_path_factory):
     """
     out = tmp_path_factory.mktemp("stress") / "coinflip"
     proc = _stress(["--env", "coinflip", "--episodes", str(EPISODES), "--concurrency", "200",
-                    "--actor", "synthetic", "--faults", FAULTS, "--out", str(out),
+                    "--workers", "2", "--actor", "synthetic", "--faults", FAULTS, "--out", str(out),
                     "--set", f"model.path={tiny_model_dir}", "--set", "envpool.step_timeout_s=1"],
                    with_plugin=True, timeout=180)
     return proc, out
@@ -161,6 +162,9 @@ def test_stress_accounts_for_every_episode(stress_run):
     assert e["completed"] + sum(failures.values()) == EPISODES
     assert e["failed"] == sum(failures.values()) and e["accounted"] == EPISODES
     assert report["faults"] == {"crash": 0.05, "hang": 0.02, "garbage": 0.1}
+    # Both workers ran episodes (group numbers alternate between them) and reported their ends.
+    assert set(report["memory"]) == set(report["sockets"]) == {"w0", "w1"}
+    assert all(m["peak_live"] > 0 for m in report["memory"].values())
 
 
 def test_stress_failures_have_causes(stress_run):
