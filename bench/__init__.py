@@ -1,1 +1,9 @@
-"""Benchmarks live here, apart from the tests (throughput, scale, weight sync). Later issues fill it."""
+"""Benchmarks, apart from the tests: they measure and record; tests assert behaviour.
+
+Layout:
+- `stress.py`        `millstream stress`: envpool workers at N concurrent episodes, faults, a report;
+- `stress_report.py` the report: workers' statistics over time, the table, JSON and the plot;
+- `stress_suite.py`  the recorded scenarios (`make bench-stress`), results in `results/`.
+
+`README.md` here holds the measured numbers and how to read them.
+"""

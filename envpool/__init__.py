@@ -6,17 +6,17 @@ Layout:
 - `client.py` many episodes' generation requests over one DEALER socket to the actor;
 - `episode.py` one episode: reset, generate, step, ... -> Trajectory or EpisodeFailed;
 - `gate.py`   the staleness-bounded admission gate;
-- `worker.py` the worker process: admission, concurrency, reporting to the learner.
+- `worker.py` the worker process: admission, concurrency, reporting to the learner, statistics.
 
 This package never imports torch or vllm: it talks to the actor and learner only through
 `shared.protocol` messages.
 """
 
 from .chat import ChatFormat
-from .client import ActorClient, Generation, GenerationFailed
+from .client import ActorClient, ActorUnreachable, Generation, GenerationFailed
 from .episode import EpisodeSpec, run_episode
 from .gate import AdmissionGate
 from .worker import WorkerStats, run_worker
 
-__all__ = ["ChatFormat", "ActorClient", "Generation", "GenerationFailed", "EpisodeSpec",
+__all__ = ["ChatFormat", "ActorClient", "ActorUnreachable", "Generation", "GenerationFailed", "EpisodeSpec",
            "run_episode", "AdmissionGate", "run_worker", "WorkerStats"]
