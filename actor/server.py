@@ -44,7 +44,7 @@ from shared.protocol import (
 )
 from shared.transport import Channel
 
-__all__ = ["ActorServer", "ActorStats", "check_request"]
+__all__ = ["ActorServer", "ActorStats", "check_request", "refusal"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,22 @@ def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> 
         return f"prompt token id {bad} outside the vocabulary [0, {vocab_size})"
     if req.temperature < 0 or not 0 < req.top_p <= 1:
         return f"bad sampling parameters temperature={req.temperature} top_p={req.top_p}"
+    return None
+
+
+def refusal(req: GenerateRequest, live: int, max_live: int, max_model_len: int,
+            vocab_size: int) -> GenerateError | None:
+    """The error that refuses `req`, or None to serve it. Shared by every actor kind.
+
+    `overloaded` (more than `actor.max_live_requests` held) says "try later" and the envpool
+    retries it; `bad_request` says the request itself is wrong and is never retried.
+    """
+    problem = check_request(req, max_model_len, vocab_size)
+    if problem is not None:
+        return GenerateError(req.request_id, "bad_request", problem)
+    if live >= max_live:
+        return GenerateError(req.request_id, "overloaded", f"{live} requests live, the limit "
+                             f"(actor.max_live_requests) is {max_live}")
     return None
 
 
@@ -149,18 +165,15 @@ class ActorServer:
         from vllm.sampling_params import RequestOutputKind
 
         key = f"{peer.hex()}/{req.request_id}"
-        problem = check_request(req, self.max_model_len, self.vocab_size)
-        if problem is None and key in self._live:
-            problem = f"request id {req.request_id!r} is already live"
-        if problem is None and len(self._live) >= self.max_live_requests:
+        if key in self._live:
+            refused = GenerateError(req.request_id, "bad_request",
+                                    f"request id {req.request_id!r} is already live")
+        else:
+            refused = refusal(req, len(self._live), self.max_live_requests, self.max_model_len,
+                              self.vocab_size)
+        if refused is not None:
             self.stats.errors += 1
-            await self.channel.send(GenerateError(
-                req.request_id, "overloaded", f"{len(self._live)} requests live, the limit "
-                f"(actor.max_live_requests) is {self.max_live_requests}"), to=peer)
-            return
-        if problem is not None:
-            self.stats.errors += 1
-            await self.channel.send(GenerateError(req.request_id, "bad_request", problem), to=peer)
+            await self.channel.send(refused, to=peer)
             return
         params = SamplingParams(
             n=1,
@@ -184,7 +197,13 @@ class ActorServer:
         pending_ids: list[int] = []
         pending_logprobs: list[float] = []
         pending_version = self.version
-        interval = self.stream_interval
+
+        async def flush(finish: str | None) -> None:
+            nonlocal pending_ids, pending_logprobs
+            await self.channel.send(TokenDelta(req.request_id, pending_ids, pending_logprobs,
+                                               pending_version, finish), to=peer)
+            pending_ids, pending_logprobs = [], []
+
         try:
             async for out in self.engine.generate({"prompt_token_ids": list(req.prompt_token_ids)},
                                                   params, key):
@@ -196,17 +215,13 @@ class ActorServer:
                 if out.finished:
                     finish = comp.finish_reason or "stop"
                 if pending_ids and self.version != pending_version:
-                    await self.channel.send(TokenDelta(req.request_id, pending_ids, pending_logprobs,
-                                                       pending_version, None), to=peer)
-                    pending_ids, pending_logprobs = [], []
+                    await flush(None)
                 pending_version = self.version
                 pending_ids += ids
                 pending_logprobs += logprobs
                 self.stats.tokens += len(ids)
-                if finish or len(pending_ids) >= interval:
-                    await self.channel.send(TokenDelta(req.request_id, pending_ids, pending_logprobs,
-                                                       pending_version, finish), to=peer)
-                    pending_ids, pending_logprobs = [], []
+                if finish or len(pending_ids) >= self.stream_interval:
+                    await flush(finish)
             if finish is None:  # the stream ended without a final output: it was aborted
                 finish = "abort"
                 await self.channel.send(TokenDelta(req.request_id, [], [], self.version, finish),

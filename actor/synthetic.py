@@ -41,7 +41,6 @@ from shared.protocol import (
     ActorInfo,
     AttachLearner,
     ErrorReply,
-    GenerateError,
     GenerateRequest,
     Hello,
     TokenDelta,
@@ -50,7 +49,7 @@ from shared.protocol import (
 )
 from shared.transport import Channel
 
-from .server import check_request
+from .server import refusal
 
 __all__ = ["SyntheticActor", "model_vocab"]
 
@@ -102,15 +101,11 @@ class SyntheticActor:
     async def _dispatch(self, tg, peer: bytes, message) -> None:
         send = self.channel.send
         if isinstance(message, GenerateRequest):
-            problem = check_request(message, self.cfg.actor.max_model_len, self.vocab_size)
-            if problem:
-                await send(GenerateError(message.request_id, "bad_request", problem), to=peer)
-                return
-            live = len(self._waiting) + len(self._running)
-            if live >= self.cfg.actor.max_live_requests:
-                await send(GenerateError(message.request_id, "overloaded", f"{live} requests live, "
-                                         f"the limit (actor.max_live_requests) is "
-                                         f"{self.cfg.actor.max_live_requests}"), to=peer)
+            a = self.cfg.actor
+            refused = refusal(message, len(self._waiting) + len(self._running),
+                              a.max_live_requests, a.max_model_len, self.vocab_size)
+            if refused is not None:
+                await send(refused, to=peer)
                 return
             stop = set(message.stop_token_ids) | {self.eos_id}
             self._waiting.append(_Seq(peer, message, random.Random(message.seed), stop=stop))

@@ -17,7 +17,7 @@ replaces the model's reply by unparseable bytes (the environment answers with it
 While it runs, a progress line per second; at the end a table (episodes, turns/s, p50/p95/p99
 turn latency, memory per live episode, failures by cause, lost), and in `--out`: `report.json`,
 `stress.png` (throughput, latency and live episodes over time), the resolved config, every
-worker's statistics JSONL and every process's log. The exit status is 1 if anything was lost.
+worker's statistics JSONL and every process's log (`logs/`). The exit status is 1 if anything was lost.
 
 "Lost" means an episode a worker started and never reported (neither a trajectory nor a failure
 with a cause); it must be 0. Episodes the run never started (time ran out) are counted apart.
@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,15 +36,15 @@ from pathlib import Path
 import zmq
 
 from envpool.envs import make_env
-from shared.config import ConfigError, dump_config, load_config
+from shared.config import ConfigError, dump_config, load_config, toml_value
 from shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
+from shared.launcher import Supervisor
 from shared.runtime import free_port, raise_fd_limit, resolve_model_dir
 
 from .stress_report import StatsFollower, build_report, format_table, plot_report, write_json
 
 __all__ = ["main", "parse_faults"]
 
-ROOT = Path(__file__).resolve().parent.parent
 FAULTS = ("crash", "hang", "garbage")
 
 
@@ -111,7 +109,7 @@ def stress_config(ns: argparse.Namespace, out: Path) -> tuple:
     make_env(env, env_args)  # an unknown name or bad arguments: a clear error before anything starts
     exp, ver = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     actor = ns.actor if ns.actor != "synthetic" else f"tcp://127.0.0.1:{free_port()}"
-    env_args_toml = _inline_toml(env_args)
+    env_args_toml = toml_value(env_args)
     cfg = load_config(ns.config, defaults + ns.overrides + [
         f"envpool.env={env}", f"envpool.env_args={env_args_toml}",
         f"model.path={resolve_model_dir(cfg)}", f"actor.connect={actor}", f"actor.address={actor}",
@@ -119,59 +117,26 @@ def stress_config(ns: argparse.Namespace, out: Path) -> tuple:
     return cfg, faults
 
 
-def _inline_toml(value) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_inline_toml(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_inline_toml(v) for v in value) + "]"
-    return repr(value)
+def _check(sup: Supervisor) -> None:
+    """Raise, naming the process and the end of its log, if a child exited with an error."""
+    for name, code in sup.exited().items():
+        if code != 0:
+            raise RuntimeError(f"{name} exited with {code}; its log ends:\n{sup.tail(name, 40)}")
 
 
-class Processes:
-    """The child processes of a stress run, each in its own process group, logs in `out`."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, args: list[str]) -> None:
-        log = (self.out / f"{name}.log").open("wb")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-
-    def check(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() not in (None, 0):
-                tail = (self.out / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{tail}")
-
-    def wait(self, names: list[str], timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        for name in names:
-            try:
-                self.procs[name].wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-
-    def stop_all(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+def _wait_exit(sup: Supervisor, names: list[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for name in names:
+        try:
+            sup.procs[name].wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
-def _wait_ready(ready: Path, procs: Processes, timeout_s: float) -> None:
+def _wait_ready(ready: Path, sup: Supervisor, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not ready.exists():
-        procs.check()
+        _check(sup)
         if time.monotonic() > deadline:
             raise TimeoutError(f"the synthetic actor wrote no {ready} in {timeout_s}s")
         time.sleep(0.1)
@@ -185,7 +150,8 @@ def run_stress(ns: argparse.Namespace) -> dict:
     (out / "config.toml").write_text(dump_config(cfg))
     raise_fd_limit()
     groups = ns.episodes // ns.group_size
-    procs = Processes(out)
+    (out / "logs").mkdir(exist_ok=True)
+    sup = Supervisor(out)  # the launcher's: own process groups, logs in out/logs
     ctx = zmq.Context.instance()
     pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
     pull.set_hwm(0)  # the stand-in learner must never make a worker's PUSH block
@@ -199,12 +165,13 @@ def run_stress(ns: argparse.Namespace) -> dict:
     started = time.monotonic()
     try:
         if ns.actor == "synthetic":
-            procs.start("actor", ["actor", "--config", str(out / "config.toml"), "--ready-file",
-                                  str(out / "actor.ready"), "actor.kind=synthetic"])
-            _wait_ready(out / "actor.ready", procs, 120)
+            sup.start("actor", "actor", ["--config", str(out / "config.toml"),
+                                         "--ready-file", str(out / "actor.ready"),
+                                         "actor.kind=synthetic"])
+            _wait_ready(out / "actor.ready", sup, 120)
         for i in range(ns.workers):
-            procs.start(f"envpool-w{i}", ["envpool", "--config", str(out / "config.toml"),
-                                          "--worker-index", str(i)])
+            sup.start(f"envpool-w{i}", "envpool", ["--config", str(out / "config.toml"),
+                                                    "--worker-index", str(i)])
         t0 = time.monotonic()
         final = False
         last_beat = last_line = 0.0
@@ -214,7 +181,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
             if now - last_beat >= 0.2:
                 pub.send(codec.encode([PolicyVersion(0, groups, 0, final=final)]))
                 last_beat = now
-                procs.check()
+                _check(sup)
             if pull.poll(50):
                 while True:
                     try:
@@ -243,12 +210,12 @@ def run_stress(ns: argparse.Namespace) -> dict:
             if final and now - final_at > 120:
                 break  # workers did not report PoolDone: report what we have
         wall = time.monotonic() - t0
-        procs.wait([f"envpool-w{i}" for i in range(ns.workers)], 30)
+        _wait_exit(sup, [f"envpool-w{i}" for i in range(ns.workers)], 30)
         follower.poll()
         if tty:
             print()
     finally:
-        procs.stop_all()
+        sup.stop(grace_s=5)
         pull.close(0)
         pub.close(0)
     report = build_report(

@@ -138,6 +138,11 @@ class ActorClient:
                 else:
                     log.warning("unexpected %s from the actor", type(message).__name__)
 
+    def take_latency(self) -> LatencyHistogram:
+        """The turn latencies recorded since the last call (a fresh histogram starts)."""
+        latency, self.stats.latency = self.stats.latency, LatencyHistogram()
+        return latency
+
     def statistics(self) -> dict:
         """Counters, plus the deltas received and not yet read by their episodes."""
         counters = {k: v for k, v in vars(self.stats).items() if k != "latency"}

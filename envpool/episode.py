@@ -24,6 +24,7 @@ reproducible and the members of a group still sample differently.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import anyio
@@ -129,11 +130,8 @@ class _Context:
 async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClient,
                 cfg: EnvPoolConfig, max_model_len: int, started: float,
                 starting: anyio.CapacityLimiter | None) -> Trajectory:
-    if starting is None:
+    async with starting or nullcontext():  # bounds envs starting at once (sandboxes, containers)
         obs = await _call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
-    else:
-        async with starting:  # bounds environments starting at once (sandboxes, containers)
-            obs = await _call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
     system = getattr(env, "system_prompt", "")
     ctx = _Context()
     ctx.add_prompt(chat.first_prompt(system, obs.text))

@@ -19,7 +19,6 @@ learner, a trajectory or a failure.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -32,9 +31,8 @@ from typing import Callable
 
 import anyio
 
-
 from shared.config import Config
-from shared.metrics import LatencyHistogram, MetricsWriter, NullMetrics
+from shared.metrics import MetricsWriter, NullMetrics
 from shared.protocol import EpisodeFailed, PolicyVersion, PoolDone, Trajectory, group_id
 from shared.transport import open_channel
 
@@ -75,10 +73,6 @@ def tokenizer_dir(cfg: Config) -> str:
             f"no tokenizer.json in {path}: set model.path (the launcher does) or build the tiny "
             "model first with `millstream tiny-model DIR`")
     return str(path)
-
-
-def _counters(channel_stats) -> dict:
-    return {k: v for k, v in dataclasses.asdict(channel_stats).items() if k != "peers"}
 
 
 def rss_bytes() -> int:
@@ -196,16 +190,14 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
 
     def snapshot() -> None:
         """One statistics record; the latency histogram covers the interval since the last."""
-        client_stats = client.stats
-        latency, client_stats.latency = client_stats.latency, LatencyHistogram()
         metrics.write({
             "worker": name, "started": stats.started, "finished": stats.finished,
             "failed": dict(stats.failed), "live": stats.live, "groups": stats.groups,
-            "rss_bytes": rss_bytes(), "turns": client_stats.completed,
-            "turn_latency": latency.to_dict(), "gate": gate.statistics(),
+            "rss_bytes": rss_bytes(), "turns": client.stats.completed,
+            "turn_latency": client.take_latency().to_dict(), "gate": gate.statistics(),
             "client": client.statistics(),
-            "actor_socket": _counters(dealer.statistics()),
-            "learner_socket": _counters(push.statistics()),
+            "actor_socket": dealer.statistics().counters(),
+            "learner_socket": push.statistics().counters(),
         })
 
     async def record_stats() -> None:
@@ -216,10 +208,9 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
     async def progress(every_s: float = 10.0) -> None:
         while True:
             await anyio.sleep(every_s)
-            log.info("%s started=%d finished=%d failed=%s live=%d gate=%s client=%s actor_socket=%s "
-                     "learner_socket=%s", name, stats.started, stats.finished, dict(stats.failed),
-                     stats.live, gate.statistics(), client.stats, dealer.statistics(),
-                     push.statistics())
+            # A short line; the full statistics go to envpool-<name>.jsonl (snapshot above).
+            log.info("%s started=%d finished=%d failed=%s live=%d gate=%s", name, stats.started,
+                     stats.finished, dict(stats.failed), stats.live, gate.statistics())
 
     async with anyio.create_task_group() as io:
         for channel in (dealer, sub, push):

@@ -36,6 +36,7 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "dump_config",
+    "toml_value",
     "describe_config",
     "DEFAULT_CONFIG",
 ]
@@ -385,12 +386,13 @@ def dump_config(cfg: Config) -> str:
     for section, value in msgspec.structs.asdict(cfg).items():
         lines.append(f"[{section}]")
         for key, item in msgspec.structs.asdict(value).items():
-            lines.append(f"{key} = {_toml_value(item)}")
+            lines.append(f"{key} = {toml_value(item)}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """One value as TOML (inline tables for dicts): also what a `key=value` override takes."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -398,10 +400,10 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):
         return msgspec.json.encode(value).decode()
     if isinstance(value, dict):
-        inner = ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items())
+        inner = ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items())
         return "{ " + inner + " }" if inner else "{}"
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise ConfigError(f"cannot write {value!r} as TOML")
 
 
@@ -414,6 +416,6 @@ def describe_config() -> str:
             meta = getattr(f.type, "__metadata__", ())
             doc = next((m.description for m in meta if isinstance(m, msgspec.Meta)), "")
             default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
-            out.append(f"  {f.name} = {_toml_value(default)}")
+            out.append(f"  {f.name} = {toml_value(default)}")
             out.append(f"      {doc}")
     return "\n".join(out)

@@ -69,6 +69,10 @@ class ChannelStats:
     recv_queue_max: int = 0
     peers: set[bytes] = field(default_factory=set, repr=False)
 
+    def counters(self) -> dict[str, int | str]:
+        """Everything but the peer set, as a plain dict (JSON-ready)."""
+        return {k: v for k, v in vars(self).items() if k != "peers"}
+
 
 class Channel:
     """One ZeroMQ socket, its bounded queues, and the tasks that move frames.

@@ -2,7 +2,6 @@
 
 import typing
 
-import anyio
 import msgspec
 import pytest
 import zmq
