@@ -40,7 +40,7 @@ test: install
 
 # The envpool scale benchmarks recorded in bench/README.md (about 4 minutes on 2 cores).
 bench-stress: install
-	$(BIN)/python -m bench.stress_suite $(ARGS)
+	$(BIN)/python -m millstream.bench.stress_suite $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs

@@ -17,9 +17,9 @@ import uuid
 
 import anyio
 
-from shared.config import Config
-from shared.runtime import raise_fd_limit, resolve_model_dir, role_args, write_ready
-from shared.transport import open_channel
+from millstream.shared.config import Config
+from millstream.shared.runtime import raise_fd_limit, resolve_model_dir, role_args, write_ready
+from millstream.shared.transport import open_channel
 
 from .server import ActorServer
 
@@ -62,7 +62,7 @@ def build_engine(cfg: Config, model_dir: str):
         max_model_len=cfg.actor.max_model_len,
         max_num_seqs=cfg.actor.max_num_seqs,
         enforce_eager=cfg.actor.enforce_eager,
-        worker_extension_cls="actor.weights.WeightSyncExtension",
+        worker_extension_cls="millstream.actor.weights.WeightSyncExtension",
         enable_log_requests=False,
         disable_log_stats=True,
         **platform,

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import anyio
 
-from shared.protocol import (
+from millstream.shared.protocol import (
     Abort,
     ActorInfo,
     AttachLearner,
@@ -42,7 +42,7 @@ from shared.protocol import (
     WeightsApplied,
     WeightUpdate,
 )
-from shared.transport import Channel
+from millstream.shared.transport import Channel
 
 __all__ = ["ActorServer", "ActorStats", "check_request", "refusal"]
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import anyio
 
-from shared.config import Config
-from shared.protocol import (
+from millstream.shared.config import Config
+from millstream.shared.protocol import (
     Abort,
     ActorInfo,
     AttachLearner,
@@ -47,7 +47,7 @@ from shared.protocol import (
     WeightsApplied,
     WeightUpdate,
 )
-from shared.transport import Channel
+from millstream.shared.transport import Channel
 
 from .server import refusal
 
@@ -176,7 +176,7 @@ class SyntheticActor:
                                 to=seq.peer)
 
     async def _attach(self, peer: bytes, msg: AttachLearner) -> None:
-        from shared.weightsync import make_group, open_store
+        from millstream.shared.weightsync import make_group, open_store
 
         def join():
             store = open_store(msg.host, msg.port, msg.world_size, is_master=False, timeout_s=msg.timeout_s)
@@ -194,7 +194,7 @@ class SyntheticActor:
     async def _update(self, peer: bytes, msg: WeightUpdate) -> None:
         import torch
 
-        from shared.weightsync import DTYPES, broadcast
+        from millstream.shared.weightsync import DTYPES, broadcast
 
         async with self._lock:
             started = time.monotonic()

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from shared.weightsync import DTYPES, broadcast, make_group, open_store
+from millstream.shared.weightsync import DTYPES, broadcast, make_group, open_store
 
 __all__ = ["WeightSyncExtension"]
 

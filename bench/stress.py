@@ -4,7 +4,7 @@
     millstream stress --env frozenlake --episodes 2000 --concurrency 500 \\
         --actor tcp://gpu-host:5555 --faults crash=0.01,hang=0.01,garbage=0.05
 
-What runs: the real envpool workers (`python -m envpool`, as `millstream run` starts them) against
+What runs: the real envpool workers (`python -m millstream.envpool`, as `millstream run` starts them) against
 an actor, either a synthetic actor started here (actor/synthetic.py: a timing model, no GPU) or a
 running actor at ADDRESS (a vLLM actor of a real run works unchanged). This process stands in for
 the learner: it announces a policy version whose admission limit lets every group start as soon as
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import zmq
 
-from envpool.envs import make_env
-from shared.config import ConfigError, dump_config, load_config, toml_value
-from shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
-from shared.launcher import Supervisor
-from shared.runtime import free_port, raise_fd_limit, resolve_model_dir
+from millstream.envpool.envs import make_env
+from millstream.shared.config import ConfigError, dump_config, load_config, toml_value
+from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
+from millstream.shared.launcher import Supervisor
+from millstream.shared.runtime import free_port, raise_fd_limit, resolve_model_dir
 
 from .stress_report import StatsFollower, build_report, format_table, plot_report, write_json
 
@@ -165,12 +165,12 @@ def run_stress(ns: argparse.Namespace) -> dict:
     started = time.monotonic()
     try:
         if ns.actor == "synthetic":
-            sup.start("actor", "actor", ["--config", str(out / "config.toml"),
+            sup.start("actor", "millstream.actor", ["--config", str(out / "config.toml"),
                                          "--ready-file", str(out / "actor.ready"),
                                          "actor.kind=synthetic"])
             _wait_ready(out / "actor.ready", sup, 120)
         for i in range(ns.workers):
-            sup.start(f"envpool-w{i}", "envpool", ["--config", str(out / "config.toml"),
+            sup.start(f"envpool-w{i}", "millstream.envpool", ["--config", str(out / "config.toml"),
                                                     "--worker-index", str(i)])
         t0 = time.monotonic()
         final = False

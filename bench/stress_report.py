@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from shared.metrics import LatencyHistogram
+from millstream.shared.metrics import LatencyHistogram
 
 __all__ = ["StatsFollower", "build_report", "format_table", "plot_report", "write_json"]
 

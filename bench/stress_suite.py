@@ -1,4 +1,4 @@
-"""The recorded envpool scale benchmarks: `make bench-stress` (or `python -m bench.stress_suite`).
+"""The recorded envpool scale benchmarks: `make bench-stress` (or `python -m millstream.bench.stress_suite`).
 
 Runs each scenario below through `millstream stress` (bench/stress.py), keeps its `report.json`
 and `stress.png` in `bench/results/<scenario>/`, and writes `bench/results/summary.md`, the table
@@ -48,7 +48,7 @@ def run_scenario(name: str, args: list[str], scratch: Path) -> dict:
     out = scratch / name
     if out.exists():
         shutil.rmtree(out)
-    cmd = [sys.executable, "-m", "bench.stress", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "millstream.bench.stress", *args, "--out", str(out)]
     print("$ millstream stress " + " ".join(args), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=False)
     keep = RESULTS / name
@@ -69,7 +69,7 @@ def summary_row(name: str, r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.stress_suite")
+    parser = argparse.ArgumentParser(prog="python -m millstream.bench.stress_suite")
     parser.add_argument("--only", choices=sorted(SCENARIOS), default=None)
     parser.add_argument("--scratch", default="runs/bench-stress", help="full outputs go here")
     ns = parser.parse_args(argv)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from shared.protocol import (
+from millstream.shared.protocol import (
     Abort,
     ActorInfo,
     ErrorReply,
@@ -31,8 +31,8 @@ from shared.protocol import (
     Hello,
     TokenDelta,
 )
-from shared.metrics import LatencyHistogram
-from shared.transport import Channel
+from millstream.shared.metrics import LatencyHistogram
+from millstream.shared.transport import Channel
 
 __all__ = ["ActorClient", "ActorUnreachable", "Generation", "GenerationFailed", "ClientStats"]
 

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import anyio
 
-from shared.config import EnvPoolConfig
-from shared.protocol import EpisodeFailed, Trajectory
+from millstream.shared.config import EnvPoolConfig
+from millstream.shared.protocol import EpisodeFailed, Trajectory
 
 from .chat import ChatFormat
 from .client import ActorClient, GenerationFailed

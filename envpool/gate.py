@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import anyio
 
-from shared.protocol import PolicyVersion
+from millstream.shared.protocol import PolicyVersion
 
 __all__ = ["AdmissionGate"]
 

@@ -31,10 +31,10 @@ from typing import Callable
 
 import anyio
 
-from shared.config import Config
-from shared.metrics import MetricsWriter, NullMetrics
-from shared.protocol import EpisodeFailed, PolicyVersion, PoolDone, Trajectory, group_id
-from shared.transport import open_channel
+from millstream.shared.config import Config
+from millstream.shared.metrics import MetricsWriter, NullMetrics
+from millstream.shared.protocol import EpisodeFailed, PolicyVersion, PoolDone, Trajectory, group_id
+from millstream.shared.transport import open_channel
 
 from .chat import ChatFormat
 from .client import ActorClient
@@ -237,7 +237,7 @@ async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from shared.runtime import raise_fd_limit, role_args
+    from millstream.shared.runtime import raise_fd_limit, role_args
 
     cfg, ns = role_args("envpool", argv)
     raise_fd_limit()

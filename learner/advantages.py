@@ -57,9 +57,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # only for type hints; keeps this module free of runtime imports
-    from learner.replay import Group
-    from shared.config import LearnerConfig
-    from shared.protocol import Trajectory
+    from millstream.learner.replay import Group
+    from millstream.shared.config import LearnerConfig
+    from millstream.shared.protocol import Trajectory
 
 __all__ = [
     "EPS",

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shared.config import LearnerConfig
-from shared.runtime import free_port
+from millstream.shared.config import LearnerConfig
+from millstream.shared.runtime import free_port
 
 __all__ = ["import_deepspeed", "init_distributed", "ds_config"]
 

@@ -1,7 +1,7 @@
 """The learner process: receive episodes, train on complete groups, push weights, announce.
 
     millstream learner [--config run.toml] actor.connect=tcp://... run.dir=runs/x
-    torchrun --nproc_per_node 2 -m learner ...        (the launcher does this for learner.ranks=2)
+    torchrun --nproc_per_node 2 -m millstream.learner ...        (the launcher does this for learner.ranks=2)
 
 One loop on rank 0, synchronous on purpose (training is the slow part; ZeroMQ queues arriving
 experience in its own I/O thread meanwhile):
@@ -33,9 +33,9 @@ import msgspec
 import orjson
 import zmq
 
-from shared.config import Config
-from shared.metrics import MetricsWriter
-from shared.protocol import (
+from millstream.shared.config import Config
+from millstream.shared.metrics import MetricsWriter
+from millstream.shared.protocol import (
     Codec,
     EpisodeFailed,
     PolicyVersion,
@@ -44,7 +44,7 @@ from shared.protocol import (
     Trajectory,
     admit_limit,
 )
-from shared.runtime import resolve_model_dir, role_args, write_ready
+from millstream.shared.runtime import resolve_model_dir, role_args, write_ready
 
 from .advantages import compute_advantages, filter_groups, filter_pool_size
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint

@@ -41,7 +41,7 @@ from typing import Any
 
 import msgspec
 
-from shared.protocol import EpisodeFailed, Trajectory, group_number
+from millstream.shared.protocol import EpisodeFailed, Trajectory, group_number
 
 __all__ = ["Group", "ReplayBuffer", "BufferFull"]
 

@@ -75,8 +75,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
-from shared.config import LearnerConfig
+from millstream.learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
+from millstream.shared.config import LearnerConfig
 
 from .dssetup import ds_config, import_deepspeed, init_distributed
 

@@ -22,8 +22,8 @@ from typing import Iterable
 import torch
 import zmq
 
-from shared.config import LearnerConfig
-from shared.protocol import (
+from millstream.shared.config import LearnerConfig
+from millstream.shared.protocol import (
     ActorInfo,
     AttachLearner,
     Codec,
@@ -34,7 +34,7 @@ from shared.protocol import (
     WeightsApplied,
     WeightUpdate,
 )
-from shared.weightsync import DTYPES, broadcast, flat_layout, make_group, open_store, pick_backend
+from millstream.shared.weightsync import DTYPES, broadcast, flat_layout, make_group, open_store, pick_backend
 
 __all__ = ["WeightSender", "WeightSyncError"]
 

@@ -6,7 +6,7 @@
     millstream tiny-model DIR [--seed N ...]       build the tiny random Qwen2 model
     millstream config                              every config key, default and meaning
 
-Role commands replace this process with `python -m <role>`: `shared` imports no role package,
+Role commands replace this process with `python -m millstream.<role>`: `shared` imports no role package,
 and a role started by hand is the very same process the launcher starts.
 """
 
@@ -27,9 +27,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
     if command in ROLES:
-        os.execv(sys.executable, [sys.executable, "-m", command, *rest])
+        os.execv(sys.executable, [sys.executable, "-m", f"millstream.{command}", *rest])
     if command == "stress":
-        os.execv(sys.executable, [sys.executable, "-m", "bench.stress", *rest])
+        os.execv(sys.executable, [sys.executable, "-m", "millstream.bench.stress", *rest])
     if command == "run":
         from .config import ConfigError
         from .launcher import launch

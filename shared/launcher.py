@@ -7,7 +7,7 @@ What it does:
    free ports for every address left at port 0, and writes the run directory:
    `config.toml` (the resolved config every role reads), `logs/<role>.log`, and later
    `metrics.jsonl`, `trajectories.jsonl`, `summary.json`, `final/` (from the learner);
-2. starts the roles as separate processes (`python -m actor|learner|envpool`), each in its own
+2. starts the roles as separate processes (`python -m millstream.actor|learner|envpool`), each in its own
    process group so that stopping one also stops its children (vLLM spawns several);
 3. shows the learner's progress lines, and watches: the run ends when the learner exits; any
    role dying first is an error that stops the others and names the role and its log;
@@ -132,16 +132,16 @@ def launch(cfg_path: str | None, overrides: list[str], *, out=sys.stdout) -> int
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         if not cfg.actor.connect:
-            sup.start("actor", "actor", config)
+            sup.start("actor", "millstream.actor", config)
         if cfg.learner.ranks > 1:  # data-parallel learner: torchrun starts the ranks
             sup.start("learner", "torch.distributed.run",
                       ["--nproc_per_node", str(cfg.learner.ranks), "--master_addr", "127.0.0.1",
-                       "--master_port", str(free_port()), "-m", "learner", *config],
+                       "--master_port", str(free_port()), "-m", "millstream.learner", *config],
                       pipe_stdout=True)
         else:
-            sup.start("learner", "learner", config, pipe_stdout=True)
+            sup.start("learner", "millstream.learner", config, pipe_stdout=True)
         for i in range(cfg.envpool.workers):
-            sup.start(f"envpool-{i}", "envpool", [*config, "--worker-index", str(i)])
+            sup.start(f"envpool-{i}", "millstream.envpool", [*config, "--worker-index", str(i)])
         relay = threading.Thread(target=_relay, args=(sup.procs["learner"].stdout, out), daemon=True)
         relay.start()
         code = _watch(sup, cfg, stop, out)

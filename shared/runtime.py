@@ -1,6 +1,6 @@
 """Start-up chores every role process shares: arguments, config, logging, model path, fd limit.
 
-Each role's entry point (`python -m actor`, `python -m learner`, `python -m envpool`, or
+Each role's entry point (`python -m millstream.actor`, `... learner`, `... envpool`, or
 `millstream actor|learner|envpool`) takes the same arguments:
 
     --config FILE      TOML config (default: the embedded one)

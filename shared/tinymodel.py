@@ -15,11 +15,11 @@ the same arguments is reused as is (see millstream_tiny.json inside it).
 
 Launch it with:
 
-    python -m shared.tinymodel /tmp/tiny --seed 0
+    python -m millstream.shared.tinymodel /tmp/tiny --seed 0
 
 or from Python:
 
-    from shared.tinymodel import build_tiny_model
+    from millstream.shared.tinymodel import build_tiny_model
     model_dir = build_tiny_model("/tmp/tiny", seed=0)
 """
 
@@ -289,7 +289,7 @@ def _write_model(out: Path, args: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m shared.tinymodel",
+    ap = argparse.ArgumentParser(prog="python -m millstream.shared.tinymodel",
                                  description="Build a tiny random Qwen2 chat model.")
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)

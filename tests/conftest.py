@@ -2,7 +2,7 @@
 
 `synthetic` is the synthetic actor (a timing model, no vLLM), for envpool tests at scale.
 
-The actor is started through its real entry point (`python -m actor`), exactly as the launcher
+The actor is started through its real entry point (`python -m millstream.actor`), exactly as the launcher
 starts it, and reused by every test that needs generation; end-to-end runs attach to it with
 `actor.connect=...` (a new learner session re-attaches and pushes its own weights first, so runs
 do not see each other's weights). Starting vLLM costs ~1 minute here, hence once per session.
@@ -19,14 +19,14 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shared.runtime import free_port
+from millstream.shared.runtime import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from shared.tinymodel import build_tiny_model
+    from millstream.shared.tinymodel import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0))
 
@@ -44,7 +44,7 @@ def actor(tiny_model_dir, tmp_path_factory) -> RunningActor:
     work = tmp_path_factory.mktemp("actor")
     ready, log = work / "ready.json", work / "actor.log"
     address = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "actor", "--ready-file", str(ready), f"model.path={tiny_model_dir}",
+    cmd = [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready), f"model.path={tiny_model_dir}",
            f"actor.address={address}", "actor.max_num_seqs=64", "learner.sync_timeout_s=120"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True,
@@ -73,7 +73,7 @@ def synthetic(tiny_model_dir, tmp_path_factory) -> str:
     address = f"tcp://127.0.0.1:{free_port()}"
     ready = tmp_path_factory.mktemp("synthetic") / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
+        [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready), "actor.kind=synthetic",
          f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=32",
          "actor.synthetic_stop_prob=0.05"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)

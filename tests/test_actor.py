@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from envpool.client import ActorClient, GenerationFailed
-from learner.weights import WeightSender, WeightSyncError
-from shared.config import LearnerConfig, TransportConfig
-from shared.transport import open_channel
+from millstream.envpool.client import ActorClient, GenerationFailed
+from millstream.learner.weights import WeightSender, WeightSyncError
+from millstream.shared.config import LearnerConfig, TransportConfig
+from millstream.shared.transport import open_channel
 
 PROMPT = [1, 367, 201, 316, 276, 223, 19, 20, 425, 2, 201, 1, 366, 201]
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.advantages import (
+from millstream.learner.advantages import (
     ESTIMATORS,
     compute_advantages,
     discounted_returns,
@@ -20,9 +20,9 @@ from learner.advantages import (
     ngrpo_advantages,
     rloo_advantages,
 )
-from learner.replay import Group
-from shared.config import LearnerConfig
-from shared.protocol import Trajectory
+from millstream.learner.replay import Group
+from millstream.shared.config import LearnerConfig
+from millstream.shared.protocol import Trajectory
 
 ALL = ("grpo", "drgrpo", "rloo", "ngrpo", "gigpo")
 

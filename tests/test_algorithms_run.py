@@ -13,7 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shared.metrics import read_jsonl
+from millstream.shared.metrics import read_jsonl
 from test_run import ROOT, check_accounting, millstream_run, steps_of
 
 
@@ -48,7 +48,7 @@ def test_two_rank_zero3_learner(actor, tmp_path):
 
 def test_sigkill_then_resume_continues_the_policy(actor, tmp_path):
     first = tmp_path / "first"
-    cmd = [sys.executable, "-m", "shared.cli", "run", f"actor.connect={actor.address}",
+    cmd = [sys.executable, "-m", "millstream.shared.cli", "run", f"actor.connect={actor.address}",
            f"model.path={actor.model_dir}", f"run.dir={first}", "train.steps=12",
            "learner.checkpoint_every=2"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -15,12 +15,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from learner.checkpoint import STATE_FILE, find_checkpoint, load_checkpoint, save_checkpoint
-from learner.replay import ReplayBuffer
+from millstream.learner.checkpoint import STATE_FILE, find_checkpoint, load_checkpoint, save_checkpoint
+from millstream.learner.replay import ReplayBuffer
 from samples import random_samples
-from learner.trainer import Trainer, TrainSample
-from shared.config import LearnerConfig
-from shared.protocol import EpisodeFailed, Trajectory
+from millstream.learner.trainer import Trainer, TrainSample
+from millstream.shared.config import LearnerConfig
+from millstream.shared.protocol import EpisodeFailed, Trajectory
 
 # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")

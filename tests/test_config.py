@@ -5,7 +5,7 @@ import tomllib
 import msgspec
 import pytest
 
-from shared.config import Config, ConfigError, describe_config, dump_config, load_config, parse_overrides
+from millstream.shared.config import Config, ConfigError, describe_config, dump_config, load_config, parse_overrides
 
 
 def test_overrides_are_typed_and_nested():

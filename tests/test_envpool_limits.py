@@ -15,14 +15,14 @@ import anyio
 import pytest
 import zmq
 
-from envpool.chat import ChatFormat
-from envpool.client import ActorClient, ActorUnreachable, GenerationFailed
-from envpool.envs import Observation, StepResult
-from envpool.episode import EpisodeSpec, run_episode
-from shared.config import EnvPoolConfig, TransportConfig
-from shared.protocol import Abort, Codec, GenerateError, GenerateRequest, Hello, TokenDelta, Trajectory
-from shared.runtime import free_port
-from shared.transport import open_channel
+from millstream.envpool.chat import ChatFormat
+from millstream.envpool.client import ActorClient, ActorUnreachable, GenerationFailed
+from millstream.envpool.envs import Observation, StepResult
+from millstream.envpool.episode import EpisodeSpec, run_episode
+from millstream.shared.config import EnvPoolConfig, TransportConfig
+from millstream.shared.protocol import Abort, Codec, GenerateError, GenerateRequest, Hello, TokenDelta, Trajectory
+from millstream.shared.runtime import free_port
+from millstream.shared.transport import open_channel
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -184,7 +184,7 @@ def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tm
     address = f"tcp://127.0.0.1:{free_port()}"
     ready = tmp_path / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
+        [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready), "actor.kind=synthetic",
          f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=2",
          "actor.max_live_requests=4", "actor.synthetic_step_s=0.05", "actor.synthetic_stop_prob=0"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
@@ -224,9 +224,9 @@ def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handsha
     not fail the run. Here the stand-in learner announces 3 s after the worker started, once the
     actor is up; the handshake alone (2 tries of 0.5 s) would have given up long before.
     """
-    from envpool.worker import run_worker
-    from shared.config import load_config
-    from shared.protocol import PolicyVersion, PoolDone
+    from millstream.envpool.worker import run_worker
+    from millstream.shared.config import load_config
+    from millstream.shared.protocol import PolicyVersion, PoolDone
 
     ctx = zmq.Context.instance()
     pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
@@ -247,7 +247,7 @@ def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handsha
     async def learner_stand_in():
         await anyio.sleep(3)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "actor", "--ready-file", str(ready), "actor.kind=synthetic",
+            [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready), "actor.kind=synthetic",
              f"model.path={tiny_model_dir}", f"actor.address={address}"],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
         while not ready.exists():

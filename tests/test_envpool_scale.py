@@ -12,11 +12,11 @@ from collections import Counter
 import anyio
 import pytest
 
-from envpool.envs import Observation, StepResult
-from envpool.envs.base import REGISTRY
-from envpool.worker import run_worker
-from shared.config import load_config
-from shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
+from millstream.envpool.envs import Observation, StepResult
+from millstream.envpool.envs.base import REGISTRY
+from millstream.envpool.worker import run_worker
+from millstream.shared.config import load_config
+from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
 
 GROUPS, GROUP_SIZE = 250, 8
 

@@ -3,11 +3,11 @@
 import anyio
 import pytest
 
-from envpool.chat import ChatFormat
-from envpool.envs import make_env, parse_answer
-from envpool.envs.evenchars import even_share
-from envpool.gate import AdmissionGate
-from shared.protocol import PolicyVersion, admit_limit, group_id, group_number
+from millstream.envpool.chat import ChatFormat
+from millstream.envpool.envs import make_env, parse_answer
+from millstream.envpool.envs.evenchars import even_share
+from millstream.envpool.gate import AdmissionGate
+from millstream.shared.protocol import PolicyVersion, admit_limit, group_id, group_number
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +158,7 @@ def test_parse_answer():
 
 @pytest.mark.anyio
 async def test_flaky_env_injects_both_faults():
-    from envpool.envs.flaky import InjectedFault
+    from millstream.envpool.envs.flaky import InjectedFault
 
     crashes = hangs = clean = 0
     for i in range(200):

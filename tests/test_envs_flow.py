@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envpool.envs import make_env
-from envpool.envs.agentflow import AgentFlow, CalculatorError, calculator, make_question
-from envpool.envs.echo import Echo
-from envpool.envs.markovian import MAX_STEPS, Markovian, make_chain
-from envpool.envs.noop import Noop
+from millstream.envpool.envs import make_env
+from millstream.envpool.envs.agentflow import AgentFlow, CalculatorError, calculator, make_question
+from millstream.envpool.envs.echo import Echo
+from millstream.envpool.envs.markovian import MAX_STEPS, Markovian, make_chain
+from millstream.envpool.envs.noop import Noop
 
 GARBAGE = "\x00\ufffd<garbage>"  # what the fault injector sends
 

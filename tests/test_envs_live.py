@@ -17,15 +17,15 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from envpool.chat import ChatFormat
-from envpool.client import ActorClient
-from envpool.envs import env_names, make_env, parse_answer
-from envpool.envs.echo import is_clean_reply
-from envpool.envs.evenchars import even_share
-from envpool.episode import EpisodeSpec, run_episode
-from shared.config import EnvPoolConfig, TransportConfig
-from shared.protocol import Trajectory
-from shared.transport import open_channel
+from millstream.envpool.chat import ChatFormat
+from millstream.envpool.client import ActorClient
+from millstream.envpool.envs import env_names, make_env, parse_answer
+from millstream.envpool.envs.echo import is_clean_reply
+from millstream.envpool.envs.evenchars import even_share
+from millstream.envpool.episode import EpisodeSpec, run_episode
+from millstream.shared.config import EnvPoolConfig, TransportConfig
+from millstream.shared.protocol import Trajectory
+from millstream.shared.transport import open_channel
 
 MAX_TURNS = 3
 MAX_TOKENS = 16

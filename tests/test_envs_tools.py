@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from envpool.envs import make_env
-from envpool.envs.pytool import (TEMPLATES, Task, _collatz_steps, _count_primes_below, _divisor_sum,
+from millstream.envpool.envs import make_env
+from millstream.envpool.envs.pytool import (TEMPLATES, Task, _collatz_steps, _count_primes_below, _divisor_sum,
                                  _fibonacci_mod, _limiter, make_task, parse_integer, run_python)
-from envpool.envs.search import (BM25, DEFAULT_CORPUS, DEFAULT_QUESTIONS, Passage, load_corpus,
+from millstream.envpool.envs.search import (BM25, DEFAULT_CORPUS, DEFAULT_QUESTIONS, Passage, load_corpus,
                                  load_questions, normalize_answer)
 
 STORM_CLOCK_SEED = 336  # random.Random(336).randrange(260) == 3: the storm-clock two-hop question

@@ -5,13 +5,13 @@ synthetic actor or a scripted client."""
 import anyio
 import pytest
 
-from envpool.chat import ChatFormat
-from envpool.client import ActorClient, Generation
-from envpool.envs import Observation, StepResult, make_env
-from envpool.episode import EpisodeSpec, run_episode
-from shared.config import EnvPoolConfig, TransportConfig
-from shared.protocol import EpisodeFailed, Trajectory
-from shared.transport import open_channel
+from millstream.envpool.chat import ChatFormat
+from millstream.envpool.client import ActorClient, Generation
+from millstream.envpool.envs import Observation, StepResult, make_env
+from millstream.envpool.episode import EpisodeSpec, run_episode
+from millstream.shared.config import EnvPoolConfig, TransportConfig
+from millstream.shared.protocol import EpisodeFailed, Trajectory
+from millstream.shared.transport import open_channel
 
 
 def play(actor, env, **cfg):

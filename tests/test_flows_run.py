@@ -8,7 +8,7 @@ checks that such trajectories reach the learner, train, and are all accounted fo
 
 import pytest
 
-from shared.metrics import read_jsonl
+from millstream.shared.metrics import read_jsonl
 from test_run import check_accounting, millstream_run, steps_of
 
 

@@ -8,9 +8,9 @@ untrained turns, or a prompt only) is left out.
 
 from __future__ import annotations
 
-from learner.main import train_samples
-from learner.trainer import TrainSample
-from shared.protocol import Trajectory
+from millstream.learner.main import train_samples
+from millstream.learner.trainer import TrainSample
+from millstream.shared.protocol import Trajectory
 
 
 def make_traj(mask: list[int], segment_starts: list[int]) -> Trajectory:

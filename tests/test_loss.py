@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from learner.loss import (
+from millstream.learner.loss import (
     aggregation_weights,
     gather_logprobs,
     kl_penalty,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.metrics import LatencyHistogram, MetricsWriter, NullMetrics, read_jsonl
+from millstream.shared.metrics import LatencyHistogram, MetricsWriter, NullMetrics, read_jsonl
 
 #: One bucket's width: 16 log-spaced buckets per doubling.
 BUCKET = 2 ** (1 / 16)

@@ -8,8 +8,8 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared import protocol
-from shared.protocol import PROTOCOL_VERSION, Codec, ErrorReply, GenerateRequest, Packet, ProtocolError, TokenDelta
+from millstream.shared import protocol
+from millstream.shared.protocol import PROTOCOL_VERSION, Codec, ErrorReply, GenerateRequest, Packet, ProtocolError, TokenDelta
 
 MESSAGES = list(typing.get_args(protocol.Message))
 i32 = st.integers(-(2**31), 2**31 - 1)

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from learner.replay import BufferFull, Group, ReplayBuffer
-from shared.protocol import EpisodeFailed, Trajectory
+from millstream.learner.replay import BufferFull, Group, ReplayBuffer
+from millstream.shared.protocol import EpisodeFailed, Trajectory
 
 _ids = itertools.count()
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from shared.metrics import read_jsonl
+from millstream.shared.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def millstream_run(actor, run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "shared.cli", "run", f"actor.connect={actor.address}",
+    cmd = [sys.executable, "-m", "millstream.shared.cli", "run", f"actor.connect={actor.address}",
            f"model.path={actor.model_dir}", f"run.dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -110,7 +110,7 @@ def _children_alive(run_dir: Path) -> list[str]:
 
 def test_a_failing_role_stops_the_run_with_its_name(actor, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "shared.cli", "run", f"actor.connect={actor.address}",
+    cmd = [sys.executable, "-m", "millstream.shared.cli", "run", f"actor.connect={actor.address}",
            f"model.path={actor.model_dir}", f"run.dir={run_dir}", "envpool.env=no-such-env"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
@@ -123,7 +123,7 @@ def test_ctrl_c_stops_every_process(actor, tmp_path):
     import time
 
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "shared.cli", "run", f"actor.connect={actor.address}",
+    cmd = [sys.executable, "-m", "millstream.shared.cli", "run", f"actor.connect={actor.address}",
            f"model.path={actor.model_dir}", f"run.dir={run_dir}", "train.steps=1000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300

@@ -1,6 +1,6 @@
 """Per-step statistics and the collapse warning."""
 
-from learner.stats import CollapseWatch
+from millstream.learner.stats import CollapseWatch
 
 
 def test_collapse_warning_fires_once_when_std_and_entropy_fall_together():

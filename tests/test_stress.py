@@ -21,7 +21,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.stress import parse_faults
+from millstream.bench.stress import parse_faults
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "tests" / "plugin"
@@ -45,7 +45,7 @@ def _env(with_plugin: bool) -> dict[str, str]:
 
 
 def _stress(args: list[str], *, with_plugin: bool, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "bench.stress", *args], cwd=ROOT, env=_env(with_plugin),
+    return subprocess.run([sys.executable, "-m", "millstream.bench.stress", *args], cwd=ROOT, env=_env(with_plugin),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -65,11 +65,11 @@ def _load_plugin_module():
 def test_plugin_imports_only_the_documented_interface():
     tree = ast.parse((PLUGIN / "millstream_demo_plugin" / "__init__.py").read_text())
     imported = {(node.module, alias.name) for node in ast.walk(tree)
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("envpool")
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("millstream")
                 for alias in node.names}
     plain = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert imported == {("envpool.envs.base", "Observation"), ("envpool.envs.base", "StepResult")}
-    assert not any(name.split(".")[0] in ("envpool", "shared", "actor", "learner", "bench")
+    assert imported == {("millstream.envpool.envs.base", "Observation"), ("millstream.envpool.envs.base", "StepResult")}
+    assert not any(name.split(".")[0] in ("millstream", "envpool", "shared", "actor", "learner", "bench")
                    for name in plain)
     entry = (PLUGIN / "millstream_demo_plugin-0.1.dist-info" / "entry_points.txt").read_text()
     assert "[millstream.envs]" in entry and "coinflip = millstream_demo_plugin:CoinFlip" in entry
@@ -108,8 +108,8 @@ def test_coinflip_rules_deterministic_anchors_and_format_penalty():
 
 def test_entry_point_alone_registers_the_plugin():
     code = (
-        "import importlib.metadata as md, envpool.envs as e\n"
-        "from envpool.envs.base import REGISTRY\n"
+        "import importlib.metadata as md, millstream.envpool.envs as e\n"
+        "from millstream.envpool.envs.base import REGISTRY\n"
         "assert 'coinflip' not in REGISTRY, 'registered before the entry points were read'\n"
         "assert md.distribution('millstream-demo-plugin').version == '0.1'\n"
         "names = e.env_names()\n"
@@ -214,7 +214,7 @@ def test_unknown_env_without_the_plugin_fails_fast(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     # Through the `millstream stress` command itself (shared/cli.py execs bench.stress).
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "stress", "--env", "coinflip", "--episodes", "16",
+        [sys.executable, "-m", "millstream.shared.cli", "stress", "--env", "coinflip", "--episodes", "16",
          "--faults", FAULTS, "--out", str(out), "--set", f"model.path={tiny_model_dir}"],
         cwd=ROOT, env=_env(False), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr

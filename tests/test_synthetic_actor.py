@@ -1,6 +1,6 @@
 """The synthetic actor: the real protocol and clients against a timing model (no vLLM).
 
-The `synthetic` fixture (conftest) starts `python -m actor actor.kind=synthetic` as a process,
+The `synthetic` fixture (conftest) starts `python -m millstream.actor actor.kind=synthetic` as a process,
 like the launcher does.
 """
 
@@ -12,9 +12,9 @@ import anyio
 import pytest
 import torch
 
-from envpool.client import GenerationFailed
-from learner.weights import WeightSender
-from shared.config import LearnerConfig
+from millstream.envpool.client import GenerationFailed
+from millstream.learner.weights import WeightSender
+from millstream.shared.config import LearnerConfig
 from test_actor import with_client
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +89,7 @@ def test_whole_loop_runs_on_the_synthetic_actor(tiny_model_dir, tmp_path):
 
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "run", "actor.kind=synthetic",
+        [sys.executable, "-m", "millstream.shared.cli", "run", "actor.kind=synthetic",
          f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.steps=3"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -20,10 +20,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
+from millstream.learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
 from samples import random_samples
-from learner.trainer import PAD_ID, Trainer, TrainSample
-from shared.config import LearnerConfig
+from millstream.learner.trainer import PAD_ID, Trainer, TrainSample
+from millstream.shared.config import LearnerConfig
 
 # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")

@@ -4,9 +4,9 @@ import anyio
 import pytest
 import zmq
 
-from shared.config import TransportConfig
-from shared.protocol import Codec, ErrorReply, GenerateRequest, TokenDelta
-from shared.transport import open_channel
+from millstream.shared.config import TransportConfig
+from millstream.shared.protocol import Codec, ErrorReply, GenerateRequest, TokenDelta
+from millstream.shared.transport import open_channel
 
 pytestmark = pytest.mark.anyio
 

@@ -1,6 +1,6 @@
 """A third-party millstream environment, as an outside package would ship one.
 
-It uses only the documented interface (`envpool.envs.base.Observation` / `StepResult`) and does
+It uses only the documented interface (`millstream.envpool.envs.base.Observation` / `StepResult`) and does
 NOT call `register`: millstream finds it through the entry point declared in
 `millstream_demo_plugin-0.1.dist-info/entry_points.txt` (group `millstream.envs`), which
 importlib.metadata discovers once this folder is on `sys.path` / `PYTHONPATH`.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import re
 
-from envpool.envs.base import Observation, StepResult
+from millstream.envpool.envs.base import Observation, StepResult
 
 __all__ = ["CoinFlip"]
 
