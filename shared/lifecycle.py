@@ -1,0 +1,179 @@
+"""How a role process ends: on a signal, when its launcher dies, and with no child left behind.
+
+Three ways a run's processes could outlive it, and what closes each:
+
+- **A signal to a role** (SIGTERM from a cluster manager, Ctrl-C by hand). Python's default
+  SIGTERM kills the process on the spot, so no `finally` runs: vLLM's EngineCore and Worker
+  processes (over a GB) would run on forever. Every role turns SIGTERM into the same orderly
+  stop as Ctrl-C (`stop_on_signals` for the learner's synchronous loop, `cancel_on_signals`
+  inside the event loop of the actor and the envpool), so the engine's shutdown runs.
+- **The launcher dies** (kill -9, a crashed login node). Its children are in process groups of
+  their own, so nothing else would stop them. The launcher names itself in
+  `MILLSTREAM_PARENT_PID`; `watch_parent` notices when the process is re-parented and stops the
+  role the same way, then kills what is left after a grace period.
+- **Children of a role** that its own shutdown missed: `reap_children` at exit sends SIGTERM,
+  then SIGKILL, to every descendant still alive, found from /proc (Linux; elsewhere psutil if
+  installed).
+
+Every process of a run also carries `MILLSTREAM_RUN` (the run directory) in its environment,
+inherited by whatever it spawns, so a test or an operator can find them all (`run_processes`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+__all__ = [
+    "ENV_PARENT",
+    "ENV_RUN",
+    "stop_on_signals",
+    "cancel_on_signals",
+    "watch_parent",
+    "descendants",
+    "reap_children",
+    "run_processes",
+]
+
+log = logging.getLogger(__name__)
+
+#: The launcher's pid; a role whose parent is no longer this process stops.
+ENV_PARENT = "MILLSTREAM_PARENT_PID"
+#: The run directory, inherited by every process of a run (vLLM's children too).
+ENV_RUN = "MILLSTREAM_RUN"
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stop_on_signals() -> None:
+    """Synchronous roles: SIGTERM raises KeyboardInterrupt, like Ctrl-C, so `finally` blocks run."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+
+async def cancel_on_signals(scope: anyio.CancelScope) -> None:
+    """Async roles: cancel `scope` at the first SIGTERM or SIGINT (run it as a task)."""
+    with anyio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+        async for signum in signals:
+            log.warning("%s: stopping", signal.Signals(signum).name)
+            scope.cancel()
+            return
+
+
+def watch_parent(*, every_s: float = 0.5, grace_s: float = 20.0,
+                 on_orphan: Callable[[], Any] | None = None) -> threading.Thread | None:
+    """Stop this process when the launcher that started it is gone; None if none started it.
+
+    On orphaning, `on_orphan` runs (default: SIGTERM to ourselves, the orderly path above); if
+    the process still lives `grace_s` later, every descendant and the process itself are killed.
+    """
+    expected = os.environ.get(ENV_PARENT)
+    if not expected:
+        return None
+    parent = int(expected)
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        log.error("the launcher (pid %d) is gone: stopping", parent)
+        (on_orphan or (lambda: os.kill(os.getpid(), signal.SIGTERM)))()
+        time.sleep(grace_s)
+        reap_children(grace_s=0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    thread = threading.Thread(target=watch, name="millstream-parent-watch", daemon=True)
+    thread.start()
+    return thread
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Every live descendant of `pid` (default: this process), children before grandchildren."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    for entry, ppid in _parents():
+        children.setdefault(ppid, []).append(entry)
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _parents() -> list[tuple[int, int]]:
+    """(pid, parent pid) of every process."""
+    proc = Path("/proc")
+    if proc.is_dir():
+        pairs = []
+        for entry in proc.iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue  # exited meanwhile
+            # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+            fields = stat[stat.rfind(")") + 2:].split()
+            pairs.append((int(entry.name), int(fields[1])))
+        return pairs
+    try:
+        import psutil
+    except ImportError:
+        return []
+    return [(p.pid, p.ppid()) for p in psutil.process_iter()]
+
+
+def reap_children(grace_s: float = 5.0) -> list[int]:
+    """SIGTERM every descendant, wait up to `grace_s`, SIGKILL the rest; returns who was found."""
+    found = descendants()
+    for pid in found:
+        _kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(pid) for pid in found):
+        time.sleep(0.05)
+    for pid in descendants() + found:
+        _kill(pid, signal.SIGKILL)
+    if found:
+        log.info("stopped %d leftover child process(es)", len(found))
+    return found
+
+
+def run_processes(run_dir: str | Path) -> list[int]:
+    """Pids of live processes whose environment says they belong to the run in `run_dir`."""
+    marker = f"{ENV_RUN}={Path(run_dir).resolve()}".encode() + b"\0"
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                environ = (entry / "environ").read_bytes()
+            except OSError:
+                continue
+            if marker in environ and _alive(int(entry.name)):
+                pids.append(int(entry.name))
+    return pids
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, dead but not yet waited for, counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    return not stat[stat.rfind(")") + 2:].startswith("Z")
+
+
+def _kill(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
