@@ -10,6 +10,7 @@ one warm-up generation, so the first client request does not pay for lazy initia
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -18,7 +19,8 @@ import uuid
 import anyio
 
 from millstream.shared.config import Config
-from millstream.shared.runtime import raise_fd_limit, resolve_model_dir, role_args, write_ready
+from millstream.shared.lifecycle import run_until_signal
+from millstream.shared.runtime import STOPPED, raise_fd_limit, resolve_model_dir, run_role, write_ready
 from millstream.shared.transport import open_channel
 
 from .server import ActorServer
@@ -125,13 +127,17 @@ async def serve(cfg: Config, ready_file: str | None) -> None:
         engine.shutdown()
 
 
-def main(argv: list[str] | None = None) -> None:
-    cfg, ns = role_args("actor", argv)
+def _run(cfg: Config, ns) -> int:
     raise_fd_limit()
-    try:
-        anyio.run(serve, cfg, ns.ready_file, backend="asyncio")  # vLLM's AsyncLLM needs asyncio
-    except KeyboardInterrupt:
-        log.info("actor stopped")
+    # vLLM's AsyncLLM needs asyncio. A signal cancels `serve`, whose `finally` shuts the engine
+    # (and its EngineCore and Worker processes) down.
+    _, stopped = anyio.run(run_until_signal, serve, cfg, ns.ready_file, backend="asyncio")
+    gc.collect()  # the engine's own __del__ runs now, not during interpreter teardown
+    return STOPPED if stopped else 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_role("actor", _run, argv)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@ new tokens back as `TokenDelta`s, with the logprob of every sampled token and th
 whose weights produced it. vLLM's `AsyncLLM` does the continuous batching: every request is one
 asyncio task reading its own output stream, and the engine packs all live requests into each step.
 
-Weight updates happen in flight. On a `WeightUpdate` the server pauses the scheduler with
-`mode="keep"` (live requests stay queued, nothing is lost), the workers receive the broadcast and
-reload (`actor/weights.py`), and generation resumes. Pausing also clears the KV and prefix caches:
+Weight updates happen in flight (the exchange itself is `actor/link.py`, shared with the
+synthetic actor). On a `WeightUpdate` the engine pauses the scheduler with `mode="keep"` (live
+requests stay queued, nothing is lost), the workers receive the broadcast and reload
+(`actor/weights.py`), and generation resumes. Pausing also clears the KV and prefix caches:
 live requests are recomputed with the new weights instead of continuing on KV written by the old
 ones, and a new request can never hit a cached prefix from old weights. Tokens sampled before the
 update keep the old version; tokens after it carry the new one.
@@ -24,10 +25,11 @@ channel, and the server keeps serving.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 
 from millstream.shared.protocol import (
     Abort,
@@ -36,17 +38,22 @@ from millstream.shared.protocol import (
     ErrorReply,
     GenerateError,
     GenerateRequest,
-    Hello,
     Message,
+    ReplyCause,
     TokenDelta,
-    WeightsApplied,
+    TurnError,
     WeightUpdate,
 )
 from millstream.shared.transport import Channel
 
-__all__ = ["ActorServer", "ActorStats", "check_request", "refusal"]
+from .link import LearnerLink
+
+__all__ = ["ActorServer", "ActorStats", "VllmWeights", "check_request", "refusal", "unexpected"]
 
 log = logging.getLogger(__name__)
+
+#: vLLM refuses temperatures outside [0, 2]; checked here so the refusal names the request.
+MAX_TEMPERATURE = 2.0
 
 
 def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> str | None:
@@ -59,11 +66,13 @@ def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> 
     if total > max_model_len:
         return (f"prompt ({len(req.prompt_token_ids)}) + max_tokens ({req.max_tokens}) = "
                 f"{total} exceeds max_model_len {max_model_len}")
-    bad = next((t for t in req.prompt_token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        return f"prompt token id {bad} outside the vocabulary [0, {vocab_size})"
-    if req.temperature < 0 or not 0 < req.top_p <= 1:
-        return f"bad sampling parameters temperature={req.temperature} top_p={req.top_p}"
+    for what, ids in (("prompt", req.prompt_token_ids), ("stop", req.stop_token_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            return f"{what} token id {bad} outside the vocabulary [0, {vocab_size})"
+    if not 0 <= req.temperature <= MAX_TEMPERATURE or not 0 < req.top_p <= 1:
+        return (f"bad sampling parameters temperature={req.temperature} (expected [0, "
+                f"{MAX_TEMPERATURE}]) top_p={req.top_p} (expected (0, 1])")
     return None
 
 
@@ -76,11 +85,39 @@ def refusal(req: GenerateRequest, live: int, max_live: int, max_model_len: int,
     """
     problem = check_request(req, max_model_len, vocab_size)
     if problem is not None:
-        return GenerateError(req.request_id, "bad_request", problem)
+        return GenerateError(req.request_id, TurnError.BAD_REQUEST, problem)
     if live >= max_live:
-        return GenerateError(req.request_id, "overloaded", f"{live} requests live, the limit "
-                             f"(actor.max_live_requests) is {max_live}")
+        return GenerateError(req.request_id, TurnError.OVERLOADED, f"{live} requests live, the "
+                             f"limit (actor.max_live_requests) is {max_live}")
     return None
+
+
+def unexpected(message: Message) -> ErrorReply:
+    """The answer to a message an actor does not take."""
+    return ErrorReply(ReplyCause.UNEXPECTED_MESSAGE,
+                      f"the actor does not take {type(message).__name__}")
+
+
+class _Deltas:
+    """Tokens of one request waiting to be streamed, all produced under one policy version.
+
+    Tokens wait until `interval` of them are there (fewer, larger messages at scale); a
+    version change sends the waiting ones first, so each delta's version is the one every
+    token in it was received under.
+    """
+
+    __slots__ = ("request_id", "ids", "logprobs", "version")
+
+    def __init__(self, request_id: str, version: int) -> None:
+        self.request_id = request_id
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.version = version
+
+    def take(self, finish: str | None = None) -> TokenDelta:
+        delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish)
+        self.ids, self.logprobs = [], []
+        return delta
 
 
 @dataclass
@@ -91,33 +128,59 @@ class ActorStats:
     errors: int = 0
     live: int = 0
     tokens: int = 0
-    weight_updates: int = 0
-    last_update_paused_s: float = 0.0
+
+
+class VllmWeights:
+    """The vLLM engine's side of the learner link: its workers join the group and reload.
+
+    Pausing with `mode="keep"` leaves live requests queued; `clear_cache=True` drops the KV and
+    prefix caches, so live requests are recomputed with the new weights and no new request
+    reuses a prefix cached under the old ones (the cost: recomputing prompts in flight).
+    """
+
+    def __init__(self, engine: Any, rpc_timeout_s: float) -> None:
+        self.engine = engine
+        self.rpc_timeout_s = rpc_timeout_s
+
+    async def join(self, msg: AttachLearner) -> None:
+        await self.engine.collective_rpc(
+            "millstream_join", timeout=msg.timeout_s + 30,
+            args=(msg.session, msg.host, msg.port, msg.world_size, msg.backend, msg.timeout_s))
+
+    async def load(self, msg: WeightUpdate) -> None:
+        await self.engine.pause_generation(mode="keep", clear_cache=True)
+        try:
+            specs = [(t.name, list(t.shape), t.offset) for t in msg.tensors]
+            await self.engine.collective_rpc("millstream_receive", timeout=self.rpc_timeout_s,
+                                             args=(msg.session, msg.dtype, msg.numel, specs))
+        finally:
+            await self.engine.resume_generation()  # even a failed update must not freeze generation
 
 
 class ActorServer:
     """Serves one ROUTER channel with one `AsyncLLM`. Run `serve()` inside an asyncio loop."""
 
-    def __init__(self, engine, channel: Channel, *, model: str, dtype: str, weight_ranks: int,
-                 max_model_len: int, vocab_size: int, rpc_timeout_s: float = 600.0,
-                 stream_interval: int = 1, max_live_requests: int = 65536) -> None:
+    def __init__(self, engine: Any, channel: Channel, *, model: str, dtype: str,
+                 weight_ranks: int, max_model_len: int, vocab_size: int,
+                 rpc_timeout_s: float = 600.0, stream_interval: int = 1,
+                 max_live_requests: int = 65536) -> None:
         self.engine = engine
+        self.channel = channel
         self.max_live_requests = max_live_requests
         self.stream_interval = stream_interval
-        self.channel = channel
-        self.model = model
-        self.dtype = dtype
-        self.weight_ranks = weight_ranks
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.rpc_timeout_s = rpc_timeout_s
-        self.version = 0
-        self.session = ""
+        self.link = LearnerLink(channel, VllmWeights(engine, rpc_timeout_s),
+                                lambda version: ActorInfo(model, version, weight_ranks,
+                                                          max_model_len, dtype))
         self.stats = ActorStats()
-        self._live: dict[str, str] = {}  # client-scoped id -> engine request id
-        self._update_lock = anyio.Lock()
+        self._live: set[str] = set()  # engine request ids: "<peer hex>/<client request id>"
         #: Set when the engine died; `serve` then raises it, and the process exits non-zero.
         self.dead: BaseException | None = None
+
+    @property
+    def version(self) -> int:
+        return self.link.version
 
     async def serve(self, *, stats_every_s: float = 30.0) -> None:
         async with anyio.create_task_group() as tg:
@@ -138,165 +201,112 @@ class ActorServer:
         log.error("the vLLM engine died (%r); stopping the actor", self.dead)
         scope.cancel()
 
-    def _dispatch(self, tg, peer: bytes, message: Message) -> None:
+    def _dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
         if isinstance(message, GenerateRequest):
             tg.start_soon(self._generate, peer, message)
         elif isinstance(message, Abort):
             tg.start_soon(self._abort, peer, message.request_id)
-        elif isinstance(message, Hello):
-            self.channel.send_nowait(self._info(), to=peer)
-        elif isinstance(message, AttachLearner):
-            tg.start_soon(self._attach, peer, message)
-        elif isinstance(message, WeightUpdate):
-            tg.start_soon(self._update, peer, message)
+        elif self.link.handles(message):
+            self.link.dispatch(tg, peer, message)
         else:
-            self.channel.send_nowait(
-                ErrorReply("unexpected_message", f"the actor does not take {type(message).__name__}"),
-                to=peer,
-            )
+            self.channel.send_nowait(unexpected(message), to=peer)
 
-    def _info(self) -> ActorInfo:
-        return ActorInfo(self.model, self.version, self.weight_ranks, self.max_model_len, self.dtype)
-
-    # --- generation ------------------------------------------------------------------------
+    # --- generation: admit, stream, account -------------------------------------------------
 
     async def _generate(self, peer: bytes, req: GenerateRequest) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
+        """Serve one request: exactly one final TokenDelta or one GenerateError reaches `peer`."""
         key = f"{peer.hex()}/{req.request_id}"
-        if key in self._live:
-            refused = GenerateError(req.request_id, "bad_request",
-                                    f"request id {req.request_id!r} is already live")
-        else:
-            refused = refusal(req, len(self._live), self.max_live_requests, self.max_model_len,
-                              self.vocab_size)
+        refused = self._refusal(key, req)
         if refused is not None:
             self.stats.errors += 1
             await self.channel.send(refused, to=peer)
             return
-        params = SamplingParams(
-            n=1,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            max_tokens=req.max_tokens,
-            seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids),
-            logprobs=0,  # the sampled token's logprob only
-            output_kind=RequestOutputKind.DELTA,
-            detokenize=False,  # token in, token out: text is the envpool's business
-            skip_special_tokens=False,
-        )
-        self._live[key] = key
+        self._live.add(key)
         self.stats.requests += 1
         self.stats.live += 1
-        finish: str | None = None
-        # Tokens wait in `pending` until `stream_interval` of them are there (fewer, larger
-        # messages at scale); a version change sends them first, so each delta's version is the
-        # one every token in it was received under.
-        pending_ids: list[int] = []
-        pending_logprobs: list[float] = []
-        pending_version = self.version
-
-        async def flush(finish: str | None) -> None:
-            nonlocal pending_ids, pending_logprobs
-            await self.channel.send(TokenDelta(req.request_id, pending_ids, pending_logprobs,
-                                               pending_version, finish), to=peer)
-            pending_ids, pending_logprobs = [], []
-
+        finish = "error"
         try:
-            async for out in self.engine.generate({"prompt_token_ids": list(req.prompt_token_ids)},
-                                                  params, key):
-                comp = out.outputs[0]
-                ids = list(comp.token_ids)
-                logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs or (), ids)]
-                if len(logprobs) != len(ids):
-                    raise RuntimeError(f"engine returned {len(ids)} tokens, {len(logprobs)} logprobs")
-                if out.finished:
-                    finish = comp.finish_reason or "stop"
-                if pending_ids and self.version != pending_version:
-                    await flush(None)
-                pending_version = self.version
-                pending_ids += ids
-                pending_logprobs += logprobs
-                self.stats.tokens += len(ids)
-                if finish or len(pending_ids) >= self.stream_interval:
-                    await flush(finish)
-            if finish is None:  # the stream ended without a final output: it was aborted
-                finish = "abort"
-                await self.channel.send(TokenDelta(req.request_id, [], [], self.version, finish),
-                                        to=peer)
+            finish = await self._stream(peer, req, key)
         except Exception as exc:  # one request's failure never takes the server down...
             if self.engine.errored:  # ...but a dead engine does: serving errors helps nobody
                 self.dead = self.engine.dead_error
             log.exception("request %s failed", key)
             self.stats.errors += 1
-            finish = "error"
-            await self.channel.send(
-                GenerateError(req.request_id, "engine_error", f"{type(exc).__name__}: {exc}"[:500]),
-                to=peer,
-            )
+            await self.channel.send(GenerateError(req.request_id, TurnError.ENGINE_ERROR,
+                                                  f"{type(exc).__name__}: {exc}"[:500]), to=peer)
         finally:
-            self._live.pop(key, None)
+            self._live.discard(key)
             self.stats.live -= 1
             if finish == "abort":
                 self.stats.aborted += 1
             elif finish != "error":
                 self.stats.finished += 1
 
+    def _refusal(self, key: str, req: GenerateRequest) -> GenerateError | None:
+        if key in self._live:
+            return GenerateError(req.request_id, TurnError.BAD_REQUEST,
+                                 f"request id {req.request_id!r} is already live")
+        return refusal(req, len(self._live), self.max_live_requests, self.max_model_len,
+                       self.vocab_size)
+
+    async def _stream(self, peer: bytes, req: GenerateRequest, key: str) -> str:
+        """Forward the engine's output stream as TokenDeltas; returns the finish reason."""
+        pending = _Deltas(req.request_id, self.version)
+        finish: str | None = None
+        async for out in self.engine.generate({"prompt_token_ids": list(req.prompt_token_ids)},
+                                              _sampling_params(req), key):
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs or (), ids)]
+            if len(logprobs) != len(ids):
+                raise RuntimeError(f"engine returned {len(ids)} tokens, {len(logprobs)} logprobs")
+            if out.finished:
+                finish = comp.finish_reason or "stop"
+            if pending.ids and self.version != pending.version:
+                await self.channel.send(pending.take(), to=peer)
+            pending.version = self.version
+            pending.ids += ids
+            pending.logprobs += logprobs
+            self.stats.tokens += len(ids)
+            if finish or len(pending.ids) >= self.stream_interval:
+                await self.channel.send(pending.take(finish), to=peer)
+        if finish is None:  # the stream ended without a final output: it was aborted
+            finish = "abort"
+            if not pending.ids:
+                pending.version = self.version
+            await self.channel.send(pending.take(finish), to=peer)
+        return finish
+
     async def _abort(self, peer: bytes, request_id: str) -> None:
-        key = self._live.get(f"{peer.hex()}/{request_id}")
-        if key is not None:
+        key = f"{peer.hex()}/{request_id}"
+        if key in self._live:
             await self.engine.abort(key)
-
-    # --- weights ---------------------------------------------------------------------------
-
-    async def _attach(self, peer: bytes, msg: AttachLearner) -> None:
-        async with self._update_lock:
-            try:
-                await self.engine.collective_rpc(
-                    "millstream_join", timeout=msg.timeout_s + 30,
-                    args=(msg.session, msg.host, msg.port, msg.world_size, msg.backend, msg.timeout_s),
-                )
-            except Exception as exc:
-                log.exception("attaching learner session %s failed", msg.session)
-                await self.channel.send(ErrorReply("attach_failed", str(exc)[:500]), to=peer)
-                return
-            self.session = msg.session
-            log.info("learner session %s attached", msg.session)
-            await self.channel.send(self._info(), to=peer)
-
-    async def _update(self, peer: bytes, msg: WeightUpdate) -> None:
-        async with self._update_lock:
-            started = time.monotonic()
-            try:
-                if msg.session != self.session:
-                    raise RuntimeError(f"session {msg.session!r} is not attached ({self.session!r} is)")
-                await self.engine.pause_generation(mode="keep", clear_cache=True)
-                try:
-                    specs = [(t.name, list(t.shape), t.offset) for t in msg.tensors]
-                    await self.engine.collective_rpc(
-                        "millstream_receive", timeout=self.rpc_timeout_s,
-                        args=(msg.session, msg.dtype, msg.numel, specs),
-                    )
-                finally:
-                    # Even a failed update must not leave generation frozen.
-                    await self.engine.resume_generation()
-            except Exception as exc:
-                log.exception("weight update to version %d failed", msg.version)
-                await self.channel.send(ErrorReply("weight_update_failed", str(exc)[:500]), to=peer)
-                return
-            self.version = msg.version
-            paused = time.monotonic() - started
-            self.stats.weight_updates += 1
-            self.stats.last_update_paused_s = paused
-            log.info("now at policy version %d (paused %.3fs)", msg.version, paused)
-            await self.channel.send(WeightsApplied(msg.version, paused), to=peer)
 
     async def _report(self, every_s: float) -> None:
         while True:
             await anyio.sleep(every_s)
             channel = self.channel.statistics()
-            log.info("actor stats %s channel sent=%d recv=%d errors=%d send_queue=%d",
-                     asdict(self.stats), channel.sent_messages, channel.recv_messages,
-                     channel.decode_errors, channel.send_queue)
+            log.info("actor stats %s version=%d updates=%d channel sent=%d recv=%d errors=%d "
+                     "send_queue=%d", asdict(self.stats), self.version, self.link.updates,
+                     channel.sent_messages, channel.recv_messages, channel.decode_errors,
+                     channel.send_queue)
+
+
+def _sampling_params(req: GenerateRequest) -> Any:
+    """vLLM's sampling parameters for a request: one sequence, streamed as deltas, token ids only,
+    the sampled token's logprob. Built inside the request's error boundary: vLLM validates here."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_tokens=req.max_tokens,
+        seed=req.seed,
+        stop_token_ids=list(req.stop_token_ids),
+        logprobs=0,  # the sampled token's logprob only
+        output_kind=RequestOutputKind.DELTA,
+        detokenize=False,  # token in, token out: text is the envpool's business
+        skip_special_tokens=False,
+    )

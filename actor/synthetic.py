@@ -17,9 +17,10 @@ The model of the engine:
   drawn with, so the numbers are honest for the sampler that made them;
 - sampling is seeded per request when the request carries a seed (reproducible runs).
 
-Weight updates are real on the wire: the actor joins the learner's broadcast group
-(`shared/weightsync.py`), receives the flat buffer (so sync time and bytes are measured), and
-then adopts the version. The weights themselves are discarded: there is no model to load.
+Weight updates are real on the wire, through the same learner link as the vLLM actor
+(`actor/link.py`): the actor joins the learner's broadcast group (`shared/weightsync.py`),
+receives the flat buffer (so sync time and bytes are measured), and then adopts the version. The
+weights themselves are discarded: there is no model to load.
 """
 
 from __future__ import annotations
@@ -32,24 +33,25 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 
 from millstream.shared.config import Config
 from millstream.shared.protocol import (
     Abort,
     ActorInfo,
     AttachLearner,
-    ErrorReply,
     GenerateRequest,
-    Hello,
+    Message,
     TokenDelta,
-    WeightsApplied,
     WeightUpdate,
 )
 from millstream.shared.transport import Channel
 
-from .server import refusal
+from .link import LearnerLink
+from .server import refusal, unexpected
 
 __all__ = ["SyntheticActor", "model_vocab"]
 
@@ -76,19 +78,25 @@ class _Seq:
 
 
 class SyntheticActor:
-    def __init__(self, channel: Channel, cfg: Config, *, model: str, vocab_size: int, eos_id: int) -> None:
+    def __init__(self, channel: Channel, cfg: Config, *, model: str, vocab_size: int,
+                 eos_id: int) -> None:
         self.channel, self.cfg, self.model = channel, cfg, model
         self.vocab_size, self.eos_id = vocab_size, eos_id
-        self.version = 0
-        self.session = ""
+        self.link = LearnerLink(channel, _DiscardingWeights(self), self._describe)
         self._waiting: deque[_Seq] = deque()
         self._running: dict[tuple[bytes, str], _Seq] = {}
         self._aborted: set[tuple[bytes, str]] = set()
         self._work = anyio.Event()
-        self._group = None
-        self._lock = anyio.Lock()
         self.steps = 0
         self.tokens = 0
+
+    @property
+    def version(self) -> int:
+        return self.link.version
+
+    def _describe(self, version: int) -> ActorInfo:
+        a = self.cfg.actor
+        return ActorInfo(self.model, version, 1, a.max_model_len, self.cfg.model.dtype)
 
     async def serve(self) -> None:
         async with anyio.create_task_group() as tg:
@@ -98,14 +106,13 @@ class SyntheticActor:
                 for message in messages:
                     await self._dispatch(tg, peer, message)
 
-    async def _dispatch(self, tg, peer: bytes, message) -> None:
-        send = self.channel.send
+    async def _dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
         if isinstance(message, GenerateRequest):
             a = self.cfg.actor
             refused = refusal(message, len(self._waiting) + len(self._running),
                               a.max_live_requests, a.max_model_len, self.vocab_size)
             if refused is not None:
-                await send(refused, to=peer)
+                await self.channel.send(refused, to=peer)
                 return
             stop = set(message.stop_token_ids) | {self.eos_id}
             self._waiting.append(_Seq(peer, message, random.Random(message.seed), stop=stop))
@@ -113,17 +120,10 @@ class SyntheticActor:
         elif isinstance(message, Abort):
             self._aborted.add((peer, message.request_id))
             self._work.set()
-        elif isinstance(message, Hello):
-            await send(self._info(), to=peer)
-        elif isinstance(message, AttachLearner):
-            tg.start_soon(self._attach, peer, message)
-        elif isinstance(message, WeightUpdate):
-            tg.start_soon(self._update, peer, message)
+        elif self.link.handles(message):
+            self.link.dispatch(tg, peer, message)
         else:
-            await send(ErrorReply("unexpected_message", type(message).__name__), to=peer)
-
-    def _info(self) -> ActorInfo:
-        return ActorInfo(self.model, self.version, 1, self.cfg.actor.max_model_len, self.cfg.model.dtype)
+            await self.channel.send(unexpected(message), to=peer)
 
     async def _engine(self) -> None:
         a = self.cfg.actor
@@ -144,11 +144,12 @@ class SyntheticActor:
             await anyio.sleep(a.synthetic_step_s + a.synthetic_step_s_per_seq * len(self._running)
                               + a.synthetic_prefill_s_per_token * prefill)
             self.steps += 1
-            async with self._lock:  # no token is produced while weights are being received
+            async with self.link.lock:  # no token is produced while weights are being received
                 for key, seq in list(self._running.items()):
                     await self._decode_one(key, seq, stop_p, stop_lp, other_lp)
 
-    async def _decode_one(self, key, seq: _Seq, stop_p: float, stop_lp: float, other_lp: float) -> None:
+    async def _decode_one(self, key: tuple[bytes, str], seq: _Seq, stop_p: float, stop_lp: float,
+                          other_lp: float) -> None:
         if key in self._aborted:
             self._aborted.discard(key)
             del self._running[key]
@@ -162,7 +163,8 @@ class SyntheticActor:
         self.tokens += 1
         seq.pending_ids.append(token)
         seq.pending_logprobs.append(logprob)
-        finish = "stop" if token in seq.stop else ("length" if seq.produced >= seq.req.max_tokens else None)
+        finish = ("stop" if token in seq.stop
+                  else "length" if seq.produced >= seq.req.max_tokens else None)
         if finish:
             del self._running[key]
         if finish or len(seq.pending_ids) >= self.cfg.actor.stream_interval:
@@ -172,43 +174,43 @@ class SyntheticActor:
         """Stream the pending tokens of `seq` (all made under `self.version`)."""
         ids, logprobs = seq.pending_ids, seq.pending_logprobs
         seq.pending_ids, seq.pending_logprobs = [], []
-        await self.channel.send(TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish),
-                                to=seq.peer)
+        await self.channel.send(TokenDelta(seq.req.request_id, ids, logprobs, self.version,
+                                           finish), to=seq.peer)
 
-    async def _attach(self, peer: bytes, msg: AttachLearner) -> None:
+    async def flush_all(self) -> None:
+        """Stream every running sequence's pending tokens (before the version changes)."""
+        for seq in self._running.values():
+            if seq.pending_ids:
+                await self._flush(seq, None)
+
+
+class _DiscardingWeights:
+    """The synthetic engine's side of the learner link: join the group for real, receive the
+    broadcast for real (so its time and bytes are measured), discard the weights."""
+
+    def __init__(self, actor: SyntheticActor) -> None:
+        self.actor = actor
+        self._group: Any = None
+        self._store: Any = None
+        self._timeout_s = 0.0
+
+    async def join(self, msg: AttachLearner) -> None:
         from millstream.shared.weightsync import make_group, open_store
 
-        def join():
-            store = open_store(msg.host, msg.port, msg.world_size, is_master=False, timeout_s=msg.timeout_s)
-            return make_group(store, 1, msg.world_size, msg.backend, msg.timeout_s, msg.session), store
+        def join() -> tuple[Any, Any]:
+            store = open_store(msg.host, msg.port, msg.world_size, is_master=False,
+                               timeout_s=msg.timeout_s)
+            return make_group(store, 1, msg.world_size, msg.backend, msg.timeout_s,
+                              msg.session), store
 
-        try:
-            self._group, self._store = await anyio.to_thread.run_sync(join)
-        except Exception as exc:
-            await self.channel.send(ErrorReply("attach_failed", str(exc)[:500]), to=peer)
-            return
-        self.session = msg.session
-        self._timeout = msg.timeout_s
-        await self.channel.send(self._info(), to=peer)
+        self._group, self._store = await anyio.to_thread.run_sync(join)
+        self._timeout_s = msg.timeout_s
 
-    async def _update(self, peer: bytes, msg: WeightUpdate) -> None:
+    async def load(self, msg: WeightUpdate) -> None:
         import torch
 
         from millstream.shared.weightsync import DTYPES, broadcast
 
-        async with self._lock:
-            started = time.monotonic()
-            if msg.session != self.session or self._group is None:
-                await self.channel.send(ErrorReply("weight_update_failed", "session not attached"), to=peer)
-                return
-            flat = torch.empty(msg.numel, dtype=DTYPES[msg.dtype])
-            try:
-                await anyio.to_thread.run_sync(broadcast, self._group, flat, self._timeout)
-            except Exception as exc:
-                await self.channel.send(ErrorReply("weight_update_failed", str(exc)[:500]), to=peer)
-                return
-            for seq in self._running.values():  # tokens made under the old version go first
-                if seq.pending_ids:
-                    await self._flush(seq, None)
-            self.version = msg.version
-            await self.channel.send(WeightsApplied(msg.version, time.monotonic() - started), to=peer)
+        flat = torch.empty(msg.numel, dtype=DTYPES[msg.dtype])
+        await anyio.to_thread.run_sync(broadcast, self._group, flat, self._timeout_s)
+        await self.actor.flush_all()  # tokens made under the old version go out first

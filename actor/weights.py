@@ -16,6 +16,12 @@ How the group is formed (stateless, its own TCPStore, rebuilt per learner sessio
 
 Nothing here imports the actor server: this module must be importable alone in vLLM's spawned
 worker processes.
+
+vLLM's layer-wise reload logs "RotaryEmbedding: Failed to load weights" at every update. It is
+not a failure: the rotary layer's only tensor is `cos_sin_cache`, a buffer computed from the
+model config that no checkpoint (and no broadcast) contains. vLLM counts buffers as loadable,
+finds none loaded, warns, and puts the existing cache back (`_place_kernel_tensors`), which is
+right. We drop that one message (`_DerivedBufferFilter`) so real load failures stay visible.
 """
 
 from __future__ import annotations
@@ -32,6 +38,24 @@ __all__ = ["WeightSyncExtension"]
 
 log = logging.getLogger(__name__)
 
+_RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class _DerivedBufferFilter(logging.Filter):
+    """Drops vLLM's warning about layers whose only tensors are derived buffers (see above)."""
+
+    DERIVED_ONLY = ("RotaryEmbedding",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(message == f"{name}: Failed to load weights" for name in self.DERIVED_ONLY)
+
+
+def _quiet_derived_buffers() -> None:
+    logger = logging.getLogger(_RELOAD_LOGGER)
+    if not any(isinstance(f, _DerivedBufferFilter) for f in logger.filters):
+        logger.addFilter(_DerivedBufferFilter())
+
 
 class WeightSyncExtension:
     """Methods added to every vLLM worker. Called via `collective_rpc(name, args=...)`."""
@@ -39,6 +63,7 @@ class WeightSyncExtension:
     def millstream_join(self, session: str, host: str, port: int, world_size: int,
                         backend: str, timeout_s: float) -> int:
         """Join the learner's broadcast group as rank 1 + this worker's rank."""
+        _quiet_derived_buffers()
         self.millstream_leave()
         rank = 1 + int(getattr(self, "rank", 0))
         started = time.monotonic()

@@ -38,7 +38,7 @@ import zmq
 from millstream.envpool.envs import make_env
 from millstream.shared.config import ConfigError, dump_config, load_config, toml_value
 from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
-from millstream.shared.launcher import Supervisor
+from millstream.shared.supervisor import Supervisor
 from millstream.shared.runtime import free_port, raise_fd_limit, resolve_model_dir
 
 from .stress_report import StatsFollower, build_report, format_table, plot_report, write_json

@@ -3,14 +3,15 @@
 Every episode task calls `client.generate(...)` and reads its own stream of `TokenDelta`s; all of
 them share one socket, one reader task and one writer task (`shared.transport.Channel`), which
 packs the requests of a tick into one frame. Replies are routed back to the right episode by
-request id through a small bounded stream per request.
+request id into a per-request inbox (`_Inbox`, below).
 
 Request ids are `<worker>-<counter>`, so they never repeat within a worker and a late reply for a
 finished request is recognised and counted (`late_replies`), never delivered to the wrong episode.
 
 A generation either ends with a final delta (finish_reason set) or raises `GenerationFailed`
-naming the cause: the actor's `GenerateError`, a timeout, or the episode's own cancellation (which
-sends `Abort` so the actor stops spending compute on it).
+with its `shared.protocol.Cause`: the actor's `GenerateError`, a timeout, an abort the envpool did
+not ask for, or an actor that breaks the protocol. An episode cancelled while it waits (it timed
+out, or the run ends) sends `Abort`, so the actor stops spending compute on it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from dataclasses import dataclass, field
 import anyio
 
 from millstream.shared.protocol import (
+    RETRYABLE_CAUSES,
+    TURN_CAUSE,
     Abort,
     ActorInfo,
+    Cause,
     ErrorReply,
     GenerateError,
     GenerateRequest,
@@ -44,9 +48,9 @@ class ActorUnreachable(RuntimeError):
 
 
 class GenerationFailed(Exception):
-    """A generation ended without a final delta; `cause` is stable and short."""
+    """A generation ended without a final delta; `cause` is the episode's failure cause."""
 
-    def __init__(self, cause: str, message: str) -> None:
+    def __init__(self, cause: Cause, message: str) -> None:
         super().__init__(f"{cause}: {message}")
         self.cause = cause
 
@@ -86,7 +90,7 @@ class _Inbox:
     __slots__ = ("replies", "wake")
 
     def __init__(self) -> None:
-        self.replies: deque[TokenDelta | GenerateError] = deque()
+        self.replies: deque[TokenDelta | GenerateError | GenerationFailed] = deque()
         self.wake: anyio.Event | None = None
 
 
@@ -100,8 +104,6 @@ class ActorClient:
     """
 
     MAX_DELTAS = 4096
-    #: Failures that say "try later", not "this request is wrong".
-    RETRYABLE = ("actor_timeout", "actor_overloaded")
 
     def __init__(self, channel: Channel, worker: str) -> None:
         self.channel = channel
@@ -120,12 +122,13 @@ class ActorClient:
                     if inbox is None:
                         self.stats.late_replies += 1  # its episode ended meanwhile
                         continue
+                    reply: TokenDelta | GenerateError | GenerationFailed = message
                     if len(inbox.replies) >= self.MAX_DELTAS:
                         self.stats.error_replies += 1
-                        message = GenerateError(message.request_id, "protocol",
-                                                f"over {self.MAX_DELTAS} deltas unread")
+                        reply = GenerationFailed(Cause.ACTOR_PROTOCOL,
+                                                 f"over {self.MAX_DELTAS} deltas unread")
                         inbox.replies.clear()
-                    inbox.replies.append(message)
+                    inbox.replies.append(reply)
                     if inbox.wake is not None:
                         inbox.wake.set()
                 elif isinstance(message, ActorInfo):
@@ -188,7 +191,7 @@ class ActorClient:
                     prompt_token_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                     seed=seed, stop_token_ids=stop_token_ids, timeout_s=timeout_s)
             except GenerationFailed as exc:
-                if exc.cause not in self.RETRYABLE or attempt == retries:
+                if exc.cause not in RETRYABLE_CAUSES or attempt == retries:
                     raise
                 self.stats.retries += 1
                 await anyio.sleep(backoff_s * 2**attempt)
@@ -217,9 +220,12 @@ class ActorClient:
                         inbox.wake = anyio.Event()
                         await inbox.wake.wait()
                     reply = inbox.replies.popleft()
+                    if isinstance(reply, GenerationFailed):
+                        done = True
+                        raise reply
                     if isinstance(reply, GenerateError):
                         done = True
-                        raise GenerationFailed(f"actor_{reply.cause}", reply.message)
+                        raise GenerationFailed(TURN_CAUSE[reply.cause], reply.message)
                     out.token_ids += reply.token_ids
                     out.logprobs += reply.logprobs
                     out.versions += [reply.version] * len(reply.token_ids)
@@ -227,9 +233,9 @@ class ActorClient:
                         out.finish_reason = reply.finish_reason
                         done = True
             if scope.cancelled_caught:
-                raise GenerationFailed("actor_timeout", f"no final delta within {timeout_s}s")
+                raise GenerationFailed(Cause.ACTOR_TIMEOUT, f"no final delta within {timeout_s}s")
             if out.finish_reason == "abort":
-                raise GenerationFailed("actor_abort", "the actor aborted the request")
+                raise GenerationFailed(Cause.ACTOR_ABORT, "the actor aborted the request")
             self.stats.completed += 1
             self.stats.latency.add(anyio.current_time() - sent_at)
             return out

@@ -4,13 +4,15 @@
 
 Returns a `Trajectory` (the whole context's token ids, a loss mask that is 1 only on generated
 tokens, their behaviour logprobs and policy versions, per-turn rewards) or an `EpisodeFailed` with
-a short cause. Causes are how failures are counted, never how they are scored: an environment that
-raises (`env_error`), hangs (`env_timeout`), an actor that fails (`actor_*`), a first prompt
-longer than the context (`prompt_too_long`), or an episode over its time budget
-(`episode_timeout`) produce no reward at all.
+its `shared.protocol.Cause`. Causes are how failures are counted, never how they are scored: an
+environment that raises (`env_error`), hangs (`env_timeout`), an actor that fails (`actor_*`), a
+first prompt that leaves no room for `max_tokens` in the context (`prompt_too_long`), or an
+episode over its time budget (`episode_timeout`) produce no reward at all.
 
-Ending by `max_turns` or by a full context is not a failure: the episode is *truncated*, and its
-trajectory is trained on with the rewards it earned.
+Ending by `max_turns`, or when the next turn's prompt plus `max_tokens` would not fit
+`max_model_len`, is not a failure: the episode is *truncated* (`Trajectory.truncated` says why),
+and its trajectory is trained on with the rewards it earned. A turn's budget is never silently
+cut below `max_tokens`: a shorter turn would look like the policy's choice to the learner.
 
 The environment may shape the next turn through its observation (envpool/envs/base.py): an
 untrained turn (`trained=False`) is generated but masked out of the loss, and `new_context=True`
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 import anyio
 
 from millstream.shared.config import EnvPoolConfig
-from millstream.shared.protocol import EpisodeFailed, Trajectory
+from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory, Truncation
 
 from .chat import ChatFormat
 from .client import ActorClient, GenerationFailed
@@ -54,7 +56,7 @@ def sampling_seed(seed: int, member: int, turn: int) -> int:
 
 
 class _EnvFailure(Exception):
-    def __init__(self, cause: str, message: str) -> None:
+    def __init__(self, cause: Cause, message: str) -> None:
         super().__init__(message)
         self.cause = cause
 
@@ -67,9 +69,9 @@ async def _call_env(what: str, coro_fn, arg, timeout_s: float):
     except anyio.get_cancelled_exc_class():
         raise
     except Exception as exc:  # the environment's bug ends this episode, nothing else
-        raise _EnvFailure("env_error", f"env.{what} raised {type(exc).__name__}: {exc}") from None
+        raise _EnvFailure(Cause.ENV_ERROR, f"env.{what} raised {type(exc).__name__}: {exc}") from None
     assert scope.cancelled_caught  # only a timeout leaves the scope without a return value
-    raise _EnvFailure("env_timeout", f"env.{what} took longer than {timeout_s}s")
+    raise _EnvFailure(Cause.ENV_TIMEOUT, f"env.{what} took longer than {timeout_s}s")
 
 
 async def run_episode(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClient,
@@ -80,14 +82,14 @@ async def run_episode(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: Act
     try:
         with anyio.CancelScope(deadline=anyio.current_time() + cfg.episode_timeout_s):
             return await _play(spec, env, chat, client, cfg, max_model_len, started, starting)
-        return _failed(spec, "episode_timeout", f"episode took longer than {cfg.episode_timeout_s}s")
+        return _failed(spec, Cause.EPISODE_TIMEOUT, f"episode took longer than {cfg.episode_timeout_s}s")
     except _EnvFailure as exc:
         return _failed(spec, exc.cause, str(exc))
     except GenerationFailed as exc:
         return _failed(spec, exc.cause, str(exc))
 
 
-def _failed(spec: EpisodeSpec, cause: str, message: str) -> EpisodeFailed:
+def _failed(spec: EpisodeSpec, cause: Cause, message: str) -> EpisodeFailed:
     return EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, cause, message[:500])
 
 
@@ -141,14 +143,15 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
     anchors: list[str] = []
     texts: list[str] = [obs.text]
     invalid = 0
+    truncated: Truncation | None = None
     carried: list[int] = []  # carry-over ids that open the current reply (Delethink)
+    if len(ctx.ids) + cfg.max_tokens > max_model_len:
+        raise _EnvFailure(Cause.PROMPT_TOO_LONG, f"the first prompt has {len(ctx.ids)} tokens; "
+                          f"with max_tokens {cfg.max_tokens} that exceeds max_model_len "
+                          f"{max_model_len}")
     for turn in range(cfg.max_turns):
-        budget = min(cfg.max_tokens, max_model_len - len(ctx.visible()))
-        if budget < 1:  # only possible before the first turn (later ones are checked below)
-            raise _EnvFailure("prompt_too_long", f"the first prompt has {len(ctx.ids)} tokens, "
-                              f"max_model_len is {max_model_len}")
         gen = await client.generate(
-            ctx.visible(), max_tokens=budget, temperature=cfg.temperature, top_p=cfg.top_p,
+            ctx.visible(), max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
             seed=sampling_seed(spec.seed, spec.member, turn), stop_token_ids=chat.stop_token_ids,
             timeout_s=cfg.turn_timeout_s, retries=cfg.actor_retries,
             backoff_s=cfg.actor_retry_backoff_s)
@@ -161,8 +164,11 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
         rewards.append(float(result.reward))
         invalid += 0 if result.info.get("valid", True) else 1
         texts += [response, result.observation.text]
-        if result.done or turn == cfg.max_turns - 1:
-            break  # ended, or cut by max_turns: no prompt for a turn that is never played
+        if result.done:
+            break
+        if turn == cfg.max_turns - 1:
+            truncated = Truncation.MAX_TURNS  # no prompt for a turn that is never played
+            break
         obs = result.observation
         if obs.new_context:
             # Delethink: a fresh context of the prompt plus the reply's last tokens, as ids.
@@ -170,8 +176,9 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
             carry = [t for t in reply if t not in chat.stop_token_ids][-obs.carry_tokens:] \
                 if obs.carry_tokens > 0 else []
             fresh = chat.first_prompt(system, obs.text)
-            if len(fresh) + len(carry) >= max_model_len:
-                break  # the fresh context leaves no room to generate: truncated
+            if len(fresh) + len(carry) + cfg.max_tokens > max_model_len:
+                truncated = Truncation.CONTEXT_FULL
+                break
             ctx.start_segment()
             ctx.add_prompt(fresh)
             ctx.add_prompt(carry)  # model tokens, but trained in the turn that produced them
@@ -179,8 +186,9 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
             continue
         carried = []
         bridge = chat.close_turn(gen.token_ids) + chat.next_prompt(obs.text)
-        if len(ctx.visible()) + len(bridge) >= max_model_len:
-            break  # no room to generate another turn: truncated, not failed
+        if len(ctx.visible()) + len(bridge) + cfg.max_tokens > max_model_len:
+            truncated = Truncation.CONTEXT_FULL  # no room for a whole turn: trained, not failed
+            break
         ctx.add_prompt(bridge)
     return Trajectory(
         episode_id=spec.episode_id, group_id=spec.group_id, seed=spec.seed, env=spec.env_name,
@@ -188,4 +196,4 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
         reward=sum(rewards), turn_rewards=rewards, num_turns=len(rewards),
         group_size=spec.group_size, duration_s=time.monotonic() - started,
         turn_starts=starts, turn_ends=ends, anchors=anchors, texts=texts,
-        segment_starts=ctx.segment_starts, invalid_actions=invalid)
+        segment_starts=ctx.segment_starts, invalid_actions=invalid, truncated=truncated)

@@ -58,20 +58,25 @@ class AdmissionGate:
         self._changed.set()
         self._changed = anyio.Event()
 
-    async def admit(self, timeout_s: float) -> int | None:
+    async def admit(self, start_timeout_s: float, silence_timeout_s: float) -> int | None:
         """Wait until this worker's next group may start; returns its global group number.
 
         Returns None once the learner is final. Raises TimeoutError if the learner says nothing
-        (it sends a heartbeat every second) for `timeout_s`: it is gone or stuck, an error, not a
-        reason to wait forever.
+        for too long: `start_timeout_s` before its first version (it first waits for the actor to
+        load and take its weights), `silence_timeout_s` after that (it sends a heartbeat every
+        second between steps). A silent learner is gone or stuck: an error, not a reason to wait
+        forever.
         """
         while not self.final and (self.version is None or self.next_group >= self.limit):
             self.waits += 1
+            first = self.version is None
+            timeout_s = start_timeout_s if first else silence_timeout_s
             try:
                 with anyio.fail_after(timeout_s):
                     await self._changed.wait()
             except TimeoutError:
-                raise TimeoutError(f"no policy version from the learner for {timeout_s}s "
+                what = "first policy version" if first else "policy version"
+                raise TimeoutError(f"no {what} from the learner for {timeout_s}s "
                                    f"(gate at {self.statistics()})") from None
         if self.final:
             return None

@@ -19,21 +19,30 @@ learner, a trajectory or a failure.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any
 
 import anyio
+from anyio.abc import TaskGroup
 
 from millstream.shared.config import Config
 from millstream.shared.metrics import MetricsWriter, NullMetrics
-from millstream.shared.protocol import EpisodeFailed, PolicyVersion, PoolDone, Trajectory, group_id
+from millstream.shared.protocol import (
+    ACTOR_CAUSES,
+    Cause,
+    EpisodeFailed,
+    PolicyVersion,
+    PoolDone,
+    Trajectory,
+    group_id,
+)
 from millstream.shared.transport import open_channel
 
 from .chat import ChatFormat
@@ -42,7 +51,8 @@ from .envs import make_env
 from .episode import EpisodeSpec, run_episode
 from .gate import AdmissionGate
 
-__all__ = ["run_worker", "WorkerStats", "ActorUnavailable", "tokenizer_dir"]
+__all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable", "tokenizer_dir",
+           "group_seed"]
 
 log = logging.getLogger("envpool")
 
@@ -51,11 +61,22 @@ log = logging.getLogger("envpool")
 class WorkerStats:
     started: int = 0
     finished: int = 0
-    failed: Counter = field(default_factory=Counter)
+    failed: Counter[Cause] = field(default_factory=Counter)
     live: int = 0
     groups: int = 0
     #: Episodes failed in a row by the actor's fault; reset by any other outcome.
     actor_failure_streak: int = 0
+
+    def settle(self, result: Trajectory | EpisodeFailed) -> None:
+        """Count one episode's end."""
+        self.live -= 1
+        if isinstance(result, Trajectory):
+            self.finished += 1
+            self.actor_failure_streak = 0
+        else:
+            self.failed[result.cause] += 1
+            actor_fault = result.cause in ACTOR_CAUSES
+            self.actor_failure_streak = self.actor_failure_streak + 1 if actor_fault else 0
 
 
 class ActorUnavailable(RuntimeError):
@@ -88,159 +109,197 @@ def group_seed(run_seed: int, group_number: int) -> int:
     return (run_seed * 7_919_981 + group_number * 104_729 + 17) % (2**31 - 1)
 
 
-async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None = None,
-                     actor_address: str | None = None,
-                     stats_hook: Callable[[WorkerStats], None] | None = None) -> WorkerStats:
-    """Run one worker until the learner is final; `stats_hook` receives the live stats object."""
-    chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
-    actor_address = actor_address or cfg.actor.connect or cfg.actor.address
-    name = f"w{worker_index}"
-    pool = cfg.envpool
-    make_env(pool.env, pool.env_args)  # fail fast on a bad name or bad arguments
-    dealer = open_channel("dealer", actor_address, bind=False, cfg=cfg.transport, recv_queue=4096)
-    sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport)
-    push = open_channel("push", cfg.learner.experience_address, bind=False, cfg=cfg.transport)
-    client = ActorClient(dealer, name)
-    gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
-    stats = WorkerStats()
-    if stats_hook is not None:
-        stats_hook(stats)
-    slots = anyio.Semaphore(pool.max_concurrent_episodes)
-    starting = anyio.CapacityLimiter(pool.max_starting_envs)
-    max_model_len = cfg.actor.max_model_len
-    group_size = cfg.train.group_size
-    if group_size > pool.max_concurrent_episodes:
-        raise ValueError(f"train.group_size={group_size} exceeds envpool.max_concurrent_episodes="
-                         f"{pool.max_concurrent_episodes}: a group could never start")
+class Worker:
+    """One worker's sockets, state and steps; `run()` plays until the learner is final.
 
-    async def report(message: Trajectory | EpisodeFailed) -> None:
-        with anyio.CancelScope(shield=True):  # a cancelled episode still reports its end
-            await push.send(message)
+    The steps, in the order a run meets them: `_admit_groups` (wait for the gate, greet the
+    actor once, start each group's episodes), `_episode` (play one, count it, report it),
+    `_follow_versions` (feed the gate), `_record_stats` / `_progress` (statistics), `_finish`
+    (PoolDone, flush).
+    """
 
-    async def one_episode(spec: EpisodeSpec) -> None:
-        result: Trajectory | EpisodeFailed | None = None
-        try:
-            env = make_env(pool.env, pool.env_args)
-            result = await run_episode(spec, env, chat, client, pool, max_model_len, starting)
-        except anyio.get_cancelled_exc_class():
-            result = EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, "run_ended",
-                                   "the learner finished while this episode ran")
-            raise
-        except Exception as exc:  # a bug of ours must still not lose the episode
-            log.exception("episode %s crashed", spec.episode_id)
-            result = EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size,
-                                   "envpool_error", f"{type(exc).__name__}: {exc}"[:500])
-        finally:
-            if isinstance(result, Trajectory):
-                stats.finished += 1
-            else:
-                stats.failed[result.cause] += 1
-            actor_fault = not isinstance(result, Trajectory) and result.cause.startswith("actor_")
-            stats.actor_failure_streak = stats.actor_failure_streak + 1 if actor_fault else 0
-            stats.live -= 1
-            slots.release()
-            await report(result)
-        if stats.actor_failure_streak > pool.max_consecutive_actor_failures:
-            raise ActorUnavailable(
-                f"{stats.actor_failure_streak} episodes in a row failed on the actor's side, the "
-                f"last with {result.cause}: {result.message}")
+    def __init__(self, cfg: Config, worker_index: int = 0, actor_address: str | None = None) -> None:
+        pool = cfg.envpool
+        make_env(pool.env, pool.env_args)  # fail fast on a bad name or bad arguments
+        self.cfg, self.pool = cfg, pool
+        self.name = f"w{worker_index}"
+        self.chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
+        self.actor_address = actor_address or cfg.actor.connect or cfg.actor.address
+        self.dealer = open_channel("dealer", self.actor_address, bind=False, cfg=cfg.transport,
+                                   recv_queue=4096)
+        self.sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport)
+        self.push = open_channel("push", cfg.learner.experience_address, bind=False,
+                                 cfg=cfg.transport)
+        self.client = ActorClient(self.dealer, self.name)
+        self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
+        self.stats = WorkerStats()
+        self.slots = anyio.Semaphore(pool.max_concurrent_episodes)
+        self.starting = anyio.CapacityLimiter(pool.max_starting_envs)
+        self.metrics: MetricsWriter | NullMetrics = (
+            MetricsWriter(Path(cfg.run.dir) / f"envpool-{self.name}.jsonl") if cfg.run.dir
+            else NullMetrics())
 
-    async def greet_actor() -> None:
-        info = await client.handshake(timeout_s=pool.actor_connect_timeout_s,
-                                      retries=pool.actor_retries,
-                                      backoff_s=pool.actor_retry_backoff_s)
-        log.info("%s: actor at %s serves %s (version %d)", name, actor_address, info.model,
-                 info.version)
+    async def run(self, ready_file: str | None = None) -> WorkerStats:
+        async with anyio.create_task_group() as io:
+            for channel in (self.dealer, self.sub, self.push):
+                io.start_soon(channel.run)
+            io.start_soon(self.client.run)
+            io.start_soon(self._progress)
+            io.start_soon(self._record_stats)
+            if ready_file:
+                Path(ready_file).write_text(f'{{"worker": "{self.name}"}}')
+            log.info("%s running %s, waiting for the learner's first version", self.name,
+                     self.pool.env)
+            with anyio.CancelScope() as admitting:
+                io.start_soon(self._follow_versions, admitting)
+                async with anyio.create_task_group() as episodes:
+                    await self._admit_groups(episodes)
+                    episodes.cancel_scope.cancel()  # final: unfinished episodes end as run_ended
+            await self._finish()
+            io.cancel_scope.cancel()
+        return self.stats
 
-    async def admit_groups(episodes) -> None:
+    # --- admission ---------------------------------------------------------------------------
+
+    async def _admit_groups(self, episodes: TaskGroup) -> None:
         greeted = False
         while True:
-            number = await gate.admit(pool.version_timeout_s)
+            number = await self.gate.admit(self.pool.start_timeout_s,
+                                           self.pool.learner_silence_timeout_s)
             if number is None:
                 return
             if not greeted:
                 # Only now: the learner announces its first version after the actor took its
                 # weights, so an actor still loading (a minute for vLLM) is not taken for gone.
-                await greet_actor()
+                await self._greet_actor()
                 greeted = True
-            for _ in range(group_size):
-                try:  # the free-slot case must not wait a scheduler round per slot: at 10,000
-                    slots.acquire_nowait()  # episodes that alone made filling the pool take 8 s
-                except anyio.WouldBlock:
-                    await slots.acquire()
-            seed = group_seed(cfg.run.seed, number)
-            gid = group_id(number)
-            stats.groups += 1
-            for member in range(group_size):
-                spec = EpisodeSpec(f"{gid}-e{member}", gid, seed, member, group_size, pool.env)
-                stats.started += 1
-                stats.live += 1
-                episodes.start_soon(one_episode, spec)
+            await self._take_slots(self.cfg.train.group_size)
+            self._start_group(episodes, number)
 
-    async def follow_versions(stop_admitting: anyio.CancelScope) -> None:
-        async for _, messages in sub:
+    async def _greet_actor(self) -> None:
+        pool = self.pool
+        info = await self.client.handshake(timeout_s=pool.actor_connect_timeout_s,
+                                           retries=pool.actor_retries,
+                                           backoff_s=pool.actor_retry_backoff_s)
+        log.info("%s: actor at %s serves %s (version %d)", self.name, self.actor_address,
+                 info.model, info.version)
+
+    async def _take_slots(self, n: int) -> None:
+        for _ in range(n):
+            try:  # the free-slot case must not wait a scheduler round per slot: at 10,000
+                self.slots.acquire_nowait()  # episodes that alone made filling the pool take 8 s
+            except anyio.WouldBlock:
+                await self.slots.acquire()
+
+    def _start_group(self, episodes: TaskGroup, number: int) -> None:
+        size = self.cfg.train.group_size
+        seed = group_seed(self.cfg.run.seed, number)
+        gid = group_id(number)
+        self.stats.groups += 1
+        for member in range(size):
+            spec = EpisodeSpec(f"{gid}-e{member}", gid, seed, member, size, self.pool.env)
+            self.stats.started += 1
+            self.stats.live += 1
+            episodes.start_soon(self._episode, spec)
+
+    async def _follow_versions(self, stop_admitting: anyio.CancelScope) -> None:
+        async for _, messages in self.sub:
             for message in messages:
                 if isinstance(message, PolicyVersion):
-                    gate.update(message)
-            if gate.final:
+                    self.gate.update(message)
+            if self.gate.final:
                 stop_admitting.cancel()
 
-    metrics = MetricsWriter(Path(cfg.run.dir) / f"envpool-{name}.jsonl") if cfg.run.dir \
-        else NullMetrics()
+    # --- one episode -------------------------------------------------------------------------
 
-    def snapshot() -> None:
+    async def _episode(self, spec: EpisodeSpec) -> None:
+        """Play one episode; whatever happens, count it and report exactly one result."""
+        result: Trajectory | EpisodeFailed = EpisodeFailed(
+            spec.episode_id, spec.group_id, spec.group_size, Cause.RUN_ENDED,
+            "the learner finished (or the worker stopped) while this episode ran")
+        try:
+            env = make_env(self.pool.env, self.pool.env_args)
+            result = await run_episode(spec, env, self.chat, self.client, self.pool,
+                                       self.cfg.actor.max_model_len, self.starting)
+        except Exception as exc:  # a bug of ours must still not lose the episode
+            log.exception("episode %s crashed", spec.episode_id)
+            result = EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size,
+                                   Cause.ENVPOOL_ERROR, f"{type(exc).__name__}: {exc}"[:500])
+        finally:  # cancellation (the run ended) lands here with the default result above
+            self.stats.settle(result)
+            self.slots.release()
+            with anyio.CancelScope(shield=True):  # a cancelled episode still reports its end
+                await self.push.send(result)
+        streak = self.stats.actor_failure_streak
+        if streak > self.pool.max_consecutive_actor_failures and isinstance(result, EpisodeFailed):
+            raise ActorUnavailable(f"{streak} episodes in a row failed on the actor's side, the "
+                                   f"last with {result.cause}: {result.message}")
+
+    # --- statistics and the end --------------------------------------------------------------
+
+    def _snapshot(self) -> None:
         """One statistics record; the latency histogram covers the interval since the last."""
-        metrics.write({
-            "worker": name, "started": stats.started, "finished": stats.finished,
-            "failed": dict(stats.failed), "live": stats.live, "groups": stats.groups,
-            "rss_bytes": rss_bytes(), "turns": client.stats.completed,
-            "turn_latency": client.take_latency().to_dict(), "gate": gate.statistics(),
+        stats, client = self.stats, self.client
+        self.metrics.write({
+            "worker": self.name, "started": stats.started, "finished": stats.finished,
+            "failed": {str(k): v for k, v in stats.failed.items()}, "live": stats.live,
+            "groups": stats.groups, "rss_bytes": rss_bytes(), "turns": client.stats.completed,
+            "turn_latency": client.take_latency().to_dict(), "gate": self.gate.statistics(),
             "client": client.statistics(),
-            "actor_socket": dealer.statistics().counters(),
-            "learner_socket": push.statistics().counters(),
+            "actor_socket": self.dealer.statistics().counters(),
+            "learner_socket": self.push.statistics().counters(),
         })
 
-    async def record_stats() -> None:
+    async def _record_stats(self) -> None:
         while True:
-            snapshot()
-            await anyio.sleep(pool.stats_every_s)
+            self._snapshot()
+            await anyio.sleep(self.pool.stats_every_s)
 
-    async def progress(every_s: float = 10.0) -> None:
+    async def _progress(self, every_s: float = 10.0) -> None:
         while True:
             await anyio.sleep(every_s)
-            # A short line; the full statistics go to envpool-<name>.jsonl (snapshot above).
-            log.info("%s started=%d finished=%d failed=%s live=%d gate=%s", name, stats.started,
-                     stats.finished, dict(stats.failed), stats.live, gate.statistics())
+            # A short line; the full statistics go to envpool-<name>.jsonl (_snapshot).
+            stats = self.stats
+            log.info("%s started=%d finished=%d failed=%s live=%d gate=%s", self.name,
+                     stats.started, stats.finished, dict(stats.failed), stats.live,
+                     self.gate.statistics())
 
-    async with anyio.create_task_group() as io:
-        for channel in (dealer, sub, push):
-            io.start_soon(channel.run)
-        io.start_soon(client.run)
-        io.start_soon(progress)
-        io.start_soon(record_stats)
-        if ready_file:
-            Path(ready_file).write_text(json.dumps({"worker": name}))
-        log.info("%s running %s, waiting for the learner's first version", name, pool.env)
-        with anyio.CancelScope() as admitting:
-            io.start_soon(follow_versions, admitting)
-            async with anyio.create_task_group() as episodes:
-                await admit_groups(episodes)
-                episodes.cancel_scope.cancel()  # final: the unfinished episodes end as run_ended
-        await push.send(PoolDone(name, stats.started, stats.finished, sum(stats.failed.values())))
-        flushed = await push.flush(timeout=30.0)
-        snapshot()
-        metrics.close()
-        log.info("%s done: started=%d finished=%d failed=%s flushed=%s", name, stats.started,
-                 stats.finished, dict(stats.failed), flushed)
-        io.cancel_scope.cancel()
-    return stats
+    async def _finish(self) -> None:
+        stats = self.stats
+        await self.push.send(PoolDone(self.name, stats.started, stats.finished,
+                                      sum(stats.failed.values())))
+        flushed = await self.push.flush(timeout=30.0)
+        self._snapshot()
+        self.metrics.close()
+        log.info("%s done: started=%d finished=%d failed=%s flushed=%s", self.name,
+                 stats.started, stats.finished, dict(stats.failed), flushed)
+
+
+async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None = None,
+                     actor_address: str | None = None,
+                     stats_hook: Callable[[WorkerStats], Any] | None = None) -> WorkerStats:
+    """Run one worker until the learner is final; `stats_hook` receives the live stats object."""
+    worker = Worker(cfg, worker_index, actor_address)
+    if stats_hook is not None:
+        stats_hook(worker.stats)
+    return await worker.run(ready_file)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from millstream.shared.runtime import raise_fd_limit, role_args
+    from millstream.shared.lifecycle import run_until_signal
+    from millstream.shared.runtime import STOPPED, raise_fd_limit, run_role
 
-    cfg, ns = role_args("envpool", argv)
-    raise_fd_limit()
-    started = time.monotonic()
-    stats = anyio.run(run_worker, cfg, ns.worker_index, ns.ready_file, backend="trio")
-    log.info("envpool exited after %.1fs: %s", time.monotonic() - started, stats)
+    def body(cfg: Config, ns: Any) -> int:
+        if ns.check:
+            from .preflight import preflight
+
+            return preflight(cfg)
+        raise_fd_limit()
+        started = time.monotonic()
+        stats, stopped = anyio.run(run_until_signal, run_worker, cfg, ns.worker_index,
+                                   ns.ready_file, backend="trio")
+        log.info("envpool exited after %.1fs: %s", time.monotonic() - started, stats)
+        return STOPPED if stopped else 0
+
+    run_role("envpool", body, argv, check="check the envpool's settings (environment, its "
+             "arguments, tokenizer, a first prompt against the context) and exit")

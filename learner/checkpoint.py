@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -43,14 +42,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from millstream.shared.rundir import STATE_FILE, find_checkpoint, step_dirs
+
 __all__ = ["save_checkpoint", "find_checkpoint", "load_checkpoint", "STATE_FILE"]
 
 log = logging.getLogger("learner.checkpoint")
 
-STATE_FILE = "learner_state.msgpack"
 _ENGINE_TAG = "deepspeed"  # DeepSpeed's sub-folder (its "tag") inside a checkpoint
 _FORMAT = 1
-_STEP = re.compile(r"step_(\d+)")
 _RESERVED = ("version", "restored_groups")  # keys load_checkpoint adds to the returned dict
 
 
@@ -116,15 +115,6 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints under `root` (a `checkpoints` folder), oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _STEP.fullmatch(p.name)) and (p / STATE_FILE).is_file()]
-    return sorted(found)
-
-
 def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> Path:
     """Saves a resumable checkpoint of the trainer's current version; returns its folder.
 
@@ -176,34 +166,13 @@ def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> P
 
 
 def _prune(root: Path, version: int, keep: int) -> None:
-    ours = [p for v, p in _step_dirs(root) if v <= version]
+    ours = [p for v, p in step_dirs(root) if v <= version]
     for path in ours[:-keep]:
         shutil.rmtree(path)
     for path in root.glob(".tmp-*"):  # abandoned by crashed saves of other steps
         shutil.rmtree(path, ignore_errors=True)
     for path in root.glob(".old-*"):
         shutil.rmtree(path, ignore_errors=True)
-
-
-def find_checkpoint(path: str | Path) -> Path:
-    """A checkpoint folder given itself, a run directory (its `checkpoints/latest`) or a
-    `checkpoints` folder; raises FileNotFoundError naming what was looked for."""
-    path = Path(path).expanduser()
-    if (path / STATE_FILE).is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        latest = root / "latest"
-        if latest.is_file():
-            named = root / latest.read_text().strip()
-            if (named / STATE_FILE).is_file():
-                return named
-            # Only a crash while a checkpoint of the same version was replaced leaves it dangling.
-            if found := _step_dirs(root):
-                log.warning("%s names missing %s; using %s", latest, named, found[-1][1])
-                return found[-1][1]
-    raise FileNotFoundError(
-        f"no checkpoint at {path}: looked for {path / STATE_FILE} (a checkpoint folder), "
-        f"{path / 'checkpoints' / 'latest'} (a run directory) and {path / 'latest'}")
 
 
 def load_checkpoint(path: Path, trainer, buffer) -> dict:

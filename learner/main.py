@@ -25,9 +25,9 @@ nothing else (logs go to stderr), so the launcher can show it as is.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import orjson
@@ -37,6 +37,7 @@ from millstream.shared.config import Config
 from millstream.shared.metrics import MetricsWriter
 from millstream.shared.protocol import (
     Codec,
+    DropCause,
     EpisodeFailed,
     PolicyVersion,
     PoolDone,
@@ -44,12 +45,12 @@ from millstream.shared.protocol import (
     Trajectory,
     admit_limit,
 )
-from millstream.shared.runtime import resolve_model_dir, role_args, write_ready
+from millstream.shared.runtime import resolve_model_dir, run_role, write_ready
 
 from .advantages import compute_advantages, filter_groups, filter_pool_size
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from .replay import ReplayBuffer
-from .stats import CollapseWatch, batch_metrics, progress_line
+from .replay import Group, ReplayBuffer
+from .stats import CollapseWatch, NoSignalWatch, batch_metrics, progress_line
 from .team import Team
 from .trainer import Trainer, TrainSample
 from .weights import WeightSender
@@ -57,6 +58,9 @@ from .weights import WeightSender
 __all__ = ["run_learner", "main"]
 
 log = logging.getLogger("learner")
+
+#: The drop cause of groups each group filter removes.
+FILTER_CAUSE = {"zero_std": DropCause.FILTERED_ZERO_STD, "starpo_s": DropCause.FILTERED_STARPO_S}
 
 
 class Experience:
@@ -116,6 +120,7 @@ class Leader:
         self.trained_groups = 0  # groups trained in this session
         self.generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
         self.collapse = CollapseWatch()
+        self.no_signal = NoSignalWatch()
         self.done_workers: dict[str, PoolDone] = {}
         self.received_before = 0  # episodes a resumed buffer had received in earlier sessions
         self.dropped_before = 0  # groups a resumed buffer had dropped (incl. partials at load)
@@ -136,13 +141,16 @@ class Leader:
         if cfg.run.resume:
             self._resume(find_checkpoint(cfg.run.resume))
         self.sync = WeightSender(cfg.actor.connect or cfg.actor.address, cfg.learner,
-                                 dtype=cfg.model.dtype)
+                                 dtype=cfg.model.dtype, hello_timeout_s=cfg.actor.startup_timeout_s)
         self.sync.attach()
         pushed = self._push_weights()
         log.info("policy version %d pushed in %.2fs", trainer.version, pushed["sync/total_s"])
         self.exp = Experience(cfg)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         self.episodes_log = (self.run_dir / "trajectories.jsonl").open("ab")
+        if cfg.run.resume:
+            self.metrics.write({"event": "resume", "step": trainer.version,
+                                "checkpoint": str(find_checkpoint(cfg.run.resume))})
         write_ready(ready_file, experience=cfg.learner.experience_address,
                     versions=cfg.learner.version_address)
         self.started = self.last_step = self.last_data = time.monotonic()
@@ -166,54 +174,91 @@ class Leader:
             self.buffer.add(message)
         elif isinstance(message, EpisodeFailed):
             self.buffer.fail(message)
-            self._log_episode({"fate": f"failed:{message.cause}", **msgspec.structs.asdict(message)})
+            self._log_episode({"fate": "failed", "version": self.trainer.version,
+                               **msgspec.structs.asdict(message)})
         elif isinstance(message, PoolDone):
             self.done_workers[message.worker] = message
         else:
             log.warning("unexpected %s on the experience socket", type(message).__name__)
 
     def _maybe_step(self) -> bool:
-        cfg, trainer, buffer = self.cfg, self.trainer, self.buffer
-        version = trainer.version
-        candidates = buffer.take_batch(version, count=filter_pool_size(cfg.learner, cfg.train.groups_per_batch))
-        if candidates is None:
-            return False
-        batch, rejected = filter_groups(candidates, cfg.learner)
-        if rejected:
-            buffer.discard(rejected, f"filtered_{cfg.learner.group_filter}")
+        """One training step if enough fresh complete groups wait: take, train, push, report."""
+        version = self.trainer.version
+        batch = self._take_batch(version)
         if not batch:
             return False
-        advantages = compute_advantages(batch, cfg.learner)
-        scored = [(t, adv) for g, g_adv in zip(batch, advantages) for t, adv in zip(g.trajectories, g_adv)]
-        samples = [s for t, adv in scored for s in train_samples(t, adv)]
-        self.team.command("train", samples)
-        step_metrics = trainer.train_step(self.team.shard(samples), cfg.learner,
-                                          generation_budget=self.generation_budget)
+        scored = self._score(batch)
+        step_metrics = self._train(scored)
         self.trained_groups += len(batch)
         sync_metrics = self._push_weights()
         now = time.monotonic()
-        record = {"step": trainer.version, "trained_version": version, "learner/ranks": self.team.world,
+        record = {"step": self.trainer.version, "trained_version": version,
+                  "learner/ranks": self.team.world,
                   **batch_metrics(batch, version, now - self.last_step, now - self.started),
                   **{f"train/{k}": v for k, v in step_metrics.items()},
                   **sync_metrics, **self._buffer_metrics()}
-        self.metrics.write(record)
-        warning = self.collapse.update(record["reward/std"], step_metrics.get("entropy"))
-        if warning:
-            log.warning("collapse warning at step %d: %s", trainer.version, warning)
-            print(f"warning: reward std and entropy collapsing at step {trainer.version} "
-                  f"(std {warning['reward_std']:.3f} from {warning['reward_std_peak']:.3f}, entropy "
-                  f"{warning['entropy']:.2f} from {warning['entropy_peak']:.2f})", flush=True)
-            self.metrics.write({"event": "collapse_warning", "step": trainer.version, **warning})
-        print(progress_line(record, cfg.train.steps), flush=True)
-        for traj, adv in scored:
-            first = next((a for a, m in zip(adv, traj.loss_mask) if m), 0.0)
-            self._log_episode({"fate": "trained", "step": trainer.version, "trained_version": version,
-                               "advantage": first, **msgspec.structs.asdict(traj)})
+        self._log_trained(scored, version)  # first: the metrics record counts these episodes
+        self._report(record, step_metrics)
         self.last_step = now
-        every = cfg.learner.checkpoint_every
-        if every and trainer.version % every == 0 and trainer.version < cfg.train.steps:
+        every = self.cfg.learner.checkpoint_every
+        if every and self.trainer.version % every == 0 and self.trainer.version < self.cfg.train.steps:
             self._save()
         return True
+
+    def _take_batch(self, version: int) -> list[Group]:
+        """The next batch of complete, fresh-enough groups that pass the group filter."""
+        cfg = self.cfg
+        candidates = self.buffer.take_batch(
+            version, count=filter_pool_size(cfg.learner, cfg.train.groups_per_batch))
+        if candidates is None:
+            return []
+        batch, rejected = filter_groups(candidates, cfg.learner)
+        if rejected:
+            self.buffer.discard(rejected, FILTER_CAUSE[cfg.learner.group_filter])
+        return batch
+
+    def _score(self, batch: list[Group]) -> list[tuple[Trajectory, list[float]]]:
+        """Every trajectory of the batch with its per-token advantages."""
+        advantages = compute_advantages(batch, self.cfg.learner)
+        return [(t, adv) for g, g_adv in zip(batch, advantages)
+                for t, adv in zip(g.trajectories, g_adv)]
+
+    def _train(self, scored: list[tuple[Trajectory, list[float]]]) -> dict[str, float]:
+        """One optimizer step on every rank (each trains its shard of the samples)."""
+        samples = [s for t, adv in scored for s in train_samples(t, adv)]
+        self.team.command("train", samples)
+        metrics = self.trainer.train_step(self.team.shard(samples), self.cfg.learner,
+                                          generation_budget=self.generation_budget)
+        return metrics
+
+    def _report(self, record: dict, step_metrics: dict[str, float]) -> None:
+        """The step's metrics record, its warnings and its progress line."""
+        step = self.trainer.version
+        quiet = self.no_signal.update(record["reward/frac_zero_std_groups"])
+        record["warning/no_signal_steps"] = quiet
+        self.metrics.write(record)
+        if quiet == self.no_signal.after:
+            log.warning("no learning signal: every group of the last %d batches had equal rewards",
+                        quiet)
+            self.metrics.write({"event": "no_signal_warning", "step": step, "steps": quiet})
+        warning = self.collapse.update(record["reward/std"], step_metrics.get("entropy"))
+        if warning:
+            log.warning("collapse warning at step %d: %s", step, warning)
+            print(f"warning: reward std and entropy collapsing at step {step} "
+                  f"(std {warning['reward_std']:.3f} from {warning['reward_std_peak']:.3f}, entropy "
+                  f"{warning['entropy']:.2f} from {warning['entropy_peak']:.2f})", flush=True)
+            self.metrics.write({"event": "collapse_warning", "step": step, **warning})
+        print(progress_line(record, self.cfg.train.steps, no_signal_after=self.no_signal.after),
+              flush=True)
+
+    def _log_trained(self, scored: list[tuple[Trajectory, list[float]]], version: int) -> None:
+        """One trajectory record per trained episode, flushed with the step (a kill keeps it)."""
+        for traj, adv in scored:
+            first = next((a for a, m in zip(adv, traj.loss_mask) if m), 0.0)
+            self._log_episode({"fate": "trained", "step": self.trainer.version,
+                               "trained_version": version, "advantage": first,
+                               **msgspec.structs.asdict(traj)})
+        self.episodes_log.flush()
 
     # --- collective steps (every rank enters them) -----------------------------------------
 
@@ -253,14 +298,17 @@ class Leader:
             for message in self.exp.receive(0.2):
                 self._handle(message)
         checkpoint = self._save()  # before the drain: its complete groups survive a resume
-        buffer.drain("run_ended")
+        buffer.drain(DropCause.RUN_ENDED)
         stats = buffer.statistics()
         started = sum(d.episodes_started for d in self.done_workers.values())
         accounted = stats["trained"] + sum(stats["dropped"].values()) + sum(stats["failed"].values())
         summary = {
             "version": self.trainer.version,
             "workers_done": len(self.done_workers),
-            "episodes_started": started,
+            # Over the whole run: this session's and, after a resume, the earlier sessions'
+            # episodes up to the checkpoint it resumed from.
+            "episodes_started": started + self.received_before,
+            "episodes_started_this_session": started,
             "episodes_from_earlier_sessions": self.received_before,
             "episodes_trained": stats["trained"],
             "episodes_dropped": stats["dropped"],
@@ -330,10 +378,12 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    cfg, ns = role_args("learner", argv)
-    summary = run_learner(cfg, ns.ready_file)
-    log.info("learner finished: %s", summary)
-    sys.exit(0 if summary["accounting_ok"] else 3)
+    def body(cfg: Config, ns: Any) -> int:
+        summary = run_learner(cfg, ns.ready_file)
+        log.info("learner finished: %s", summary)
+        return 0 if summary["accounting_ok"] else 3
+
+    run_role("learner", body, argv)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,13 @@ from typing import Any
 
 import msgspec
 
-from millstream.shared.protocol import EpisodeFailed, Trajectory, group_number
+from millstream.shared.protocol import Cause, DropCause, EpisodeFailed, Trajectory, group_number
 
 __all__ = ["Group", "ReplayBuffer", "BufferFull"]
 
 #: Drop cause of trajectories that arrive for a group that already completed (more members than
 #: `group_size`: an upstream bug, kept visible rather than silently merged into a new group).
-_OVERFLOW = "group_overflow"
+_OVERFLOW = DropCause.GROUP_OVERFLOW
 
 # Where an arriving episode goes (see ReplayBuffer._admit).
 _OPEN, _LATE, _DUPLICATE = 0, 1, 2
@@ -123,7 +123,7 @@ class ReplayBuffer:
         self._complete: OrderedDict[str, Group] = OrderedDict()
         # Groups that left the buffer -> cause under which late members are dropped. Kept for the
         # whole run (one short entry per group) so a late member can never reopen a group.
-        self._closed: dict[str, str] = {}
+        self._closed: dict[str, DropCause] = {}
         # Every episode id seen, to ignore re-sent episodes (one entry per episode of the run).
         self._seen: set[str] = set()
 
@@ -151,7 +151,7 @@ class ReplayBuffer:
         if oldest is None:
             # Mismatched lengths or no generated token: nothing to train on and no defined
             # staleness. The member slot still closes, like a failure, so the group can complete.
-            self._count(self.dropped, "malformed", 1)
+            self._count(self.dropped, DropCause.MALFORMED, 1)
             group.failed += 1
         else:
             group.trajectories.append(traj)
@@ -205,7 +205,7 @@ class ReplayBuffer:
         del self._pending[group_id]
         self._closed[group_id] = _OVERFLOW
         if len(group.trajectories) < self.min_group_size:
-            self._drop_group(group.trajectories, "group_too_small")
+            self._drop_group(group.trajectories, DropCause.GROUP_TOO_SMALL)
             return
         assert group.oldest is not None  # min_group_size >= 1, so a trajectory arrived
         self._complete[group_id] = Group(group_id, group.trajectories, group.failed, group.oldest)
@@ -219,12 +219,12 @@ class ReplayBuffer:
         for gid, done in list(self._complete.items()):
             if version - done.oldest_version > self.max_staleness:
                 del self._complete[gid]
-                self._drop_group(done.trajectories, "stale")
+                self._drop_group(done.trajectories, DropCause.STALE)
         for gid, group in list(self._pending.items()):
             if group.oldest is not None and version - group.oldest > self.max_staleness:
                 del self._pending[gid]
-                self._closed[gid] = "stale"  # its late members are stale too
-                self._drop_group(group.trajectories, "stale")
+                self._closed[gid] = DropCause.STALE  # its late members are stale too
+                self._drop_group(group.trajectories, DropCause.STALE)
         if len(self._complete) < count:
             return None
         batch = [self._complete.popitem(last=False)[1] for _ in range(count)]
@@ -234,7 +234,7 @@ class ReplayBuffer:
         self._last_staleness = [version - g.oldest_version for g in batch]
         return batch
 
-    def discard(self, groups: list[Group], cause: str) -> None:
+    def discard(self, groups: list[Group], cause: DropCause) -> None:
         """Groups taken by `take_batch` but not trained (a filter rejected them): counted as
         dropped under `cause`, each freeing its admission slot like any dropped group."""
         for group in groups:
@@ -243,7 +243,7 @@ class ReplayBuffer:
             self.buffered += n
             self._drop_group(group.trajectories, cause)
 
-    def drain(self, cause: str = "run_ended") -> int:
+    def drain(self, cause: DropCause = DropCause.RUN_ENDED) -> int:
         """Drops every buffered episode (complete and partial groups); returns how many."""
         before = self.buffered
         for done in self._complete.values():
@@ -255,15 +255,16 @@ class ReplayBuffer:
         self._pending.clear()
         return before - self.buffered
 
-    def _drop_group(self, trajectories: list[Trajectory], cause: str) -> None:
+    def _drop_group(self, trajectories: list[Trajectory], cause: DropCause) -> None:
         self.dropped_groups += 1
         if trajectories:
             self._count(self.dropped, cause, len(trajectories))
             self.buffered -= len(trajectories)
 
     @staticmethod
-    def _count(counter: dict[str, int], cause: str, n: int) -> None:
-        counter[cause] = counter.get(cause, 0) + n
+    def _count(counter: dict[str, int], cause: Cause | DropCause, n: int) -> None:
+        key = str(cause)  # the cause's value: a plain string key (JSON, checkpoints, metrics)
+        counter[key] = counter.get(key, 0) + n
 
     # --- checkpointing ---------------------------------------------------------------------
 
@@ -292,7 +293,7 @@ class ReplayBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any], *,
-                        drop_partial_cause: str = "incomplete_at_resume") -> int:
+                        drop_partial_cause: DropCause = DropCause.INCOMPLETE_AT_RESUME) -> int:
         """Replaces this buffer's contents with `state` (from `state_dict`, possibly through a
         msgpack round trip); returns how many complete groups were restored.
 
@@ -330,7 +331,8 @@ class ReplayBuffer:
             raise ValueError(f"replay buffer state is inconsistent: {held} trajectories held, "
                              f"counters {c}")
 
-        closed, seen = dict(state["closed"]), set(state["seen"])
+        closed = {gid: DropCause(cause) for gid, cause in state["closed"].items()}
+        seen = set(state["seen"])
         # Nothing above changed the buffer: a bad state leaves it as it was.
         self._complete, self._pending, self._closed, self._seen = complete, {}, closed, seen
         self.received, self.trained = int(c["received"]), int(c["trained"])

@@ -4,6 +4,11 @@ Staleness is measured on the tokens actually trained: for every generated token,
 version that trains on it minus the policy version that sampled it. Its max is what
 `train.max_staleness` bounds.
 
+`NoSignalWatch` counts steps in a row whose every group had equal rewards: GRPO-family
+advantages are then zero everywhere, the step changes nothing, and the run is burning compute
+(the task is too hard or too easy for the policy, or the reward is broken). After `after` such
+steps the progress line says so, and every record carries `warning/no_signal_steps`.
+
 `CollapseWatch` is RAGEN's early warning for the "echo trap": when the reward spread within
 groups and the policy's entropy fall together, the policy is converging on one templated
 answer and gradients are about to vanish. It compares the mean of the last `window` steps with
@@ -16,7 +21,7 @@ import statistics
 
 from .replay import Group
 
-__all__ = ["batch_metrics", "progress_line", "CollapseWatch"]
+__all__ = ["batch_metrics", "progress_line", "CollapseWatch", "NoSignalWatch"]
 
 
 def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: float) -> dict:
@@ -45,14 +50,29 @@ def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: fl
     }
 
 
-def progress_line(record: dict, steps: int) -> str:
+def progress_line(record: dict, steps: int, no_signal_after: int = 3) -> str:
     dropped = sum(v for k, v in record.items() if k.startswith("episodes/dropped/"))
     failed = sum(v for k, v in record.items() if k.startswith("episodes/failed/"))
-    return (f"step {record['step']:>4}/{steps} | reward {record['reward/mean']:.3f} "
+    line = (f"step {record['step']:>4}/{steps} | reward {record['reward/mean']:.3f} "
             f"± {record['reward/std']:.3f} | staleness {record['staleness/min']}/"
             f"{record['staleness/mean']:.2f}/{record['staleness/max']} | "
             f"{record['perf/tokens_per_s']:.0f} tok/s | dropped {dropped} failed {failed} | "
             f"sync {record['sync/total_s']:.2f}s | {record['perf/elapsed_s']:.0f}s")
+    quiet = record.get("warning/no_signal_steps", 0)
+    if quiet >= no_signal_after:
+        line += f" | NO SIGNAL: equal rewards in every group for {quiet} steps"
+    return line
+
+
+class NoSignalWatch:
+    def __init__(self, after: int = 3) -> None:
+        self.after = after
+        self.streak = 0
+
+    def update(self, frac_zero_std_groups: float) -> int:
+        """Record one step's share of groups with equal rewards; returns the current streak."""
+        self.streak = self.streak + 1 if frac_zero_std_groups >= 1.0 else 0
+        return self.streak
 
 
 class CollapseWatch:

@@ -46,8 +46,11 @@ class WeightSyncError(RuntimeError):
 
 
 class WeightSender:
-    def __init__(self, actor_address: str, cfg: LearnerConfig, *, dtype: str) -> None:
+    def __init__(self, actor_address: str, cfg: LearnerConfig, *, dtype: str,
+                 hello_timeout_s: float | None = None) -> None:
         self.address = actor_address
+        #: The first answer may take an engine's whole start-up (actor.startup_timeout_s).
+        self.hello_timeout_s = hello_timeout_s or cfg.sync_timeout_s
         self.cfg = cfg
         self.dtype = dtype
         self.backend = pick_backend(cfg.sync_backend)
@@ -84,7 +87,7 @@ class WeightSender:
 
     def attach(self) -> ActorInfo:
         """Say hello, open the store, ask the actor to join, join; returns the actor's info."""
-        info = self._request(Hello(self.session), ActorInfo, self.cfg.sync_timeout_s)
+        info = self._request(Hello(self.session), ActorInfo, self.hello_timeout_s)
         if info.dtype != self.dtype:
             raise WeightSyncError(f"actor runs {info.dtype} weights but the learner sends {self.dtype}")
         world = info.weight_ranks + 1

@@ -31,16 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "stress":
         os.execv(sys.executable, [sys.executable, "-m", "millstream.bench.stress", *rest])
     if command == "run":
-        from .config import ConfigError
-        from .launcher import launch
-
-        path = rest[0] if rest and "=" not in rest[0] else None
-        overrides = rest[1:] if path else rest
-        try:
-            sys.exit(launch(path, overrides))
-        except ConfigError as exc:
-            print(f"millstream run: {exc}", file=sys.stderr)
-            sys.exit(2)
+        sys.exit(run(rest))
     if command == "tiny-model":
         from .tinymodel import main as tiny_main
 
@@ -53,6 +44,42 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"millstream: unknown command {command!r}\n{__doc__}", file=sys.stderr)
     sys.exit(2)
+
+
+RUN_USAGE = """usage: millstream run [CONFIG.toml] [section.key=value ...]
+
+Starts and supervises a whole run (actor, learner, envpool workers) from one config: the
+embedded defaults, then CONFIG.toml if given, then the overrides. Everything is checked before
+any process starts. `run.resume=RUN_DIR` continues a run from its latest checkpoint.
+
+Examples:
+  millstream run                                    the tiny model learns `evenchars`
+  millstream run my.toml train.steps=100 envpool.env=bandit
+  millstream run run.resume=runs/run-20261123-101500
+
+The config keys, with their defaults:
+"""
+
+
+def run(args: list[str]) -> int:
+    """`millstream run`: usage on --help; a ConfigError is one line and exit status 2."""
+    from .config import ConfigError, describe_config, parse_overrides
+    from .launcher import launch
+
+    if any(a in ("-h", "--help") for a in args):
+        print(RUN_USAGE + describe_config())
+        return 0
+    try:
+        path = None
+        if args and "=" not in args[0]:
+            first = args[0]
+            if not (first.endswith(".toml") or "/" in first or os.path.exists(first)):
+                parse_overrides([first])  # not a file: an override without '=', say so
+            path, args = first, args[1:]
+        return launch(path, args)
+    except ConfigError as exc:
+        print(f"millstream run: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

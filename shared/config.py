@@ -1,27 +1,46 @@
-"""The run configuration: one TOML file, dotted overrides, every field documented.
-
-A config is a tree of msgspec Structs. Each field carries its documentation as
-`msgspec.Meta(description=...)`, so `millstream config` can print every knob with its default
-and meaning, and the docs never drift from the code. There are no hidden knobs: if a role reads a
-number, it is here.
-
-Loading is strict. An unknown key, or a value of the wrong type or range, is an error that names
-the key (`ConfigError: train.group_size: Expected int >= 2, got 1`), never a silent default.
+"""Loading the run configuration: one TOML file, dotted overrides, strict checks that name the key.
 
     cfg = load_config("run.toml", ["train.steps=5", "envpool.env=bandit"])
 
-Overrides are `dotted.key=value`; the value is read as a TOML value when it parses as one
-(`3`, `0.5`, `true`, `"text"`, `[1, 2]`) and as a plain string otherwise (`envpool.env=bandit`).
+The sections and every key's documentation are in `shared/config_schema.py` (re-exported here).
+
+Overrides are `dotted.key=value`; the value is read as a TOML value when it parses as one (`3`,
+`0.5`, `true`, `"text"`, `[1, 2]`, `{a = 1}`) and as a plain string otherwise
+(`envpool.env=bandit`). Overrides of a table merge into it key by key
+(`envpool.env_args.size=6` keeps the file's other env_args).
+
+Loading is strict, and every problem is one line that names the key, the value, what was
+expected and, where a near miss exists, what was meant:
+
+    train.steps = "8": expected int, got str
+    actor.device = 'tpu': expected one of 'auto', 'cpu', 'cuda'
+    unknown key 'train.stepz'; did you mean 'train.steps'?
+
+Types are not coerced (`steps = 8.0` is an error, not 8); an int is accepted where a float is
+expected. Checks that span several keys (addresses, a generation budget that cannot fit the
+context) run after the types (`check_config`), still before any process starts.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import msgspec
+
+from .config_schema import (
+    ActorConfig,
+    Config,
+    EnvPoolConfig,
+    LearnerConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    TransportConfig,
+)
 
 __all__ = [
     "Config",
@@ -34,10 +53,12 @@ __all__ = [
     "TransportConfig",
     "ConfigError",
     "load_config",
+    "check_config",
     "parse_overrides",
     "dump_config",
     "toml_value",
     "describe_config",
+    "config_keys",
     "DEFAULT_CONFIG",
 ]
 
@@ -46,260 +67,12 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names the key."""
 
 
-def _doc(text: str, **constraints: Any) -> msgspec.Meta:
-    return msgspec.Meta(description=text, **constraints)
-
-
-class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: Annotated[str, _doc("Run name; the run directory is `<root>/<name>-<timestamp>`.")] = "run"
-    root: Annotated[str, _doc("Folder that holds run directories.")] = "runs"
-    dir: Annotated[str, _doc("Exact run directory (overrides root/name); set by the launcher.")] = ""
-    seed: Annotated[int, _doc("Master seed: environment seeds, sampling seeds, learner init.")] = 0
-    log_level: Annotated[str, _doc("Python logging level of every role.")] = "INFO"
-    resume: Annotated[
-        str, _doc("Checkpoint directory (or a run directory: its latest checkpoint) to resume from.")
-    ] = ""
-
-
-class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    path: Annotated[
-        str,
-        _doc("Local Hugging Face model directory. Empty: build the tiny random Qwen2 model into "
-             "`tiny_dir` (deterministic from `tiny_seed`)."),
-    ] = ""
-    tiny_dir: Annotated[str, _doc("Where the tiny model is built when `path` is empty.")] = (
-        "~/.cache/millstream/tiny-qwen2"
-    )
-    tiny_seed: Annotated[int, _doc("Seed of the tiny model's weights and tokenizer corpus.")] = 0
-    dtype: Annotated[
-        str, _doc("Weight dtype in actor and broadcast: float32 on CPU, bfloat16 on GPU.")
-    ] = "float32"
-
-
-class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Shared by envpool (admission) and learner (batches): both must agree on them."""
-
-    steps: Annotated[int, _doc("Optimizer steps (= policy versions) the run trains.", ge=1)] = 40
-    group_size: Annotated[
-        int, _doc("Episodes per group; GRPO compares episodes of one group (same seed).", ge=2)
-    ] = 8
-    groups_per_batch: Annotated[int, _doc("Groups consumed by one optimizer step.", ge=1)] = 4
-    max_staleness: Annotated[
-        int,
-        _doc("Largest allowed (learner version - token's policy version) for a trained token. "
-             "0 = on-policy; older groups are dropped and counted.", ge=0),
-    ] = 1
-
-
-class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    address: Annotated[
-        str, _doc("ROUTER address the actor binds (port 0: the launcher picks a free one).")
-    ] = "tcp://127.0.0.1:0"
-    connect: Annotated[
-        str, _doc("Address of an actor already running; the launcher then starts none.")
-    ] = ""
-    device: Annotated[str, _doc("'cpu' or 'cuda'; 'auto' picks cuda when available.")] = "auto"
-    max_num_seqs: Annotated[int, _doc("vLLM continuous-batching width (sequences).", ge=1)] = 64
-    max_model_len: Annotated[int, _doc("Longest prompt + generation, tokens.", ge=16)] = 1024
-    max_live_requests: Annotated[
-        int, _doc("Requests the actor holds at once (running and queued); beyond it a request is "
-                  "refused as 'overloaded', and the envpool retries it with backoff. Bounds the "
-                  "actor's memory whatever the clients do.", ge=1)
-    ] = 65536
-    stream_interval: Annotated[
-        int, _doc("Tokens per streamed delta (the last delta of a request may be shorter; a "
-                  "policy-version change flushes early, so every token keeps its true version). "
-                  "1 streams every token; larger values cut messages at scale.", ge=1)
-    ] = 16
-    kv_cache_bytes: Annotated[
-        int, _doc("KV cache size on CPU, bytes (GPU uses gpu_memory_utilization).", ge=1 << 20)
-    ] = 128 << 20
-    gpu_memory_utilization: Annotated[
-        float, _doc("Share of GPU memory vLLM may take (GPU only).", gt=0, le=1)
-    ] = 0.85
-    enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / torch.compile (right on CPU).")] = True
-    startup_timeout_s: Annotated[
-        float, _doc("How long the engine may take to start and warm up.", gt=0)
-    ] = 600.0
-    kind: Annotated[
-        Literal["vllm", "synthetic"],
-        _doc("vllm: the real engine; synthetic: actor/synthetic.py, a timing model of a "
-             "continuously batching engine (same protocol, random tokens), for scale tests."),
-    ] = "vllm"
-    synthetic_step_s: Annotated[
-        float, _doc("Synthetic actor: time of one decode step with an empty batch.", ge=0)
-    ] = 0.002
-    synthetic_step_s_per_seq: Annotated[
-        float, _doc("Synthetic actor: extra decode-step time per running sequence.", ge=0)
-    ] = 0.00002
-    synthetic_prefill_s_per_token: Annotated[
-        float, _doc("Synthetic actor: prefill time per prompt token of newly admitted requests.", ge=0)
-    ] = 0.000002
-    synthetic_stop_prob: Annotated[
-        float, _doc("Synthetic actor: chance that each token is the end-of-turn token (0: always "
-                    "run to max_tokens; >0: geometric, long-tailed lengths).", ge=0, le=1)
-    ] = 0.02
-
-
-class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    env: Annotated[str, _doc("Environment name from the registry (envpool/envs).")] = "evenchars"
-    env_args: Annotated[
-        dict[str, Any], _doc("Keyword arguments for the environment's constructor.")
-    ] = {}
-    workers: Annotated[int, _doc("envpool worker processes sharing the actor.", ge=1)] = 1
-    max_concurrent_episodes: Annotated[
-        int, _doc("Live episodes per worker (the gate may admit fewer).", ge=1)
-    ] = 256
-    max_turns: Annotated[int, _doc("Turns after which an episode is cut (truncated).", ge=1)] = 4
-    max_tokens: Annotated[int, _doc("Generation budget of one turn, tokens.", ge=1)] = 24
-    temperature: Annotated[float, _doc("Sampling temperature.", ge=0)] = 1.0
-    top_p: Annotated[float, _doc("Nucleus sampling mass.", gt=0, le=1)] = 1.0
-    max_starting_envs: Annotated[
-        int, _doc("Environments resetting at once per worker (sandboxes and containers are costly "
-                  "to start; the rest wait their turn).", ge=1)
-    ] = 64
-    step_timeout_s: Annotated[
-        float, _doc("Longest one env.reset/env.step may take; beyond: episode fails, 'env_timeout'.",
-                    gt=0)
-    ] = 30.0
-    turn_timeout_s: Annotated[
-        float, _doc("Longest one generation may take; beyond: episode fails, 'actor_timeout'.", gt=0)
-    ] = 120.0
-    episode_timeout_s: Annotated[float, _doc("Longest one whole episode may take.", gt=0)] = 600.0
-    actor_retries: Annotated[
-        int, _doc("Retries of a generation that timed out or was refused as overloaded, and of the "
-                  "start-up handshake, before "
-                  "the episode fails ('actor_timeout') or the worker stops (actor unreachable).",
-                  ge=0)
-    ] = 3
-    actor_retry_backoff_s: Annotated[
-        float, _doc("Pause before the first retry; it doubles with each further one.", ge=0)
-    ] = 1.0
-    stats_every_s: Annotated[
-        float, _doc("Interval of the worker's statistics records (episodes, turn latency "
-                    "histogram, memory, socket queues) in <run.dir>/envpool-w<i>.jsonl.", gt=0)
-    ] = 5.0
-    actor_connect_timeout_s: Annotated[
-        float, _doc("How long one handshake try waits for the actor's answer.", gt=0)
-    ] = 10.0
-    admission_slack: Annotated[
-        int,
-        _doc("Extra batches the gate admits beyond the staleness bound. 0 is AReaL's rule; "
-             ">0 over-generates (more stale drops), useful to test the learner's bound.", ge=0),
-    ] = 0
-    max_consecutive_actor_failures: Annotated[
-        int,
-        _doc("Episodes in a row that may fail on the actor's side before the worker gives up "
-             "with an error (a dead actor must stop the run, not burn episodes).", ge=1),
-    ] = 256
-    version_timeout_s: Annotated[
-        float, _doc("Longest wait for the learner's first policy version.", gt=0)
-    ] = 900.0
-
-
-class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    experience_address: Annotated[
-        str, _doc("PULL address where trajectories arrive (port 0: launcher picks).")
-    ] = "tcp://127.0.0.1:0"
-    version_address: Annotated[
-        str, _doc("PUB address where policy versions are announced (port 0: launcher picks).")
-    ] = "tcp://127.0.0.1:0"
-    lr: Annotated[
-        float, _doc("AdamW learning rate. The default suits the tiny demo model; real LLMs "
-                    "want ~1e-6.", gt=0)
-    ] = 4e-3
-    weight_decay: Annotated[float, _doc("AdamW weight decay.", ge=0)] = 0.0
-    adam_beta1: Annotated[float, _doc("AdamW first-moment decay.", ge=0, lt=1)] = 0.9
-    adam_beta2: Annotated[float, _doc("AdamW second-moment decay.", ge=0, lt=1)] = 0.999
-    adam_eps: Annotated[float, _doc("AdamW epsilon.", gt=0)] = 1e-8
-    grad_clip: Annotated[float, _doc("Gradient-norm clip (0: off).", ge=0)] = 1.0
-    clip_low: Annotated[float, _doc("PPO ratio clip below 1 (1 - clip_low).", ge=0)] = 0.2
-    clip_high: Annotated[float, _doc("PPO ratio clip above 1 (1 + clip_high); DAPO uses 0.28.", ge=0)] = 0.28
-    micro_batch_size: Annotated[int, _doc("Sequences per forward/backward pass.", ge=1)] = 16
-    train_dtype: Annotated[
-        Literal["float32", "bfloat16"],
-        _doc("Learner compute dtype (bfloat16 keeps fp32 master weights in the optimizer; use it "
-             "on GPU). Weights reach the actor cast to model.dtype."),
-    ] = "float32"
-    advantage: Annotated[
-        Literal["grpo", "drgrpo", "rloo", "ngrpo", "gigpo"],
-        _doc("Advantage estimator (docs/algorithms.md): grpo = group mean/std; drgrpo = no std; "
-             "rloo = leave-one-out mean; ngrpo = a virtual max-reward member joins the group's "
-             "statistics; gigpo = episode advantage + step advantage over equal anchor states."),
-    ] = "grpo"
-    reward_level: Annotated[
-        Literal["trajectory", "turn"],
-        _doc("trajectory: the episode's advantage on every trained token (Flow-GRPO, StarPO "
-             "trajectory-level); turn: each turn's tokens get the advantage of that turn's "
-             "reward-to-go (StarPO turn-level rewards)."),
-    ] = "trajectory"
-    gamma: Annotated[float, _doc("Discount of turn rewards (reward-to-go, GiGPO step returns).", ge=0, le=1)] = 1.0
-    gigpo_step_weight: Annotated[float, _doc("GiGPO: weight of the step-level advantage.", ge=0)] = 1.0
-    ngrpo_max_reward: Annotated[float, _doc("NGRPO: reward of the virtual max-reward member.")] = 1.0
-    group_filter: Annotated[
-        Literal["none", "zero_std", "starpo_s"],
-        _doc("Which complete groups are trained: all; those whose rewards differ (DAPO dynamic "
-             "sampling); or the top `starpo_keep` share by reward std (StarPO-S)."),
-    ] = "none"
-    starpo_keep: Annotated[float, _doc("StarPO-S: share of groups kept (by reward std).", gt=0, le=1)] = 0.75
-    loss_agg: Annotated[
-        Literal["token_mean", "seq_mean", "seq_sum_norm"],
-        _doc("Loss aggregation: mean over all loss tokens of the batch; mean over sequences of "
-             "each one's token mean; Dr.GRPO's sum over tokens / (sequences x generation budget)."),
-    ] = "token_mean"
-    staleness_policy: Annotated[
-        Literal["drop", "decoupled"],
-        _doc("drop: groups older than train.max_staleness are dropped (counted); decoupled: "
-             "they are kept up to `decoupled_max_staleness` and trained with decoupled PPO "
-             "(behaviour logprobs from the actor, proximal logprobs recomputed, IS weight capped)."),
-    ] = "drop"
-    decoupled_max_staleness: Annotated[
-        int, _doc("With staleness_policy=decoupled: groups older than this are still dropped.", ge=0)
-    ] = 8
-    is_cap: Annotated[float, _doc("Decoupled PPO: cap of the behaviour importance weight (AReaL: 5).", gt=0)] = 5.0
-    kl_coef: Annotated[float, _doc("Weight of the KL penalty to the frozen initial policy (0: off).", ge=0)] = 0.0
-    kl_estimator: Annotated[Literal["k1", "k3"], _doc("KL estimator: k1 = log ratio; k3 = Schulman's unbiased, positive one.")] = "k3"
-    entropy_coef: Annotated[float, _doc("Weight of the entropy bonus (0: off).", ge=0)] = 0.0
-    checkpoint_every: Annotated[int, _doc("Save a resumable checkpoint every N steps (0: only at the end).", ge=0)] = 0
-    keep_checkpoints: Annotated[int, _doc("Most recent checkpoints kept on disk.", ge=1)] = 2
-    ranks: Annotated[int, _doc("Learner processes (DeepSpeed data parallel; >1 starts torchrun).", ge=1)] = 1
-    zero_stage: Annotated[int, _doc("DeepSpeed ZeRO stage.", ge=0, le=3)] = 2
-    sync_backend: Annotated[
-        str, _doc("Weight broadcast backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo', 'nccl'.")
-    ] = "auto"
-    sync_host: Annotated[str, _doc("Host of the broadcast group's TCPStore (the learner).")] = "127.0.0.1"
-    sync_timeout_s: Annotated[
-        float, _doc("Timeout of weight-group set-up and each broadcast.", gt=0)
-    ] = 300.0
-    idle_timeout_s: Annotated[
-        float, _doc("Fail if no experience arrives for this long (something upstream died).", gt=0)
-    ] = 600.0
-    max_buffer_groups: Annotated[
-        int, _doc("Bound of the replay buffer (complete + partial groups).", ge=1)
-    ] = 4096
-
-
-class TransportConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    send_queue: Annotated[int, _doc("Bound of each socket's outbound message queue.", ge=1)] = 65536
-    coalesce_max: Annotated[int, _doc("Most messages packed into one frame.", ge=1)] = 512
-    high_water_mark: Annotated[int, _doc("ZeroMQ send/receive high-water mark, frames.", ge=1)] = 100_000
-    io_wait_s: Annotated[
-        float, _doc("Longest idle wait on a socket before re-checking (missed-edge guard).", gt=0)
-    ] = 0.05
-
-
-class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    run: RunConfig = msgspec.field(default_factory=RunConfig)
-    model: ModelConfig = msgspec.field(default_factory=ModelConfig)
-    train: TrainConfig = msgspec.field(default_factory=TrainConfig)
-    actor: ActorConfig = msgspec.field(default_factory=ActorConfig)
-    envpool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)
-    learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
-    transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
-
-
-#: The embedded default: the tiny model learning `halfvocab`. `millstream run` with no file uses it.
+#: The embedded default: the tiny model learning `evenchars`. `millstream run` with no file uses it.
 DEFAULT_CONFIG = Config()
+
+_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+#: tcp://HOST:PORT (HOST a name, an IPv4 address or a bracketed IPv6 one) or ipc://PATH.
+_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):(\d{1,5})|ipc://.+")
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -308,7 +81,9 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
-        if not sep or not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        if not sep:
+            raise ConfigError(f"override {item!r} needs '=': write {key or 'key'}=VALUE")
+        if not _KEY.fullmatch(key):
             raise ConfigError(f"override {item!r}: expected dotted.key=value")
         try:
             value = tomllib.loads(f"v = {raw}")["v"]
@@ -325,46 +100,18 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`; tables merge key by key (env_args included), values replace."""
     out = dict(base)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict) and key != "env_args":
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = value
     return out
 
 
-def _explain(exc: msgspec.ValidationError) -> str:
-    # msgspec says "... - at `$.train.group_size`"; turn the JSON path into our dotted key.
-    text = str(exc)
-    match = re.search(r"^(.*?)(?: - at `\$\.?([^`]*)`)?$", text, re.S)
-    assert match is not None
-    what, where = match.group(1), match.group(2)
-    unknown = re.match(r"Object contains unknown field `([^`]+)`", what)
-    if unknown:
-        key = ".".join(p for p in (where, unknown.group(1)) if p)
-        return f"unknown key '{key}'"
-    choices = _choices(where)
-    if choices:
-        what = f"{what}; expected one of {', '.join(map(repr, choices))}"
-    return f"{where or '<root>'}: {what}"
-
-
-def _choices(dotted: str | None) -> tuple[Any, ...]:
-    """The allowed values of a Literal-typed key, or () for any other key."""
-    parts = (dotted or "").split(".")
-    if len(parts) != 2:
-        return ()
-    section = next((f for f in msgspec.structs.fields(Config) if f.name == parts[0]), None)
-    field = section and next((f for f in msgspec.structs.fields(section.type) if f.name == parts[1]), None)
-    if field is None:
-        return ()
-    tp = getattr(field.type, "__origin__", field.type)  # strip Annotated
-    return getattr(tp, "__args__", ()) if getattr(tp, "__origin__", None) is Literal else ()
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML file (or the embedded default when `path` is None) and apply overrides."""
+    """Read a TOML file (or the embedded default when `path` is None), apply overrides, check."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -375,9 +122,114 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     data = _merge(data, parse_overrides(overrides or []))
     try:
-        return msgspec.convert(data, Config, strict=False)
+        cfg = msgspec.convert(data, Config, strict=True)
     except msgspec.ValidationError as exc:
-        raise ConfigError(_explain(exc)) from None
+        raise ConfigError(_explain(exc, data)) from None
+    check_config(cfg)
+    return cfg
+
+
+# --- errors that name the key ------------------------------------------------------------------
+
+
+def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
+    # msgspec says "Expected `int`, got `float` - at `$.train.steps`"; say it with our key names.
+    match = re.search(r"^(.*?)(?: - at `\$\.?([^`]*)`)?$", str(exc), re.S)
+    assert match is not None
+    what, where = match.group(1), match.group(2) or ""
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", what)
+    if unknown:
+        key = ".".join(p for p in (where, unknown.group(1)) if p)
+        return f"unknown key '{key}'{_did_you_mean(key, config_keys(sections=True))}"
+    value = _lookup(data, where)
+    shown = f"{where} = {_show(value)}" if where else "<root>"
+    choices = _choices(where)
+    if choices:
+        return (f"{shown}: expected one of {', '.join(map(repr, choices))}"
+                f"{_did_you_mean(str(value), [str(c) for c in choices])}")
+    what = re.sub(r"`([^`]*)`", r"\1", what)
+    what = what[0].lower() + what[1:] if what else what
+    hint = ""
+    if isinstance(value, str) and what.startswith("expected") and "got str" in what:
+        hint = " (write numbers and booleans without quotes)"
+    elif isinstance(value, (int, float, bool)) and "expected str" in what:
+        hint = ' (quote text that looks like a number: key=\'"123"\')'
+    return f"{shown}: {what}{hint}"
+
+
+def _lookup(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in filter(None, dotted.split(".")):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _show(value: Any) -> str:
+    return toml_value(value) if isinstance(value, (str, int, float, bool)) else repr(value)
+
+
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _field(dotted: str) -> msgspec.structs.FieldInfo | None:
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        return None
+    section = next((f for f in msgspec.structs.fields(Config) if f.name == parts[0]), None)
+    if section is None:
+        return None
+    return next((f for f in msgspec.structs.fields(section.type) if f.name == parts[1]), None)
+
+
+def _choices(dotted: str) -> tuple[Any, ...]:
+    """The allowed values of a Literal-typed key, or () for any other key."""
+    field = _field(dotted)
+    if field is None:
+        return ()
+    tp = get_args(field.type)[0] if hasattr(field.type, "__metadata__") else field.type
+    return get_args(tp) if get_origin(tp) is Literal else ()
+
+
+def config_keys(*, sections: bool = False) -> list[str]:
+    """Every dotted key (`train.steps`, ...), and with `sections` the section names too."""
+    keys = [f.name for f in msgspec.structs.fields(Config)] if sections else []
+    for section in msgspec.structs.fields(Config):
+        keys += [f"{section.name}.{f.name}" for f in msgspec.structs.fields(section.type)]
+    return keys
+
+
+# --- checks across keys ------------------------------------------------------------------------
+
+
+def check_config(cfg: Config) -> None:
+    """What types and ranges cannot say alone; raises ConfigError naming the keys."""
+    addresses = {"actor.address": cfg.actor.address, "actor.connect": cfg.actor.connect,
+                 "learner.experience_address": cfg.learner.experience_address,
+                 "learner.version_address": cfg.learner.version_address}
+    for key, address in addresses.items():
+        if address or key != "actor.connect":
+            _check_address(key, address)
+    if cfg.envpool.max_tokens >= cfg.actor.max_model_len:
+        raise ConfigError(
+            f"envpool.max_tokens = {cfg.envpool.max_tokens}: a turn's generation budget must "
+            f"leave room for its prompt within actor.max_model_len = {cfg.actor.max_model_len}")
+    if cfg.train.group_size > cfg.envpool.max_concurrent_episodes:
+        raise ConfigError(
+            f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "
+            f"= {cfg.envpool.max_concurrent_episodes}, so a group could never start")
+
+
+def _check_address(key: str, address: str) -> None:
+    match = _ADDRESS.fullmatch(address)
+    port = match.group(2) if match else None
+    if match is None or (port is not None and int(port) > 65535):
+        raise ConfigError(f"{key} = {_show(address)}: expected tcp://HOST:PORT (port 0 picks a "
+                          "free one) or ipc://PATH")
+
+
+# --- writing and describing --------------------------------------------------------------------
 
 
 def dump_config(cfg: Config) -> str:

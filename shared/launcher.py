@@ -1,17 +1,25 @@
-"""`millstream run`: start actor, learner and envpool workers from one config, and supervise them.
+"""`millstream run`: check a config, start actor, learner and envpool workers, supervise them.
 
     millstream run [config.toml] [dotted.key=value ...]
 
 What it does:
-1. resolves the config (file + overrides), builds the tiny model if `model.path` is empty, picks
-   free ports for every address left at port 0, and writes the run directory:
-   `config.toml` (the resolved config every role reads), `logs/<role>.log`, and later
-   `metrics.jsonl`, `trajectories.jsonl`, `summary.json`, `final/` (from the learner);
-2. starts the roles as separate processes (`python -m millstream.actor|learner|envpool`), each in its own
-   process group so that stopping one also stops its children (vLLM spawns several);
-3. shows the learner's progress lines, and watches: the run ends when the learner exits; any
-   role dying first is an error that stops the others and names the role and its log;
-4. on Ctrl-C or SIGTERM, stops every process (SIGTERM, then SIGKILL after a grace period).
+1. **checks everything it can before anything starts** (`prepare`): the config's keys, types,
+   choices and addresses (shared/config.py); the model directory (the tiny model is built if
+   `model.path` is empty); the envpool's own settings, by running `millstream envpool --check`
+   (the environment's name and arguments, the tokenizer, a first prompt against
+   `actor.max_model_len`); and for `run.resume`, that the checkpoint's run used the same model,
+   environment and algorithm (shared/rundir.py). A problem is one line naming the key, exit
+   status 2, and no run directory is made.
+2. makes the run directory (a resumed run continues in its own, and the records written after
+   its checkpoint are marked rolled back) and writes `config.toml`, the resolved config every
+   role reads;
+3. starts the roles (`python -m millstream.actor|learner|envpool`), each in its own process
+   group (shared/supervisor.py), shows the learner's progress lines, and watches: the run ends
+   when the learner exits; any role ending first stops the others at once, and the message
+   names the role, why it ended and how to resume from the latest checkpoint;
+4. on Ctrl-C or SIGTERM stops every process (SIGTERM, then SIGKILL after a grace period). If
+   this launcher is killed outright, its children notice and stop themselves
+   (shared/lifecycle.py).
 
 The launcher imports no role package: roles are processes, joined only by the addresses in the
 config, so the same roles can be placed on other hosts by a cluster manager instead.
@@ -19,180 +27,233 @@ config, so the same roles can be placed on other hosts by a cluster manager inst
 
 from __future__ import annotations
 
-import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import IO, Any
 
 import orjson
 
-from .config import Config, dump_config, load_config
-from .runtime import free_port
+from .config import Config, ConfigError, dump_config, load_config
+from .rundir import Resume, checkpoint_step, find_checkpoint, mark_rolled_back, plan_resume, resume_conflicts
+from .runtime import free_port, resolve_model_dir
+from .supervisor import Supervisor
 
-__all__ = ["launch", "Supervisor"]
+__all__ = ["launch", "prepare", "Plan"]
 
-
-def _with_port(address: str) -> str:
-    if address.startswith("tcp://") and address.endswith(":0"):
-        host = address[len("tcp://"):-2]
-        return f"tcp://{host}:{free_port(host)}"
-    return address
+#: Addresses the launcher fills in when their port is 0.
+_PICKED = ("actor.address", "learner.experience_address", "learner.version_address")
 
 
-def prepare_run(cfg_path: str | None, overrides: list[str]) -> tuple[Config, Path]:
-    """Resolve the config, make the run directory and write `config.toml` into it."""
+@dataclass
+class Plan:
+    """A checked run, ready to start."""
+
+    cfg: Config
+    run_dir: Path
+    resume: Resume | None
+    #: Differences from the checkpoint's run that a resume allows (reported, not refused).
+    changed: list[str]
+
+
+def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
+    """Every check that can run before a process starts (step 1 above); no side effects but
+    building the tiny model. Raises ConfigError naming the key."""
     cfg = load_config(cfg_path, overrides)
-    run_dir = Path(cfg.run.dir) if cfg.run.dir else Path(cfg.run.root) / (
-        f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    resume = plan_resume(cfg.run.resume) if cfg.run.resume else None
+    base: str | Path | None = cfg_path
+    if resume is not None and cfg_path is None:
+        # Resuming without a config file continues the run as it was configured (ports are
+        # picked afresh); overrides still apply, and are checked against it below.
+        base = resume.run_dir / "config.toml"
+        overrides = [f"{key}={_q(_port_zero(_get(resume.previous, key)))}" for key in _PICKED
+                     ] + overrides
+        cfg = load_config(base, overrides)
+    model_dir = resolve_model_dir(cfg)
+    run_dir = resume.run_dir if resume else Path(cfg.run.dir) if cfg.run.dir else Path(
+        cfg.run.root) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    resolved = [f"run.dir={_q(str(run_dir.resolve()))}", f"model.path={_q(model_dir)}"]
+    resolved += [f"{key}={_q(_with_port(_get(cfg, key)))}" for key in _PICKED
+                 if key != "actor.address" or not cfg.actor.connect]
+    cfg = load_config(base, overrides + resolved)
+    _check_envpool(cfg)
+    changed: list[str] = []
+    if resume is not None:
+        refused, changed = resume_conflicts(resume.previous, cfg)
+        if refused:
+            raise ConfigError(f"run.resume = {cfg.run.resume!r}: the checkpoint's run differs in "
+                              f"keys a resume must keep: {'; '.join(refused)}")
+    return Plan(cfg, run_dir, resume, changed)
+
+
+def launch(cfg_path: str | None, overrides: list[str], *, out: IO[str] = sys.stdout) -> int:
+    """Run a whole job; returns the process exit code (0: finished and accounting holds)."""
+    plan = prepare(cfg_path, overrides)
+    cfg, run_dir, resume = plan.cfg, plan.run_dir, plan.resume
+    if resume is not None and resume.step >= cfg.train.steps:
+        print(f"millstream run: {run_dir} already finished: its checkpoint is at step "
+              f"{resume.step} and train.steps = {cfg.train.steps}; nothing started. To train "
+              f"further: millstream run run.resume={run_dir} train.steps=N", file=out, flush=True)
+        return 0
+    _make_run_dir(plan, out)
+    return _supervise(cfg, run_dir, out)
+
+
+def _make_run_dir(plan: Plan, out: IO[str]) -> None:
+    run_dir = plan.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "logs").mkdir(exist_ok=True)
-    from .runtime import resolve_model_dir
-
-    model_dir = resolve_model_dir(cfg)
-    resolved = [
-        f"run.dir={_q(str(run_dir.resolve()))}",
-        f"model.path={_q(model_dir)}",
-        f"learner.experience_address={_q(_with_port(cfg.learner.experience_address))}",
-        f"learner.version_address={_q(_with_port(cfg.learner.version_address))}",
-    ]
-    if not cfg.actor.connect:
-        resolved.append(f"actor.address={_q(_with_port(cfg.actor.address))}")
-    cfg = load_config(cfg_path, overrides + resolved)
-    (run_dir / "config.toml").write_text(dump_config(cfg))
-    return cfg, run_dir
+    if plan.resume is not None:
+        previous = run_dir / "config.toml"
+        shutil.copyfile(previous, run_dir / f"config-before-step-{plan.resume.step}.toml")
+        marked = mark_rolled_back(run_dir, plan.resume.step)
+        print(f"millstream run: resuming {run_dir} from step {plan.resume.step}; records after "
+              f"it marked rolled back: {marked}", file=out)
+        for line in plan.changed:
+            print(f"  changed since the checkpoint: {line}", file=out)
+    (run_dir / "config.toml").write_text(dump_config(plan.cfg))
 
 
-def _q(text: str) -> str:
-    return orjson.dumps(text).decode()
-
-
-class Supervisor:
-    """Child processes of one run, each in its own process group."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir = run_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.logs: dict[str, Path] = {}
-
-    def start(self, name: str, module: str, args: list[str], *, pipe_stdout: bool = False) -> None:
-        log = self.run_dir / "logs" / f"{name}.log"
-        self.logs[name] = log
-        out = log.open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", module, *args],
-            stdout=subprocess.PIPE if pipe_stdout else out, stderr=out, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True)
-        (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
-
-    def exited(self) -> dict[str, int]:
-        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        for proc in self.procs.values():
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _signal_group(proc, signal.SIGKILL)  # children of a dead parent, or a stuck one
-            proc.wait()
-
-    def tail(self, name: str, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.logs[name].read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def launch(cfg_path: str | None, overrides: list[str], *, out=sys.stdout) -> int:
-    """Run a whole job; returns the process exit code (0: finished and accounting holds)."""
-    cfg, run_dir = prepare_run(cfg_path, overrides)
+def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
     config = ["--config", str(run_dir / "config.toml")]
     sup = Supervisor(run_dir)
     print(f"millstream run: {run_dir}", file=out, flush=True)
     stop = threading.Event()
-
-    def on_signal(signum, frame):
-        stop.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    relay: threading.Thread | None = None
     try:
-        if not cfg.actor.connect:
-            sup.start("actor", "millstream.actor", config)
-        if cfg.learner.ranks > 1:  # data-parallel learner: torchrun starts the ranks
-            sup.start("learner", "torch.distributed.run",
-                      ["--nproc_per_node", str(cfg.learner.ranks), "--master_addr", "127.0.0.1",
-                       "--master_port", str(free_port()), "-m", "millstream.learner", *config],
-                      pipe_stdout=True)
-        else:
-            sup.start("learner", "millstream.learner", config, pipe_stdout=True)
-        for i in range(cfg.envpool.workers):
-            sup.start(f"envpool-{i}", "millstream.envpool", [*config, "--worker-index", str(i)])
-        relay = threading.Thread(target=_relay, args=(sup.procs["learner"].stdout, out), daemon=True)
+        _start_roles(sup, cfg, config)
+        stdout = sup.procs["learner"].stdout
+        assert stdout is not None
+        relay = threading.Thread(target=_relay, args=(stdout, out), daemon=True)
         relay.start()
-        code = _watch(sup, cfg, stop, out)
-        relay.join(timeout=5)
+        code = _watch(sup, stop, out)
     finally:
-        sup.stop()
+        sup.stop(grace_s=10.0)
+        if relay is not None:
+            relay.join(timeout=5)  # after the stop: the learner's last lines, then end of pipe
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if code == 0:
         _print_summary(run_dir, out)
+    else:
+        print(_resume_hint(run_dir), file=out, flush=True)
     return code
 
 
-def _relay(stream, out) -> None:
-    for line in iter(stream.readline, b""):
-        out.write(line.decode(errors="replace"))
-        out.flush()
+def _start_roles(sup: Supervisor, cfg: Config, config: list[str]) -> None:
+    if not cfg.actor.connect:
+        sup.start("actor", "millstream.actor", config)
+    if cfg.learner.ranks > 1:  # data-parallel learner: torchrun starts the ranks
+        sup.start("learner", "torch.distributed.run",
+                  ["--nproc_per_node", str(cfg.learner.ranks), "--master_addr", "127.0.0.1",
+                   "--master_port", str(free_port()), "-m", "millstream.learner", *config],
+                  pipe_stdout=True)
+    else:
+        sup.start("learner", "millstream.learner", config, pipe_stdout=True)
+    for i in range(cfg.envpool.workers):
+        sup.start(f"envpool-{i}", "millstream.envpool", [*config, "--worker-index", str(i)])
 
 
-def _watch(sup: Supervisor, cfg: Config, stop: threading.Event, out) -> int:
-    while not stop.wait(0.5):
+def _watch(sup: Supervisor, stop: threading.Event, out: IO[str]) -> int:
+    """Poll the roles every 0.1 s until the learner finishes, a role ends early, or a signal."""
+    while not stop.wait(0.1):
         exited = sup.exited()
         if "learner" in exited:
             code = exited["learner"]
             if code != 0:
-                print(f"learner failed (exit {code}); its log {sup.logs['learner']} ends:\n"
-                      f"{sup.tail('learner')}", file=out, flush=True)
+                print(f"learner failed: {sup.describe_exit('learner', code)}", file=out, flush=True)
                 return 1
             # Workers exit by themselves after the learner's final announcement.
             deadline = time.monotonic() + 60
             workers = [n for n in sup.procs if n.startswith("envpool")]
             while time.monotonic() < deadline and not all(n in sup.exited() for n in workers):
-                time.sleep(0.2)
+                time.sleep(0.1)
             return 0
         for name, code in exited.items():
             if name.startswith("envpool") and code == 0:
                 continue  # a worker may finish a moment before the learner does
-            print(f"{name} exited early (exit {code}); stopping the run. Its log "
-                  f"{sup.logs[name]} ends:\n{sup.tail(name)}", file=out, flush=True)
+            print(f"{name} exited early, stopping the run: {sup.describe_exit(name, code)}",
+                  file=out, flush=True)
             return 1
     print("interrupted: stopping every process", file=out, flush=True)
     return 130
 
 
-def _print_summary(run_dir: Path, out) -> None:
+def _resume_hint(run_dir: Path) -> str:
+    try:
+        checkpoint = find_checkpoint(run_dir)
+    except FileNotFoundError:
+        return ("no checkpoint was saved (learner.checkpoint_every = 0 saves only at the end), "
+                "so the run cannot be resumed")
+    return (f"latest checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume "
+            f"with: millstream run run.resume={run_dir}")
+
+
+def _check_envpool(cfg: Config) -> None:
+    """`millstream envpool --check` on the resolved config: the envpool's own checks, in a
+    child process because the launcher imports no role."""
+    with tempfile.TemporaryDirectory(prefix="millstream-check-") as tmp:
+        path = Path(tmp) / "config.toml"
+        path.write_text(dump_config(cfg))
+        proc = subprocess.run([sys.executable, "-m", "millstream.envpool", "--check",
+                               "--config", str(path)], capture_output=True, text=True,
+                              timeout=max(120.0, cfg.envpool.step_timeout_s + 60),
+                              stdin=subprocess.DEVNULL)
+    if proc.returncode == 2:
+        lines = proc.stderr.strip().splitlines()
+        raise ConfigError(lines[-1] if lines else "the envpool's check failed")
+    if proc.returncode != 0:
+        raise ConfigError(f"the envpool's check failed (exit {proc.returncode}):\n"
+                          f"{proc.stderr[-2000:]}")
+
+
+def _relay(stream: IO[bytes], out: IO[str]) -> None:
+    for line in iter(stream.readline, b""):
+        out.write(line.decode(errors="replace"))
+        out.flush()
+
+
+def _print_summary(run_dir: Path, out: IO[str]) -> None:
     path = run_dir / "summary.json"
     if not path.exists():
         return
     summary = orjson.loads(path.read_bytes())
-    print(f"episodes: started {summary['episodes_started']}, trained {summary['episodes_trained']}, "
+    started = f"started {summary['episodes_started']}"
+    if summary.get("episodes_from_earlier_sessions"):
+        started += (f" ({summary['episodes_from_earlier_sessions']} before the resume + "
+                    f"{summary['episodes_started_this_session']} in this session)")
+    print(f"episodes: {started}, trained {summary['episodes_trained']}, "
           f"dropped {summary['episodes_dropped']}, failed {summary['episodes_failed']} "
           f"(accounting {'ok' if summary['accounting_ok'] else 'BROKEN'})", file=out)
     print(f"final weights: {summary['final_weights']}; metrics: {run_dir / 'metrics.jsonl'}",
           file=out, flush=True)
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def _with_port(address: str) -> str:
+    """`tcp://host:0` with a free port of `host` filled in; other addresses as they are."""
+    if address.startswith("tcp://") and address.endswith(":0"):
+        host = address[len("tcp://"):-2]
+        return f"tcp://{host}:{free_port(host.strip('[]'))}"
+    return address
+
+
+def _port_zero(address: str) -> str:
+    return re.sub(r":\d+$", ":0", address) if address.startswith("tcp://") else address
+
+
+def _q(text: str) -> str:
+    return orjson.dumps(text).decode()

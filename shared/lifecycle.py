@@ -5,7 +5,7 @@ Three ways a run's processes could outlive it, and what closes each:
 - **A signal to a role** (SIGTERM from a cluster manager, Ctrl-C by hand). Python's default
   SIGTERM kills the process on the spot, so no `finally` runs: vLLM's EngineCore and Worker
   processes (over a GB) would run on forever. Every role turns SIGTERM into the same orderly
-  stop as Ctrl-C (`stop_on_signals` for the learner's synchronous loop, `cancel_on_signals`
+  stop as Ctrl-C (`stop_on_signals` for the learner's synchronous loop, `run_until_signal`
   inside the event loop of the actor and the envpool), so the engine's shutdown runs.
 - **The launcher dies** (kill -9, a crashed login node). Its children are in process groups of
   their own, so nothing else would stop them. The launcher names itself in
@@ -26,9 +26,9 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 
@@ -36,7 +36,7 @@ __all__ = [
     "ENV_PARENT",
     "ENV_RUN",
     "stop_on_signals",
-    "cancel_on_signals",
+    "run_until_signal",
     "watch_parent",
     "descendants",
     "reap_children",
@@ -51,6 +51,7 @@ ENV_PARENT = "MILLSTREAM_PARENT_PID"
 ENV_RUN = "MILLSTREAM_RUN"
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+T = TypeVar("T")
 
 
 def stop_on_signals() -> None:
@@ -58,13 +59,32 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
-async def cancel_on_signals(scope: anyio.CancelScope) -> None:
-    """Async roles: cancel `scope` at the first SIGTERM or SIGINT (run it as a task)."""
-    with anyio.open_signal_receiver(*_STOP_SIGNALS) as signals:
-        async for signum in signals:
-            log.warning("%s: stopping", signal.Signals(signum).name)
-            scope.cancel()
-            return
+async def run_until_signal(fn: Callable[..., Awaitable[T]], *args: Any) -> tuple[T | None, int | None]:
+    """Async roles: run `fn(*args)`, cancelled at the first SIGTERM or SIGINT.
+
+    Returns `(result, None)` when `fn` returned, `(None, signal number)` when a signal stopped it.
+    The signal is received inside the event loop (anyio's signal receiver works under trio and
+    asyncio alike), so cancellation unwinds every task and its `finally` blocks.
+    """
+    result: list[T] = []
+    stopped: list[int] = []
+
+    async def body(scope: anyio.CancelScope) -> None:
+        result.append(await fn(*args))
+        scope.cancel()
+
+    async def watch(scope: anyio.CancelScope) -> None:
+        with anyio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+            async for signum in signals:
+                log.warning("%s: stopping", signal.Signals(signum).name)
+                stopped.append(signum)
+                scope.cancel()
+                return
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch, tg.cancel_scope)
+        tg.start_soon(body, tg.cancel_scope)
+    return (result[0] if result else None), (stopped[0] if stopped else None)
 
 
 def watch_parent(*, every_s: float = 0.5, grace_s: float = 20.0,
@@ -156,7 +176,8 @@ def run_processes(run_dir: str | Path) -> list[int]:
                 environ = (entry / "environ").read_bytes()
             except OSError:
                 continue
-            if marker in environ and _alive(int(entry.name)):
+            named = environ.startswith(marker) or b"\0" + marker in environ
+            if named and _alive(int(entry.name)):
                 pids.append(int(entry.name))
     return pids
 

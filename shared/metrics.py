@@ -36,7 +36,7 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(orjson.dumps({"time": time.time(), **record},
-                                      option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_APPEND_NEWLINE))
+                                      option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE))
         self._file.flush()
 
     def close(self) -> None:

@@ -26,12 +26,21 @@ Channels, and who sends what:
 
 from __future__ import annotations
 
+import enum
 from typing import Union
 
 import msgspec
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "TurnError",
+    "Cause",
+    "ACTOR_CAUSES",
+    "RETRYABLE_CAUSES",
+    "TURN_CAUSE",
+    "Truncation",
+    "DropCause",
+    "ReplyCause",
     "Hello",
     "ActorInfo",
     "GenerateRequest",
@@ -58,7 +67,109 @@ __all__ = [
 
 #: Bumped on any incompatible change of a message below. A peer with another version is refused
 #: with a clear error instead of misreading fields.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+
+
+# --- causes: why something ended without a result ---------------------------------------------
+#
+# Causes are enums, not free strings: a typo is an error at the sender, every consumer (the
+# envpool's accounting, the learner's, `millstream stress`, the docs) matches members rather than
+# prefixes, and an unknown cause on the wire fails decoding like any malformed field. They travel
+# as their string values, which are also the keys of metrics (`episodes/failed/env_timeout`).
+
+
+class TurnError(enum.StrEnum):
+    """Why the actor ended one generation request with a `GenerateError`."""
+
+    #: The request itself is wrong (empty prompt, ids outside the vocabulary, too long, bad
+    #: sampling values, an id already live). Never retried.
+    BAD_REQUEST = "bad_request"
+    #: The actor holds `actor.max_live_requests` already: try later (the envpool retries).
+    OVERLOADED = "overloaded"
+    #: The engine failed on this request.
+    ENGINE_ERROR = "engine_error"
+
+
+class Cause(enum.StrEnum):
+    """Why an episode ended without a trainable trajectory (`EpisodeFailed.cause`).
+
+    A failure is counted under its cause and never scored as a reward.
+    """
+
+    #: `env.reset` or `env.step` raised.
+    ENV_ERROR = "env_error"
+    #: `env.reset` or `env.step` took longer than `envpool.step_timeout_s`.
+    ENV_TIMEOUT = "env_timeout"
+    #: No final delta within `envpool.turn_timeout_s`, after `envpool.actor_retries` retries.
+    ACTOR_TIMEOUT = "actor_timeout"
+    #: The actor refused as overloaded on every retry.
+    ACTOR_OVERLOADED = "actor_overloaded"
+    #: The actor refused the request as malformed.
+    ACTOR_BAD_REQUEST = "actor_bad_request"
+    #: The engine failed while generating.
+    ACTOR_ENGINE_ERROR = "actor_engine_error"
+    #: The actor aborted the request (not asked by the envpool).
+    ACTOR_ABORT = "actor_abort"
+    #: The actor broke the protocol for this request (e.g. far more deltas than max_tokens allows).
+    ACTOR_PROTOCOL = "actor_protocol"
+    #: The episode's first prompt leaves no room for `envpool.max_tokens` in `actor.max_model_len`.
+    PROMPT_TOO_LONG = "prompt_too_long"
+    #: The whole episode took longer than `envpool.episode_timeout_s`.
+    EPISODE_TIMEOUT = "episode_timeout"
+    #: The learner finished (or the worker stopped) while the episode ran.
+    RUN_ENDED = "run_ended"
+    #: A bug in the envpool itself; the episode is still accounted for.
+    ENVPOOL_ERROR = "envpool_error"
+
+
+#: Failures on the actor's side: a long run of them means the actor is gone, not the episodes.
+ACTOR_CAUSES = frozenset({Cause.ACTOR_TIMEOUT, Cause.ACTOR_OVERLOADED, Cause.ACTOR_BAD_REQUEST,
+                          Cause.ACTOR_ENGINE_ERROR, Cause.ACTOR_ABORT, Cause.ACTOR_PROTOCOL})
+#: Failures that say "try later", not "this request is wrong": the envpool retries them.
+RETRYABLE_CAUSES = frozenset({Cause.ACTOR_TIMEOUT, Cause.ACTOR_OVERLOADED})
+#: The episode cause of each actor-side turn error.
+TURN_CAUSE = {TurnError.BAD_REQUEST: Cause.ACTOR_BAD_REQUEST,
+              TurnError.OVERLOADED: Cause.ACTOR_OVERLOADED,
+              TurnError.ENGINE_ERROR: Cause.ACTOR_ENGINE_ERROR}
+
+
+class Truncation(enum.StrEnum):
+    """Why an episode that is still trained ended before the environment said done."""
+
+    #: It played `envpool.max_turns` turns.
+    MAX_TURNS = "max_turns"
+    #: The next turn's prompt plus `envpool.max_tokens` would not fit `actor.max_model_len`.
+    CONTEXT_FULL = "context_full"
+
+
+class DropCause(enum.StrEnum):
+    """Why the learner dropped a trajectory untrained (counted, never trained)."""
+
+    #: Its oldest generated token is older than the staleness bound allows.
+    STALE = "stale"
+    #: Its group completed with fewer than 2 trajectories: no baseline.
+    GROUP_TOO_SMALL = "group_too_small"
+    #: More members arrived than the group has (an upstream bug, kept visible).
+    GROUP_OVERFLOW = "group_overflow"
+    #: Its token lists disagree in length (an upstream bug, kept visible).
+    MALFORMED = "malformed"
+    #: Its group was partial when the learner resumed from a checkpoint.
+    INCOMPLETE_AT_RESUME = "incomplete_at_resume"
+    #: The group filter `zero_std` removed its group (all rewards equal).
+    FILTERED_ZERO_STD = "filtered_zero_std"
+    #: The group filter `starpo_s` removed its group (low reward spread).
+    FILTERED_STARPO_S = "filtered_starpo_s"
+    #: Still buffered when the run ended.
+    RUN_ENDED = "run_ended"
+
+
+class ReplyCause(enum.StrEnum):
+    """Why a frame or a control message was refused (`ErrorReply.cause`)."""
+
+    MALFORMED_FRAME = "malformed_frame"
+    UNEXPECTED_MESSAGE = "unexpected_message"
+    ATTACH_FAILED = "attach_failed"
+    WEIGHT_UPDATE_FAILED = "weight_update_failed"
 
 
 class ProtocolError(ValueError):
@@ -137,7 +248,7 @@ class GenerateError(_Wire, tag="gen_error"):
     """A request failed inside the actor (bad prompt, engine error). Ends that request."""
 
     request_id: str
-    cause: str
+    cause: TurnError
     message: str
 
 
@@ -233,6 +344,8 @@ class Trajectory(_Wire, tag="traj", gc=False):
     segment_starts: list[int] = []
     #: Turns whose action the environment could not parse or rejected (format penalty given).
     invalid_actions: int = 0
+    #: Set when the episode was cut before the environment said done (it is still trained).
+    truncated: Truncation | None = None
 
 
 class EpisodeFailed(_Wire, tag="failed"):
@@ -241,8 +354,7 @@ class EpisodeFailed(_Wire, tag="failed"):
     episode_id: str
     group_id: str
     group_size: int
-    #: A short stable cause ("env_error", "actor_error", "timeout", "run_ended", ...).
-    cause: str
+    cause: Cause
     message: str
 
 
@@ -300,7 +412,7 @@ def group_number(gid: str) -> int:
 class ErrorReply(_Wire, tag="error"):
     """Answer to a frame that could not be handled (malformed, wrong protocol, unknown kind)."""
 
-    cause: str
+    cause: ReplyCause
     message: str
 
 
@@ -339,6 +451,9 @@ class Codec:
     def __init__(self) -> None:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(Packet)
+        # Reads only the version, so a peer of another version is named as such even when its
+        # messages do not decode under this one's types.
+        self._version = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
         self.errors = 0
 
     def encode(self, messages: list[Message]) -> bytes:
@@ -349,10 +464,20 @@ class Codec:
             packet = self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.errors += 1
-            raise ProtocolError(f"malformed frame ({len(frame)} bytes): {exc}") from None
+            raise ProtocolError(self._other_version(frame) or
+                                f"malformed frame ({len(frame)} bytes): {exc}") from None
         if packet.protocol != PROTOCOL_VERSION:
             self.errors += 1
-            raise ProtocolError(
-                f"peer speaks protocol {packet.protocol}, this process speaks {PROTOCOL_VERSION}"
-            )
+            raise ProtocolError(self._mismatch(packet.protocol))
         return packet.messages
+
+    def _other_version(self, frame: bytes | memoryview) -> str | None:
+        try:
+            version, _ = self._version.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return self._mismatch(version) if version != PROTOCOL_VERSION else None
+
+    @staticmethod
+    def _mismatch(version: int) -> str:
+        return f"peer speaks protocol {version}, this process speaks {PROTOCOL_VERSION}"

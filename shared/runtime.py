@@ -1,4 +1,5 @@
-"""Start-up chores every role process shares: arguments, config, logging, model path, fd limit.
+"""Start-up and exit chores every role process shares: arguments, config, logging, model path,
+fd limit, and how it ends (`run_role`).
 
 Each role's entry point (`python -m millstream.actor`, `... learner`, `... envpool`, or
 `millstream actor|learner|envpool`) takes the same arguments:
@@ -6,6 +7,11 @@ Each role's entry point (`python -m millstream.actor`, `... learner`, `... envpo
     --config FILE      TOML config (default: the embedded one)
     --ready-file FILE  written (JSON) once the role serves, for launchers and tests
     key.sub=value ...  dotted overrides, applied after the file
+
+`run_role` wraps a role's body: it stops the role when its launcher dies, turns a stop by signal
+into exit status 130, writes the cause of a fatal error to `<run.dir>/logs/<name>.exit.json`
+(the launcher reports it, instead of a traceback's last line), and stops any child process the
+role leaves behind (`shared/lifecycle.py`).
 """
 
 from __future__ import annotations
@@ -16,18 +22,32 @@ import os
 import resource
 import socket
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn
 
 import orjson
 
-from .config import Config, load_config
+from .config import Config, ConfigError, load_config
+from .lifecycle import reap_children, stop_on_signals, watch_parent
 
-__all__ = ["role_args", "setup_logging", "resolve_model_dir", "raise_fd_limit", "write_ready",
-           "free_port"]
+__all__ = ["role_args", "run_role", "setup_logging", "resolve_model_dir", "check_model_dir",
+           "raise_fd_limit", "write_ready", "free_port", "ENV_NAME", "STOPPED", "exit_file"]
+
+#: The name the launcher gave this process ("actor", "learner", "envpool-0", ...).
+ENV_NAME = "MILLSTREAM_NAME"
+
+#: Exit status of a role stopped by SIGTERM or SIGINT (as a shell reports Ctrl-C).
+STOPPED = 130
 
 
-def role_args(role: str, argv: list[str] | None = None) -> tuple[Config, argparse.Namespace]:
+def role_args(role: str, argv: list[str] | None = None, *,
+              check: str = "") -> tuple[Config, argparse.Namespace]:
+    """Parse a role's arguments and load its config; `check` documents the role's `--check`."""
     parser = argparse.ArgumentParser(prog=f"millstream {role}", description=f"run the {role} role")
+    if check:
+        parser.add_argument("--check", action="store_true", help=check)
     parser.add_argument("--config", default=None, help="TOML config file (default: embedded)")
     parser.add_argument("--ready-file", default=None, help="write JSON here once serving")
     parser.add_argument("--worker-index", type=int, default=0, help="index among same-role workers")
@@ -36,6 +56,52 @@ def role_args(role: str, argv: list[str] | None = None) -> tuple[Config, argpars
     cfg = load_config(ns.config, ns.overrides)
     setup_logging(cfg.run.log_level, role)
     return cfg, ns
+
+
+def run_role(role: str, body: Callable[[Config, argparse.Namespace], int | None],
+             argv: list[str] | None = None, *, check: str = "") -> NoReturn:
+    """Parse the role's arguments, run `body(cfg, ns)`, and exit with its status (see above)."""
+    try:
+        cfg, ns = role_args(role, argv, check=check)
+    except ConfigError as exc:
+        print(f"millstream {role}: {exc}", file=sys.stderr)
+        sys.exit(2)
+    stop_on_signals()
+    watch_parent()
+    log = logging.getLogger(role)
+    code: int = 1
+    try:
+        code = body(cfg, ns) or 0
+    except KeyboardInterrupt:
+        log.info("%s stopped", role)
+        code = STOPPED
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and isinstance(exc.code, int):
+            code = exc.code
+        else:
+            log.exception("%s failed", role)
+            _write_exit_cause(cfg, exc)
+    finally:
+        reap_children()
+    sys.exit(code)
+
+
+def exit_file(run_dir: str | Path, name: str) -> Path:
+    """Where the process called `name` writes why it failed."""
+    return Path(run_dir) / "logs" / f"{name}.exit.json"
+
+
+def _write_exit_cause(cfg: Config, exc: BaseException) -> None:
+    name = os.environ.get(ENV_NAME)
+    if not (cfg.run.dir and name):
+        return
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    record: dict[str, Any] = {"name": name, "error": type(exc).__name__, "message": str(exc)[:2000],
+                              "at": f"{where[0].filename}:{where[0].lineno}" if where else ""}
+    try:
+        exit_file(cfg.run.dir, name).write_bytes(orjson.dumps(record))
+    except OSError:
+        pass  # the run directory is gone; the log still has the traceback
 
 
 def setup_logging(level: str, role: str) -> None:
@@ -47,13 +113,24 @@ def setup_logging(level: str, role: str) -> None:
     )
 
 
+def check_model_dir(path: str | Path, key: str = "model.path") -> Path:
+    """A Hugging Face model directory (config.json, tokenizer.json, tokenizer_config.json), or a
+    ConfigError naming the key and what is missing."""
+    where = Path(path).expanduser()
+    if not where.is_dir():
+        raise ConfigError(f"{key} = {str(path)!r}: not a directory")
+    missing = [f for f in ("config.json", "tokenizer.json", "tokenizer_config.json")
+               if not (where / f).is_file()]
+    if missing:
+        raise ConfigError(f"{key} = {str(path)!r}: not a model directory (no "
+                          f"{', '.join(missing)})")
+    return where
+
+
 def resolve_model_dir(cfg: Config) -> str:
     """The model directory to load: `model.path`, or the tiny model (built on first use)."""
     if cfg.model.path:
-        path = Path(cfg.model.path).expanduser()
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path={cfg.model.path!r} has no config.json")
-        return str(path)
+        return str(check_model_dir(cfg.model.path))
     from .tinymodel import build_tiny_model
 
     return str(build_tiny_model(Path(cfg.model.tiny_dir).expanduser(), seed=cfg.model.tiny_seed))

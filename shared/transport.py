@@ -30,7 +30,7 @@ import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .config import TransportConfig
-from .protocol import Codec, ErrorReply, Message, ProtocolError
+from .protocol import Codec, ErrorReply, Message, ProtocolError, ReplyCause
 
 __all__ = ["Channel", "ChannelStats", "open_channel", "KINDS"]
 
@@ -191,7 +191,7 @@ class Channel:
             log.warning("%s %s: dropped a bad frame: %s", self.kind, self.address, exc)
             if self.kind in _CAN_ANSWER:
                 try:
-                    self.send_nowait(ErrorReply("malformed_frame", str(exc)[:500]), to=peer)
+                    self.send_nowait(ErrorReply(ReplyCause.MALFORMED_FRAME, str(exc)[:500]), to=peer)
                 except anyio.WouldBlock:
                     pass
             return

@@ -20,7 +20,7 @@ from millstream.learner.replay import ReplayBuffer
 from samples import random_samples
 from millstream.learner.trainer import Trainer, TrainSample
 from millstream.shared.config import LearnerConfig
-from millstream.shared.protocol import EpisodeFailed, Trajectory
+from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory
 
 # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates; not ours to fix.
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")
@@ -44,7 +44,7 @@ def traj(group: str, member: int, reward: float = 1.0) -> Trajectory:
 
 
 def fail(group: str, member: int) -> EpisodeFailed:
-    return EpisodeFailed(f"{group}-e{member}", group, 3, "env_error", "boom")
+    return EpisodeFailed(f"{group}-e{member}", group, 3, Cause.ENV_ERROR, "boom")
 
 
 def new_buffer() -> ReplayBuffer:

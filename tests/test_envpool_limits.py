@@ -20,7 +20,7 @@ from millstream.envpool.client import ActorClient, ActorUnreachable, GenerationF
 from millstream.envpool.envs import Observation, StepResult
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.shared.config import EnvPoolConfig, TransportConfig
-from millstream.shared.protocol import Abort, Codec, GenerateError, GenerateRequest, Hello, TokenDelta, Trajectory
+from millstream.shared.protocol import Abort, Codec, GenerateError, GenerateRequest, Hello, TokenDelta, Trajectory, TurnError
 from millstream.shared.runtime import free_port
 from millstream.shared.transport import open_channel
 
@@ -94,7 +94,7 @@ def test_handshake_names_an_absent_actor_after_bounded_tries():
 
 
 def test_overloaded_refusal_is_retried_with_the_same_request():
-    peer = ScriptedPeer(lambda n, r: GenerateError(r.request_id, "overloaded", "full")
+    peer = ScriptedPeer(lambda n, r: GenerateError(r.request_id, TurnError.OVERLOADED, "full")
                         if n == 0 else final(r))
 
     async def body(client, tg):
@@ -132,10 +132,10 @@ def failure_cause(peer, retries):
 
 
 def test_retries_are_bounded_and_other_errors_are_not_retried():
-    always_full = ScriptedPeer(lambda n, r: GenerateError(r.request_id, "overloaded", "full"))
+    always_full = ScriptedPeer(lambda n, r: GenerateError(r.request_id, TurnError.OVERLOADED, "full"))
     assert failure_cause(always_full, retries=2) == "actor_overloaded"
     assert len(always_full.requests) == 3  # one try and two retries, then the episode fails
-    bad = ScriptedPeer(lambda n, r: GenerateError(r.request_id, "bad_request", "no"))
+    bad = ScriptedPeer(lambda n, r: GenerateError(r.request_id, TurnError.BAD_REQUEST, "no"))
     assert failure_cause(bad, retries=2) == "actor_bad_request"
     assert len(bad.requests) == 1
 

@@ -54,7 +54,7 @@ async def _admit_all(gate, limit=50):
     got = []
     with anyio.move_on_after(0.05):
         while len(got) < limit:
-            n = await gate.admit(timeout_s=5)
+            n = await gate.admit(5, 5)
             if n is None:
                 break
             got.append(n)
@@ -86,7 +86,7 @@ async def test_gate_follows_the_announced_limit():
     gate.update(PolicyVersion(1, limit(0)))  # a late, lower heartbeat never shrinks the limit
     assert await _admit_all(gate) == []
     gate.update(PolicyVersion(1, limit(1, dropped=2), final=True))
-    assert await gate.admit(timeout_s=1) is None
+    assert await gate.admit(1, 1) is None
 
 
 @pytest.mark.anyio
@@ -103,8 +103,15 @@ async def test_gate_times_out_on_a_silent_learner():
     gate = AdmissionGate()
     gate.update(PolicyVersion(0, 1))
     assert await _admit_all(gate) == [0]
-    with pytest.raises(TimeoutError, match="no policy version"):
-        await gate.admit(timeout_s=0.05)
+    with pytest.raises(TimeoutError, match="no policy version from the learner for 0.05s"):
+        await gate.admit(60, 0.05)  # after the first version, silence is timed by the second
+
+
+@pytest.mark.anyio
+async def test_gate_waits_for_the_first_version_by_the_start_timeout():
+    gate = AdmissionGate()
+    with pytest.raises(TimeoutError, match="no first policy version from the learner for 0.05s"):
+        await gate.admit(0.05, 60)
 
 
 @pytest.mark.anyio
@@ -144,7 +151,7 @@ async def test_evenchars_rules():
 
 
 def test_registry_errors_are_clear():
-    with pytest.raises(KeyError, match="unknown environment 'nope'.*bandit"):
+    with pytest.raises(KeyError, match="unknown environment 'nope'.*known: .*bandit"):
         make_env("nope")
     with pytest.raises(TypeError, match="rejected envpool.env_args"):
         make_env("bandit", {"arms": 3})

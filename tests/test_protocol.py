@@ -1,5 +1,6 @@
 """The wire protocol: every message round-trips; bad frames are rejected, counted, answered."""
 
+import enum
 import typing
 
 import msgspec
@@ -9,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from millstream.shared import protocol
-from millstream.shared.protocol import PROTOCOL_VERSION, Codec, ErrorReply, GenerateRequest, Packet, ProtocolError, TokenDelta
+from millstream.shared.protocol import (
+    PROTOCOL_VERSION,
+    Codec,
+    ErrorReply,
+    GenerateRequest,
+    Packet,
+    ProtocolError,
+    ReplyCause,
+    TokenDelta,
+)
 
 MESSAGES = list(typing.get_args(protocol.Message))
 i32 = st.integers(-(2**31), 2**31 - 1)
@@ -32,6 +42,8 @@ def strategy_for(tp):
         return st.one_of([strategy_for(a) if a is not type(None) else st.none() for a in typing.get_args(tp)])
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
         return struct_strategy(tp)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return st.sampled_from(list(tp))
     raise TypeError(tp)
 
 
@@ -41,6 +53,23 @@ def struct_strategy(cls):
 
 
 any_message = st.one_of([struct_strategy(cls) for cls in MESSAGES])
+
+
+def test_a_peer_of_another_version_is_named_even_when_its_messages_do_not_decode():
+    frame = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, [["a_message_of_the_future", 1]]])
+    with pytest.raises(ProtocolError, match=f"peer speaks protocol {PROTOCOL_VERSION + 1}, this "
+                                            f"process speaks {PROTOCOL_VERSION}"):
+        Codec().decode(frame)
+
+
+def test_an_unknown_cause_is_a_protocol_error_not_a_string():
+    codec = Codec()
+    frame = msgspec.msgpack.encode([PROTOCOL_VERSION, [["failed", "e", "g0", 8, "flaked_out", "x"]]])
+    with pytest.raises(ProtocolError, match="Invalid enum value 'flaked_out'"):
+        codec.decode(frame)
+    good = msgspec.msgpack.encode([PROTOCOL_VERSION, [["failed", "e", "g0", 8, "env_timeout", "x"]]])
+    (failed,) = codec.decode(good)
+    assert failed.cause is protocol.Cause.ENV_TIMEOUT
 
 
 def test_every_message_kind_is_covered():
@@ -81,9 +110,9 @@ def test_truncated_frames_are_rejected(messages, data):
 
 
 def test_other_protocol_version_is_refused():
-    frame = msgspec.msgpack.encode(Packet(PROTOCOL_VERSION + 1, [ErrorReply("x", "y")]))
+    frame = msgspec.msgpack.encode(Packet(PROTOCOL_VERSION + 1, [ErrorReply(ReplyCause.MALFORMED_FRAME, "y")]))
     codec = Codec()
-    with pytest.raises(ProtocolError, match="protocol"):
+    with pytest.raises(ProtocolError, match=f"peer speaks protocol {PROTOCOL_VERSION + 1}"):
         codec.decode(frame)
     assert codec.errors == 1
 

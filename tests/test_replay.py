@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from millstream.learner.replay import BufferFull, Group, ReplayBuffer
-from millstream.shared.protocol import EpisodeFailed, Trajectory
+from millstream.shared.protocol import Cause, DropCause, EpisodeFailed, Trajectory
 
 _ids = itertools.count()
 
@@ -27,7 +27,7 @@ def traj(group: str, version: int = 0, *, reward: float = 1.0, episode: str | No
     )
 
 
-def failure(group: str, *, cause: str = "env_error", episode: str | None = None,
+def failure(group: str, *, cause: Cause = Cause.ENV_ERROR, episode: str | None = None,
             group_size: int = 4) -> EpisodeFailed:
     return EpisodeFailed(episode or f"ep{next(_ids)}", group, group_size, cause, "boom")
 
@@ -78,10 +78,10 @@ def test_group_too_small_is_dropped_on_completion():
     buf = buffer(group_size=3, min_group_size=2)
     buf.add(traj("g", group_size=3))
     buf.fail(failure("g", group_size=3))
-    buf.fail(failure("g", group_size=3, cause="timeout"))
+    buf.fail(failure("g", group_size=3, cause=Cause.ENV_TIMEOUT))
     s = check_invariant(buf)
     assert s["dropped"] == {"group_too_small": 1}
-    assert s["failed"] == {"env_error": 1, "timeout": 1}
+    assert s["failed"] == {"env_error": 1, "env_timeout": 1}
     assert groups(s) == (0, 0, 1) and s["buffered"] == 0
     assert buf.take_batch(0) is None
 
@@ -129,10 +129,10 @@ def test_stale_partial_group_and_its_late_members():
     # A late member is stale on arrival even though its own tokens are fresh...
     buf.add(traj("g", 2))
     # ...and a late failure counts as a failure as usual.
-    buf.fail(failure("g", cause="timeout"))
+    buf.fail(failure("g", cause=Cause.ENV_TIMEOUT))
     s = check_invariant(buf)
     assert s["dropped"] == {"stale": 3}
-    assert s["failed"] == {"timeout": 1}
+    assert s["failed"] == {"env_timeout": 1}
     assert groups(s) == (0, 0, 1) and s["buffered"] == 0  # late members are not a new group
 
 
@@ -235,7 +235,7 @@ def test_constructor_rejects_bad_shapes():
 _resend = st.integers(0, 5).map(lambda x: x == 0)
 _back = st.sampled_from([0, 0, 0, 1, 2])  # mostly the current group, sometimes a late member
 _add = st.tuples(st.just("add"), _back, st.integers(0, 3), _resend)
-_fail = st.tuples(st.just("fail"), _back, st.sampled_from(["env_error", "timeout"]),
+_fail = st.tuples(st.just("fail"), _back, st.sampled_from([Cause.ENV_ERROR, Cause.ENV_TIMEOUT]),
                   _resend)
 _op = st.one_of(_add, _add, _add, _fail, st.tuples(st.just("take"), st.integers(0, 1)),
                 st.tuples(st.just("drain")))
@@ -306,9 +306,9 @@ def test_filtered_groups_are_discarded_with_their_cause():
     assert buf.take_batch(0, count=4) is None
     batch = buf.take_batch(0, count=3)
     assert [g.group_id for g in batch] == ["g0", "g1", "g2"]
-    buf.discard(batch[1:], "starpo_s")
+    buf.discard(batch[1:], DropCause.FILTERED_STARPO_S)
     stats = buf.statistics()
-    assert stats["trained"] == 2 and stats["dropped"] == {"starpo_s": 4}
+    assert stats["trained"] == 2 and stats["dropped"] == {"filtered_starpo_s": 4}
     assert stats["dropped_groups"] == 2 and stats["buffered"] == 0
     assert stats["received"] == stats["trained"] + sum(stats["dropped"].values())
 
@@ -330,7 +330,7 @@ def resumable_buffer() -> ReplayBuffer:
             buf.add(traj(g, version, group_size=2, episode=f"{g}-last"))
     assert [g.group_id for g in buf.take_batch(3)] == ["g1"]  # g0 is dropped as stale
     buf.add(traj("g7", 4, group_size=2))
-    buf.fail(failure("g8", group_size=2, cause="timeout"))  # partial with no trajectory
+    buf.fail(failure("g8", group_size=2, cause=Cause.ENV_TIMEOUT))  # partial with no trajectory
     buf.add(traj("g3", 3, group_size=2, episode="g3-last"))  # duplicate
     check_invariant(buf)
     return buf
@@ -343,10 +343,10 @@ def test_state_round_trips_through_msgpack_and_drops_partial_groups():
     state = buf.state_dict()
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(state))
     fresh = buffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=10)
-    assert fresh.load_state_dict(raw, drop_partial_cause="lost") == 2
+    assert fresh.load_state_dict(raw, drop_partial_cause=DropCause.RUN_ENDED) == 2
     after = check_invariant(fresh)
     assert groups(after) == (2, 0, before["dropped_groups"] + 2)
-    assert after["dropped"] == {**before["dropped"], "lost": 1}
+    assert after["dropped"] == {**before["dropped"], "run_ended": 1}
     assert after["buffered"] == before["buffered"] - 1
     for key in ("received", "trained", "failed", "duplicates", "staleness"):
         assert after[key] == before[key], key
@@ -363,7 +363,7 @@ def test_state_round_trips_through_msgpack_and_drops_partial_groups():
     fresh.fail(failure("g1", group_size=2))
     s = check_invariant(fresh)
     assert s["duplicates"] == before["duplicates"] + 1
-    assert s["dropped"]["lost"] == 2
+    assert s["dropped"]["run_ended"] == 2
     assert s["failed"]["env_error"] == before["failed"]["env_error"] + 2
     assert groups(s)[:2] == (0, 0)
     # The in-memory state_dict (not through msgpack) loads as well, and is a copy.

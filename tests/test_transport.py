@@ -5,7 +5,7 @@ import pytest
 import zmq
 
 from millstream.shared.config import TransportConfig
-from millstream.shared.protocol import Codec, ErrorReply, GenerateRequest, TokenDelta
+from millstream.shared.protocol import Codec, ErrorReply, GenerateRequest, ReplyCause, TokenDelta
 from millstream.shared.transport import open_channel
 
 pytestmark = pytest.mark.anyio
@@ -78,7 +78,7 @@ async def test_push_pull_flush_delivers_everything():
         tg.start_soon(pull.run)
         tg.start_soon(push.run)
         for i in range(500):
-            await push.send(ErrorReply("n", str(i)))
+            await push.send(ErrorReply(ReplyCause.MALFORMED_FRAME, str(i)))
         assert await push.flush(timeout=10)
         seen = []
         with anyio.fail_after(10):
@@ -92,10 +92,10 @@ async def test_push_pull_flush_delivers_everything():
 async def test_send_times_out_when_queue_stays_full():
     cfg = TransportConfig(send_queue=2)
     push = open_channel("push", "tcp://127.0.0.1:1", bind=False, cfg=cfg)  # writer not running
-    await push.send(ErrorReply("a", "1"))
-    await push.send(ErrorReply("a", "2"))
+    await push.send(ErrorReply(ReplyCause.MALFORMED_FRAME, "1"))
+    await push.send(ErrorReply(ReplyCause.MALFORMED_FRAME, "2"))
     with pytest.raises(TimeoutError, match="send queue full"):
-        await push.send(ErrorReply("a", "3"), timeout=0.2)
+        await push.send(ErrorReply(ReplyCause.MALFORMED_FRAME, "3"), timeout=0.2)
     assert push.statistics().send_queue == 2
     push.sock.close(linger=0)
 

@@ -9,12 +9,22 @@ an environment is adding a module.
 import importlib
 import pkgutil
 
-from .base import (ENTRY_POINT_GROUP, Env, Observation, StepResult, env_names, make_env, parse_answer,
-                   parse_moves, register)
+from .base import (
+    ENTRY_POINT_GROUP,
+    Env,
+    Observation,
+    StepResult,
+    UnknownEnvironment,
+    env_names,
+    make_env,
+    parse_answer,
+    parse_moves,
+    register,
+)
 
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base" and not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")  # registration side effects
 
 __all__ = ["Env", "Observation", "StepResult", "make_env", "env_names", "register", "parse_answer",
-           "parse_moves", "ENTRY_POINT_GROUP"]
+           "parse_moves", "ENTRY_POINT_GROUP", "UnknownEnvironment"]

@@ -31,6 +31,7 @@ millstream through the entry-point group `millstream.envs` (`name = "pkg.module:
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -46,6 +47,7 @@ __all__ = [
     "parse_answer",
     "parse_moves",
     "ENTRY_POINT_GROUP",
+    "UnknownEnvironment",
 ]
 
 ENTRY_POINT_GROUP = "millstream.envs"
@@ -104,12 +106,22 @@ def env_names() -> list[str]:
     return sorted(REGISTRY)
 
 
+class UnknownEnvironment(KeyError):
+    """No environment of that name is registered or declared as an entry point."""
+
+    def __str__(self) -> str:  # KeyError would quote the whole message
+        return str(self.args[0])
+
+
 def make_env(name: str, args: dict[str, Any] | None = None) -> Env:
     """Build an environment by name; unknown names and bad arguments are clear errors."""
     if name not in REGISTRY:
         _load_entry_points()
     if name not in REGISTRY:
-        raise KeyError(f"unknown environment {name!r}; known: {', '.join(env_names())}")
+        known = env_names()
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise UnknownEnvironment(f"unknown environment {name!r}{hint} (known: {', '.join(known)})")
     try:
         return REGISTRY[name](**(args or {}))
     except TypeError as exc:

@@ -1,0 +1,69 @@
+"""The envpool's check of a config before a run starts: `millstream envpool --check`.
+
+`millstream run` calls it before it makes the run directory or starts any role, because only
+the envpool can answer these questions (the launcher lives in `shared/` and imports no role):
+
+- does `envpool.env` name an environment (a built-in module or a `millstream.envs` entry
+  point), and do `envpool.env_args` suit its constructor?
+- does the model directory hold a tokenizer and a chat template the envpool can use?
+- does the first prompt of a sample episode leave room for `envpool.max_tokens` within
+  `actor.max_model_len`? (Prompts differ by seed, so this can only catch a budget that cannot
+  fit; a longer prompt at run time ends its episode as the counted cause `prompt_too_long`.)
+
+Each problem is one line on stderr naming the key, and the exit status is 2, as for any config
+error. It runs no episode against an actor and opens no socket.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import anyio
+
+from millstream.shared.config import Config
+
+from .chat import ChatFormat
+from .envs import Env, Observation, UnknownEnvironment, make_env
+from .worker import group_seed, tokenizer_dir
+
+__all__ = ["preflight", "check_envpool"]
+
+
+def check_envpool(cfg: Config) -> str | None:
+    """What is wrong with the envpool's settings, in one line, or None."""
+    pool = cfg.envpool
+    try:
+        env = make_env(pool.env, pool.env_args)
+    except UnknownEnvironment as exc:
+        return f"envpool.env = {pool.env!r}: {exc}"
+    except (TypeError, ValueError) as exc:
+        return f"envpool.env_args: {exc}"
+    try:
+        chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
+    except (OSError, ValueError) as exc:
+        return f"model.path: the envpool cannot use its tokenizer: {exc}"
+    seed = group_seed(cfg.run.seed, 0)
+    try:
+        obs = anyio.run(_first_observation, env, seed, pool.step_timeout_s, backend="trio")
+    except Exception as exc:  # the environment's own failure: report it, as a run would
+        return f"envpool.env = {pool.env!r}: reset({seed}) failed: {type(exc).__name__}: {exc}"
+    prompt = len(chat.first_prompt(getattr(env, "system_prompt", ""), obs.text))
+    if prompt + pool.max_tokens > cfg.actor.max_model_len:
+        return (f"envpool.max_tokens = {pool.max_tokens}: the first prompt of {pool.env!r} "
+                f"(seed {seed}) has {prompt} tokens, and {prompt} + {pool.max_tokens} exceeds "
+                f"actor.max_model_len = {cfg.actor.max_model_len}")
+    return None
+
+
+async def _first_observation(env: Env, seed: int, timeout_s: float) -> Observation:
+    with anyio.fail_after(timeout_s):
+        return await env.reset(seed)
+
+
+def preflight(cfg: Config) -> int:
+    """`millstream envpool --check`: 0 if the envpool's settings hold, else 2 and one line."""
+    problem = check_envpool(cfg)
+    if problem is None:
+        return 0
+    print(problem, file=sys.stderr)
+    return 2

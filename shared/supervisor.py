@@ -1,0 +1,94 @@
+"""The processes of one run: start them, watch them, say why one ended, stop them all.
+
+Each role runs as `python -m millstream.<role>` in a process group of its own, so stopping it
+also stops what it spawned (vLLM's EngineCore and Workers, torchrun's ranks). Each child is told
+three things in its environment (shared/lifecycle.py and shared/runtime.py read them):
+
+    MILLSTREAM_PARENT_PID  this process: a child whose parent is gone stops by itself
+    MILLSTREAM_RUN         the run directory: every process of the run can be found by it
+    MILLSTREAM_NAME        the child's name ("actor", "envpool-0"): where it writes why it failed
+
+`describe_exit` turns an exit into words: the cause the role wrote (`logs/<name>.exit.json`),
+else the signal that killed it, else its exit status and the end of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import orjson
+
+from .lifecycle import ENV_PARENT, ENV_RUN
+from .runtime import ENV_NAME, STOPPED, exit_file
+
+__all__ = ["Supervisor"]
+
+
+class Supervisor:
+    """Child processes of one run, each in its own process group."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+
+    def start(self, name: str, module: str, args: list[str], *, pipe_stdout: bool = False) -> None:
+        log = self.run_dir / "logs" / f"{name}.log"
+        self.logs[name] = log
+        exit_file(self.run_dir, name).unlink(missing_ok=True)  # a previous session's
+        out: IO[bytes] = log.open("ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{
+            ENV_PARENT: str(os.getpid()), ENV_RUN: str(self.run_dir.resolve()), ENV_NAME: name})
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            stdout=subprocess.PIPE if pipe_stdout else out, stderr=out, stdin=subprocess.DEVNULL,
+            env=env, start_new_session=True)
+        out.close()  # the child holds its own copy
+        (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
+
+    def exited(self) -> dict[str, int]:
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every group, wait up to `grace_s` in all, then SIGKILL every group."""
+        for proc in self.procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(proc, signal.SIGKILL)  # children of a dead parent, or a stuck one
+            proc.wait()
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.logs[name].read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def describe_exit(self, name: str, code: int) -> str:
+        """Why `name` ended, in one line (plus the log's end when nothing better is known)."""
+        cause = exit_file(self.run_dir, name)
+        if cause.is_file():
+            record = orjson.loads(cause.read_bytes())
+            return f"{record['error']}: {record['message']}"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        if code == STOPPED:
+            return "stopped by a signal (SIGTERM or SIGINT)"
+        return f"exit status {code}; its log {self.logs[name]} ends:\n{self.tail(name)}"
+
+
+def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
