@@ -7,8 +7,7 @@ times): the worker joins a torch.distributed group with the learner and receives
 flat buffer, which it cuts into named views and hands to vLLM's `reload_weights`.
 
 Why a flat buffer: one collective of N bytes is faster than N collectives of small tensors (on
-loopback gloo a 106 MiB model took 45 ms flat against 80 ms tensor by tensor; see
-../shared/brief/cpu-stack.md), and the learner describes the layout once per update in the
+loopback gloo a 106 MiB model took 45 ms flat against 80 ms tensor by tensor), and the learner describes the layout once per update in the
 `WeightUpdate` message.
 
 How the group is formed (stateless, its own TCPStore, rebuilt per learner session) is in

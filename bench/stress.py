@@ -194,7 +194,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
                             turns += m.num_turns
                             invalid += m.invalid_actions
                         elif isinstance(m, EpisodeFailed):
-                            outcomes[m.cause] += 1
+                            outcomes[str(m.cause)] += 1  # the cause's value: a JSON key
                         elif isinstance(m, PoolDone):
                             done[m.worker] = m
             accounted = sum(outcomes.values())

@@ -2,7 +2,7 @@
 and the engine config.
 
 Why a module of its own: these are the traps of running DeepSpeed without (and with) a launcher
-(../shared/brief/cpu-stack.md), kept apart from the training step itself.
+on a CPU machine, kept apart from the training step itself.
 - On CPU, DeepSpeed must be told its accelerator before import, and the shared-memory comm op,
   a ~60 s g++ JIT build, is not needed.
 - Without torchrun/deepspeed setting RANK and friends, DeepSpeed falls back to MPI discovery;

@@ -18,6 +18,7 @@ the best earlier window and warns (once, until it recovers) when both fell below
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 from .replay import Group
 
@@ -30,7 +31,9 @@ def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: fl
             for v, m in zip(t.versions, t.loss_mask) if m]
     tokens = len(lags)
     zero_std = sum(1 for g in batch if len({t.reward for t in g.trajectories}) == 1)
+    truncated = Counter(str(t.truncated) for g in batch for t in g.trajectories if t.truncated)
     return {
+        **{f"batch/truncated/{why}": n for why, n in truncated.items()},
         "reward/mean": statistics.fmean(rewards),
         "reward/std": statistics.pstdev(rewards),
         "reward/min": min(rewards),

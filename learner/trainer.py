@@ -103,6 +103,21 @@ class TrainSample:
     advantages: list[float]  # per-token advantage (already broadcast)
 
 
+@dataclass
+class _StepPlan:
+    """One step's micro-batches and the counts over all ranks that normalise its loss."""
+
+    batches: list[dict[str, torch.Tensor]]
+    #: Micro-batches every rank runs (the most any rank has).
+    n_chunks: int
+    total_tokens: int
+    total_seqs: int
+    all_samples: int
+    decoupled: bool
+    world: int
+    generation_budget: int
+
+
 class Trainer:
     """A causal LM under a DeepSpeed engine that takes one PPO-clip step per `train_step` call.
 
@@ -256,12 +271,25 @@ class Trainer:
           tokens, sequences loss tokens and samples of the step; step_time_s
         """
         start = time.perf_counter()
+        plan = self._plan(samples, cfg, generation_budget)
+        prox, ref = self._frozen_logprobs(plan.batches, plan.n_chunks, proximal=plan.decoupled)
+        self.engine.train()
+        # Summed (or maxed) on the device and read once at the end: no host sync per micro-batch.
+        sums: dict[str, torch.Tensor] = {}
+        maxes: dict[str, torch.Tensor] = {}
+        for k in range(plan.n_chunks):
+            self._micro_step(plan, k, cfg, prox, ref, sums, maxes)
+        local_norm = self._local_grad_norm()
+        self.engine.step()  # the one boundary: reduce, clip, AdamW update, zero the grads
+        return self._metrics(plan, sums, maxes, local_norm, time.perf_counter() - start)
+
+    def _plan(self, samples: list[TrainSample], cfg: LearnerConfig,
+              generation_budget: int) -> _StepPlan:
+        """Check the samples, count them over all ranks, cut them into micro-batches."""
         local_tokens, local_seqs = self._check(samples, cfg, generation_budget)
         if cfg.kl_coef > 0 and self.reference is None:
             raise ValueError("kl_coef > 0 needs the reference policy: build the Trainer with a "
                              "learner config whose kl_coef > 0")
-        decoupled = cfg.staleness_policy == "decoupled"
-        world = self.engine.dp_world_size
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].token_ids), reverse=True)
         mbs = self.micro_batch_size
         chunks = [order[lo:lo + mbs] for lo in range(0, len(order), mbs)]
@@ -274,48 +302,53 @@ class Trainer:
             # Every aggregation is undefined over zero tokens; the caller should filter these.
             raise ValueError("train_step got no loss-carrying tokens (every loss_mask is 0)")
         batches = [self._batch([samples[i] for i in chunk]) for chunk in chunks]
-        prox, ref = self._frozen_logprobs(batches, n_chunks, proximal=decoupled)
-        self.engine.train()
-        # Summed (or maxed) on the device and read once at the end: no host sync per micro-batch.
-        sums: dict[str, torch.Tensor] = {}
-        maxes: dict[str, torch.Tensor] = {}
-        for k in range(n_chunks):
-            repeat = k >= len(batches)  # this rank ran out: its last micro-batch at weight 0
-            i = min(k, len(batches) - 1)
-            batch = batches[i]
-            # Only the last backward of the step may finish the gradient reduction.
-            self.engine.set_gradient_accumulation_boundary(k == n_chunks - 1)
-            logits = self._logits(self.engine, batch)
-            logp, entropy = sequence_logprobs(logits, batch["ids"],
-                                              entropy_grad=cfg.entropy_coef > 0)
-            # DeepSpeed averages gradients over ranks; scaling by `world` turns that average back
-            # into the sum, so the step's loss is normalised by the totals over all ranks.
-            weights = aggregation_weights(batch["mask"], cfg.loss_agg, tokens=total_tokens,
-                                          sequences=total_seqs,
-                                          generation_budget=generation_budget) * world
-            loss, stats = rl_loss(
-                logp, entropy, batch["behav"], batch["adv"], batch["mask"], weights,
-                clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                prox_logp=prox[i] if prox is not None else None,
-                is_cap=cfg.is_cap if decoupled else None,
-                ref_logp=ref[i] if ref is not None else None,
-                kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
-            # Accumulates into the step's gradient; no optimizer update happens here.
-            self.engine.backward(loss * (0.0 if repeat else 1.0))
-            if not repeat:
-                stats["loss"] = loss.detach()
-                for key, value in stats.items():
-                    value = value.detach().double()
-                    if key.endswith("_max"):
-                        maxes[key] = torch.maximum(maxes[key], value) if key in maxes else value
-                    else:
-                        sums[key] = sums[key] + value if key in sums else value
-            del logits, logp, entropy, loss  # free activations before the next micro-batch
-        local_norm = self._local_grad_norm()
-        self.engine.step()  # the one boundary: reduce, clip, AdamW update, zero the grads
-        s = dict(zip(sums, self._all_reduce(torch.stack(list(sums.values())), "sum")))
-        m = dict(zip(maxes, self._all_reduce(torch.stack(list(maxes.values())), "max")))
-        n = float(total_tokens)
+        return _StepPlan(batches, n_chunks, total_tokens, total_seqs, all_samples,
+                         cfg.staleness_policy == "decoupled", self.engine.dp_world_size,
+                         generation_budget)
+
+    def _micro_step(self, plan: _StepPlan, k: int, cfg: LearnerConfig,
+                    prox: _Logprobs | None, ref: _Logprobs | None,
+                    sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor]) -> None:
+        """Forward and backward of micro-batch `k`; its statistics join `sums` and `maxes`."""
+        repeat = k >= len(plan.batches)  # this rank ran out: its last micro-batch at weight 0
+        i = min(k, len(plan.batches) - 1)
+        batch = plan.batches[i]
+        # Only the last backward of the step may finish the gradient reduction.
+        self.engine.set_gradient_accumulation_boundary(k == plan.n_chunks - 1)
+        logits = self._logits(self.engine, batch)
+        logp, entropy = sequence_logprobs(logits, batch["ids"], entropy_grad=cfg.entropy_coef > 0)
+        # DeepSpeed averages gradients over ranks; scaling by `world` turns that average back
+        # into the sum, so the step's loss is normalised by the totals over all ranks.
+        weights = aggregation_weights(batch["mask"], cfg.loss_agg, tokens=plan.total_tokens,
+                                      sequences=plan.total_seqs,
+                                      generation_budget=plan.generation_budget) * plan.world
+        loss, stats = rl_loss(
+            logp, entropy, batch["behav"], batch["adv"], batch["mask"], weights,
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            prox_logp=prox[i] if prox is not None else None,
+            is_cap=cfg.is_cap if plan.decoupled else None,
+            ref_logp=ref[i] if ref is not None else None,
+            kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
+        # Accumulates into the step's gradient; no optimizer update happens here.
+        self.engine.backward(loss * (0.0 if repeat else 1.0))
+        if not repeat:
+            stats["loss"] = loss.detach()
+            for key, value in stats.items():
+                value = value.detach().double()
+                if key.endswith("_max"):
+                    maxes[key] = torch.maximum(maxes[key], value) if key in maxes else value
+                else:
+                    sums[key] = sums[key] + value if key in sums else value
+
+    def _metrics(self, plan: _StepPlan, sums: dict[str, torch.Tensor],
+                 maxes: dict[str, torch.Tensor], local_norm: float,
+                 elapsed_s: float) -> dict[str, float]:
+        """The step's metrics over all ranks (see `train_step`)."""
+        world = plan.world
+        s = dict(zip(sums, self._all_reduce(torch.stack(list(sums.values())), "sum"), strict=True))
+        m = dict(zip(maxes, self._all_reduce(torch.stack(list(maxes.values())), "max"),
+                     strict=True))
+        n = float(plan.total_tokens)
         # Each rank's loss carries the factor `world` (above): the global loss is their sum / world.
         metrics = {"loss": s["loss"] / world, "pg_loss": s["pg_loss"] / world}
         if "kl_sum" in s:
@@ -327,15 +360,15 @@ class Trainer:
             "ratio_mean": s["ratio_sum"] / n,
             "ratio_max": m["ratio_max"],
         })
-        if decoupled:
+        if plan.decoupled:
             metrics.update({"is_weight_mean": s["is_weight_sum"] / n,
                             "is_weight_max": m["is_weight_max"],
                             "is_capped_frac": s["is_capped_tokens"] / n})
         metrics.update({
             "grad_norm": self._grad_norm(local_norm),
             "tokens": n,
-            "sequences": float(all_samples),
-            "step_time_s": time.perf_counter() - start,
+            "sequences": float(plan.all_samples),
+            "step_time_s": elapsed_s,
         })
         return metrics
 

@@ -9,8 +9,8 @@ Three ways a run's processes could outlive it, and what closes each:
   inside the event loop of the actor and the envpool), so the engine's shutdown runs.
 - **The launcher dies** (kill -9, a crashed login node). Its children are in process groups of
   their own, so nothing else would stop them. The launcher names itself in
-  `MILLSTREAM_PARENT_PID`; `watch_parent` notices when the process is re-parented and stops the
-  role the same way, then kills what is left after a grace period.
+  `MILLSTREAM_PARENT_PID`; `watch_parent` notices when that process is gone and stops the role
+  the same way, then kills what is left after a grace period.
 - **Children of a role** that its own shutdown missed: `reap_children` at exit sends SIGTERM,
   then SIGKILL, to every descendant still alive, found from /proc (Linux; elsewhere psutil if
   installed).
@@ -100,7 +100,10 @@ def watch_parent(*, every_s: float = 0.5, grace_s: float = 20.0,
     parent = int(expected)
 
     def watch() -> None:
-        while os.getppid() == parent:
+        # The launcher is an ancestor, not always the parent (torchrun sits between it and the
+        # learner's ranks), so watch the process itself; a killed launcher not yet reaped by its
+        # own parent is a zombie, which counts as gone.
+        while _alive(parent):
             time.sleep(every_s)
         log.error("the launcher (pid %d) is gone: stopping", parent)
         (on_orphan or (lambda: os.kill(os.getpid(), signal.SIGTERM)))()

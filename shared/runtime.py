@@ -75,6 +75,13 @@ def run_role(role: str, body: Callable[[Config, argparse.Namespace], int | None]
     except KeyboardInterrupt:
         log.info("%s stopped", role)
         code = STOPPED
+    except BaseExceptionGroup as group:
+        if isinstance(_root_cause(group), KeyboardInterrupt):
+            log.info("%s stopped", role)
+            code = STOPPED
+        else:
+            log.exception("%s failed", role)
+            _write_exit_cause(cfg, group)
     except BaseException as exc:
         if isinstance(exc, SystemExit) and isinstance(exc.code, int):
             code = exc.code
@@ -91,10 +98,18 @@ def exit_file(run_dir: str | Path, name: str) -> Path:
     return Path(run_dir) / "logs" / f"{name}.exit.json"
 
 
+def _root_cause(exc: BaseException) -> BaseException:
+    """The error inside task-group wrappers (an ExceptionGroup of one, as anyio raises them)."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def _write_exit_cause(cfg: Config, exc: BaseException) -> None:
     name = os.environ.get(ENV_NAME)
     if not (cfg.run.dir and name):
         return
+    exc = _root_cause(exc)
     where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     record: dict[str, Any] = {"name": name, "error": type(exc).__name__, "message": str(exc)[:2000],
                               "at": f"{where[0].filename}:{where[0].lineno}" if where else ""}

@@ -13,15 +13,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import orjson
 import pytest
 
+from helpers import ROOT, start_synthetic_actor, stop_group, wait_for_file
 from millstream.shared.runtime import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the real vLLM actor is `real`: `make test-fast` (-m "not real") skips it."""
+    for item in items:
+        if "actor" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.real)
 
 
 @pytest.fixture(scope="session")
@@ -44,44 +48,21 @@ def actor(tiny_model_dir, tmp_path_factory) -> RunningActor:
     work = tmp_path_factory.mktemp("actor")
     ready, log = work / "ready.json", work / "actor.log"
     address = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready), f"model.path={tiny_model_dir}",
-           f"actor.address={address}", "actor.max_num_seqs=64", "learner.sync_timeout_s=120"]
+    cmd = [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready),
+           f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=64",
+           "learner.sync_timeout_s=120"]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + 600
-    while not ready.exists():
-        if proc.poll() is not None:
-            pytest.fail(f"actor exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"actor not ready in 600s:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    assert orjson.loads(ready.read_bytes())["address"] == address
+    wait_for_file(ready, proc, 600, "the vLLM actor", log=log)
     yield RunningActor(address, proc, log, tiny_model_dir)
-    os.killpg(proc.pid, 15)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+    stop_group(proc, sig=15)
 
 
 @pytest.fixture(scope="session")
 def synthetic(tiny_model_dir, tmp_path_factory) -> str:
     """The synthetic actor (actor/synthetic.py) as a process; yields its address."""
-    address = f"tcp://127.0.0.1:{free_port()}"
-    ready = tmp_path_factory.mktemp("synthetic") / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready), "actor.kind=synthetic",
-         f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=32",
-         "actor.synthetic_stop_prob=0.05"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "synthetic actor not ready"
-        time.sleep(0.1)
+    address, proc = start_synthetic_actor(tiny_model_dir, tmp_path_factory.mktemp("synthetic"),
+                                          "actor.max_num_seqs=32", "actor.synthetic_stop_prob=0.05")
     yield address
-    os.killpg(proc.pid, 9)
-    proc.wait()
+    stop_group(proc)

@@ -5,29 +5,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from millstream.envpool.client import ActorClient, GenerationFailed
+from helpers import with_client
+from millstream.envpool.client import GenerationFailed
 from millstream.learner.weights import WeightSender, WeightSyncError
 from millstream.shared.config import LearnerConfig, TransportConfig
 from millstream.shared.transport import open_channel
 
 PROMPT = [1, 367, 201, 316, 276, 223, 19, 20, 425, 2, 201, 1, 366, 201]
-
-
-async def with_client(address, fn):
-    channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
-    client = ActorClient(channel, "test")
-    outcome = {}
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(channel.run)
-        tg.start_soon(client.run)
-        try:
-            outcome["value"] = await fn(client)
-        except Exception as exc:  # raised below, outside the task group (no ExceptionGroup)
-            outcome["error"] = exc
-        tg.cancel_scope.cancel()
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["value"]
 
 
 def generate(client, prompt=PROMPT, n=12, temperature=0.0, seed=None, stop=()):
@@ -54,7 +38,7 @@ def hf_model(actor):
 
 
 def test_sampled_stream_carries_exact_logprobs(actor, hf_model):
-    async def run(client):
+    async def run(client, _tg):
         return await generate(client, n=24, temperature=1.0, seed=7)
 
     gen = anyio.run(with_client, actor.address, run, backend="trio")
@@ -67,7 +51,7 @@ def test_sampled_stream_carries_exact_logprobs(actor, hf_model):
 
 
 def test_many_concurrent_requests_and_stop_tokens(actor):
-    async def run(client):
+    async def run(client, _tg):
         results = {}
 
         async def one(i):
@@ -88,7 +72,7 @@ def test_many_concurrent_requests_and_stop_tokens(actor):
 
 
 def test_cancelled_generation_is_aborted_on_the_actor(actor):
-    async def run(client):
+    async def run(client, _tg):
         with anyio.move_on_after(0.3):
             await generate(client, n=900, temperature=1.0, seed=1)
         after = await generate(client, n=4)  # and the actor keeps serving
@@ -104,7 +88,7 @@ def test_cancelled_generation_is_aborted_on_the_actor(actor):
     ([1, 2, 3], 5000, "exceeds max_model_len"),
 ])
 def test_bad_requests_fail_with_a_named_cause(actor, prompt, max_tokens, message):
-    async def run(client):
+    async def run(client, _tg):
         return await client.generate(prompt, max_tokens=max_tokens, temperature=1.0, top_p=1.0,
                                      seed=None, stop_token_ids=[], timeout_s=60)
 
@@ -123,7 +107,7 @@ def test_weight_broadcast_makes_actor_match_learner_weights(actor, hf_model):
     expected = hf_greedy(learner_model, PROMPT, 16)
     assert expected != hf_greedy(hf_model, PROMPT, 16)
 
-    async def greedy(client):
+    async def greedy(client, _tg):
         gen = await generate(client, n=16)
         return gen.token_ids, gen.versions
 

@@ -15,12 +15,23 @@ import anyio
 import pytest
 import zmq
 
+import helpers
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.client import ActorClient, ActorUnreachable, GenerationFailed
 from millstream.envpool.envs import Observation, StepResult
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.shared.config import EnvPoolConfig, TransportConfig
-from millstream.shared.protocol import Abort, Codec, GenerateError, GenerateRequest, Hello, TokenDelta, Trajectory, TurnError
+from millstream.shared.protocol import (
+    Abort,
+    Cause,
+    Codec,
+    GenerateError,
+    GenerateRequest,
+    Hello,
+    TokenDelta,
+    Trajectory,
+    TurnError,
+)
 from millstream.shared.runtime import free_port
 from millstream.shared.transport import open_channel
 
@@ -56,18 +67,7 @@ class ScriptedPeer:
 
 
 def with_client(address, body):
-    async def main():
-        channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
-        client = ActorClient(channel, "limits-test")
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(channel.run)
-            tg.start_soon(client.run)
-            try:
-                return await body(client, tg)
-            finally:
-                tg.cancel_scope.cancel()
-
-    return anyio.run(main, backend="trio")
+    return anyio.run(helpers.with_client, address, body, backend="trio")
 
 
 def final(request, ids=(5, 6)):
@@ -181,19 +181,10 @@ def test_environments_start_at_most_max_starting_envs_at_once(synthetic, tiny_mo
 
 
 def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tmp_path):
-    address = f"tcp://127.0.0.1:{free_port()}"
-    ready = tmp_path / "ready.json"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready), "actor.kind=synthetic",
-         f"model.path={tiny_model_dir}", f"actor.address={address}", "actor.max_num_seqs=2",
-         "actor.max_live_requests=4", "actor.synthetic_step_s=0.05", "actor.synthetic_stop_prob=0"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    address, proc = helpers.start_synthetic_actor(
+        tiny_model_dir, tmp_path, "actor.max_num_seqs=2", "actor.max_live_requests=4",
+        "actor.synthetic_step_s=0.05", "actor.synthetic_stop_prob=0")
     try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
         causes = []
 
         async def body(client, tg):
@@ -209,10 +200,9 @@ def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tm
                     requests.start_soon(one)
 
         with_client(address, body)
-        assert causes.count("ok") == 4 and causes.count("actor_overloaded") == 6, causes
+        assert causes.count("ok") == 4 and causes.count(Cause.ACTOR_OVERLOADED) == 6, causes
     finally:
-        os.killpg(proc.pid, 9)
-        proc.wait()
+        helpers.stop_group(proc)
 
 
 def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handshake(tiny_model_dir,
@@ -226,38 +216,22 @@ def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handsha
     """
     from millstream.envpool.worker import run_worker
     from millstream.shared.config import load_config
-    from millstream.shared.protocol import PolicyVersion, PoolDone
 
-    ctx = zmq.Context.instance()
-    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
-    exp = pull.bind_to_random_port("tcp://127.0.0.1")
-    ver = pub.bind_to_random_port("tcp://127.0.0.1")
+    learner = helpers.StandInLearner()
     address = f"tcp://127.0.0.1:{free_port()}"
     cfg = load_config(None, [
         f"model.path={tiny_model_dir}", f"actor.connect={address}", "train.group_size=2",
-        f"learner.experience_address=tcp://127.0.0.1:{exp}",
-        f"learner.version_address=tcp://127.0.0.1:{ver}", "envpool.env=noop",
-        "envpool.actor_connect_timeout_s=0.5", "envpool.actor_retries=1",
-        "envpool.actor_retry_backoff_s=0.1"])
-    codec = Codec()
-    ready = tmp_path / "ready.json"
+        *learner.config(), "envpool.env=noop", "envpool.actor_connect_timeout_s=0.5",
+        "envpool.actor_retries=1", "envpool.actor_retry_backoff_s=0.1"])
     procs = []
-    got = []
 
     async def learner_stand_in():
         await anyio.sleep(3)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready), "actor.kind=synthetic",
-             f"model.path={tiny_model_dir}", f"actor.address={address}"],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True))
-        while not ready.exists():
-            await anyio.sleep(0.1)
-        final = False
-        while not any(isinstance(m, PoolDone) for m in got):
-            pub.send(codec.encode([PolicyVersion(0, 1, 0, final=final)]))
-            while pull.poll(0):
-                got.extend(codec.decode(pull.recv()))
-            final = final or sum(isinstance(m, Trajectory) for m in got) == 2
+        procs.append(await anyio.to_thread.run_sync(
+            lambda: helpers.start_synthetic_actor(tiny_model_dir, tmp_path, address=address)[1]))
+        while not learner.done:
+            learner.announce(0, 1, final=learner.outcomes["trajectory"] == 2)
+            learner.drain()
             await anyio.sleep(0.05)
 
     async def main():
@@ -265,7 +239,7 @@ def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handsha
             tg.start_soon(learner_stand_in)
             stats = await run_worker(cfg, 0, None)
             with anyio.fail_after(30):
-                while not any(isinstance(m, PoolDone) for m in got):
+                while not learner.done:
                     await anyio.sleep(0.05)
         return stats
 
@@ -273,8 +247,6 @@ def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handsha
         stats = anyio.run(main, backend="trio")
     finally:
         for proc in procs:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        pull.close(0)
-        pub.close(0)
+            helpers.stop_group(proc)
+        learner.close()
     assert stats.finished == 2 and not stats.failed

@@ -7,16 +7,16 @@ counts messages; the accounting under test is the worker's.
 """
 
 import time
-from collections import Counter
 
 import anyio
 import pytest
 
+from helpers import StandInLearner
 from millstream.envpool.envs import Observation, StepResult
 from millstream.envpool.envs.base import REGISTRY
 from millstream.envpool.worker import run_worker
 from millstream.shared.config import load_config
-from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
+from millstream.shared.protocol import Trajectory
 
 GROUPS, GROUP_SIZE = 250, 8
 
@@ -48,52 +48,25 @@ def anyreply():
 @pytest.mark.parametrize("backend", ["trio"])
 def test_two_thousand_concurrent_episodes_with_faults_are_all_accounted(synthetic, tiny_model_dir,
                                                                          anyreply, backend):
-    import zmq
-
-    ctx = zmq.Context.instance()
-    pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
-    exp_port = pull.bind_to_random_port("tcp://127.0.0.1")
-    ver_port = pub.bind_to_random_port("tcp://127.0.0.1")
+    learner = StandInLearner()
     cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", f"actor.connect={synthetic}",
-        f"learner.experience_address=tcp://127.0.0.1:{exp_port}",
-        f"learner.version_address=tcp://127.0.0.1:{ver_port}",
+        f"model.path={tiny_model_dir}", f"actor.connect={synthetic}", *learner.config(),
         f"train.group_size={GROUP_SIZE}", "envpool.max_concurrent_episodes=2000",
         "envpool.env=flaky",
         'envpool.env_args={inner="anyreply", crash_prob=0.05, hang_prob=0.03, garbage_prob=0.1, hang_s=600}',
         "envpool.step_timeout_s=3", "envpool.max_tokens=16", "envpool.max_consecutive_actor_failures=100000",
     ])
-    codec = Codec()
-    outcomes: Counter = Counter()
-    nonlocal_counts: Counter = Counter()
-    trained_groups: set[str] = set()
-    done: list[PoolDone] = []
-    peak_live = 0
     total = GROUPS * GROUP_SIZE
-
-    def drain(wait_ms: int = 0) -> None:
-        while pull.poll(wait_ms):
-            for m in codec.decode(pull.recv()):
-                if isinstance(m, Trajectory):
-                    outcomes["trajectory"] += 1
-                    trained_groups.add(m.group_id)
-                    nonlocal_counts["invalid"] += m.invalid_actions
-                    nonlocal_counts["turns"] += m.num_turns
-                elif isinstance(m, EpisodeFailed):
-                    outcomes[m.cause] += 1
-                elif isinstance(m, PoolDone):
-                    done.append(m)
+    peak_live = 0
 
     async def learner_stand_in(stats_box):
         nonlocal peak_live
-        final_sent = False
         deadline = time.monotonic() + 240
-        while not done and time.monotonic() < deadline:
-            pub.send(codec.encode([PolicyVersion(0, GROUPS, 0, final=final_sent)]))
-            drain()
+        while not learner.done and time.monotonic() < deadline:
+            learner.announce(0, GROUPS, final=learner.episodes >= total)
+            learner.drain()
             if stats_box:
                 peak_live = max(peak_live, stats_box[0].live)
-            final_sent = final_sent or sum(outcomes.values()) >= total
             await anyio.sleep(0.05)
 
     async def main():
@@ -104,10 +77,13 @@ def test_two_thousand_concurrent_episodes_with_faults_are_all_accounted(syntheti
             tg.cancel_scope.cancel()
         return stats
 
-    stats = anyio.run(main, backend=backend)
-    drain(wait_ms=2000)  # the worker flushed PoolDone before returning; collect it
-    pull.close(0)
-    pub.close(0)
+    try:
+        stats = anyio.run(main, backend=backend)
+        learner.drain(wait_ms=2000)  # the worker flushed PoolDone before returning; collect it
+    finally:
+        learner.close()
+    outcomes, done = learner.outcomes, learner.done
+    trajectories = [m for m in learner.received if isinstance(m, Trajectory)]
     assert done, "no PoolDone: the worker did not finish"
     assert peak_live >= 1500  # they really ran concurrently
     assert stats.started == done[0].episodes_started == total
@@ -117,7 +93,7 @@ def test_two_thousand_concurrent_episodes_with_faults_are_all_accounted(syntheti
     assert done[0].episodes_failed == total - outcomes["trajectory"]
     # Garbage replies are not failures: the environment answered them with its format penalty,
     # the episode went on, and the trajectories count them: about garbage_prob of all turns.
-    share = nonlocal_counts["invalid"] / nonlocal_counts["turns"]
+    share = sum(t.invalid_actions for t in trajectories) / sum(t.num_turns for t in trajectories)
     assert 0.06 < share < 0.14, share
     # The worker kept serving through the faults: groups admitted last completed too.
-    assert {f"g{n}" for n in range(GROUPS - 10, GROUPS)} & trained_groups
+    assert {f"g{n}" for n in range(GROUPS - 10, GROUPS)} & {t.group_id for t in trajectories}

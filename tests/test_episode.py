@@ -10,7 +10,7 @@ from millstream.envpool.client import ActorClient, Generation
 from millstream.envpool.envs import Observation, StepResult, make_env
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.shared.config import EnvPoolConfig, TransportConfig
-from millstream.shared.protocol import EpisodeFailed, Trajectory
+from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory, Truncation
 from millstream.shared.transport import open_channel
 
 
@@ -84,14 +84,14 @@ def test_environment_faults_end_the_episode_with_a_cause(actor, where, how, caus
 def test_context_budget_truncates_instead_of_failing(actor):
     env = make_env("evenchars", {"turns": 50})
     traj, _ = play(actor, env, max_tokens=400, max_turns=50)
-    assert isinstance(traj, Trajectory)
+    assert isinstance(traj, Trajectory) and traj.truncated == Truncation.CONTEXT_FULL
     assert len(traj.token_ids) <= 1024 and traj.num_turns < 50
 
 
 def test_first_prompt_longer_than_context_is_a_named_failure(actor):
     env = make_env("evenchars", {"prompt": "word " * 1500})
     result, _ = play(actor, env)
-    assert isinstance(result, EpisodeFailed) and result.cause == "prompt_too_long"
+    assert isinstance(result, EpisodeFailed) and result.cause is Cause.PROMPT_TOO_LONG
 
 
 # --- observation-shaped turns: untrained turns, fresh contexts (Delethink), invalid actions ----
@@ -264,6 +264,41 @@ def test_fresh_context_without_room_truncates(tiny_model_dir):
                                     max_model_len=room, max_tokens=8)
     assert isinstance(traj, Trajectory) and traj.num_turns == 1 and len(client.prompts) == 1
     assert traj.segment_starts == [] and len(traj.token_ids) == traj.turn_ends[0]
+
+
+def test_every_turn_gets_its_whole_budget_or_the_episode_ends_truncated(tiny_model_dir):
+    """A turn's budget is never cut below max_tokens: when the next prompt plus max_tokens would
+    not fit, the episode ends there, trained, and says why."""
+    chat = ChatFormat.from_model_dir(tiny_model_dir)
+    steps = [(Observation(f"Again {k}.", f"s{k + 1}"), 0.1, False, {}) for k in range(10)]
+    first = len(chat.first_prompt("", "Hi."))
+    room = first + 8 + 30  # the first turn fits; a few more do, then the context is full
+    traj, _, client = play_scripted(tiny_model_dir, Scripted(Observation("Hi.", "s0"), steps),
+                                    [[131, 132, 133, 134, 135, 136, 137, STOP]] * 10,
+                                    max_model_len=room, max_tokens=8, max_turns=10)
+    assert isinstance(traj, Trajectory) and traj.truncated == Truncation.CONTEXT_FULL
+    assert 1 < traj.num_turns < 10 and len(client.prompts) == traj.num_turns
+    assert all(len(p) + 8 <= room for p in client.prompts)  # every request had its 8 tokens
+
+
+def test_max_turns_and_done_are_told_apart(tiny_model_dir):
+    steps = [(Observation("More.", "s1"), 0.5, False, {}), (Observation("", "s2"), 1.0, True, {})]
+    cut, _, _ = play_scripted(tiny_model_dir, Scripted(Observation("Hi.", "s0"), steps),
+                              [[131, STOP], [132, STOP]], max_tokens=4, max_turns=1)
+    assert cut.truncated == Truncation.MAX_TURNS and cut.num_turns == 1
+    whole, _, _ = play_scripted(tiny_model_dir, Scripted(Observation("Hi.", "s0"), steps),
+                                [[131, STOP], [132, STOP]], max_tokens=4, max_turns=2)
+    assert whole.truncated is None and whole.num_turns == 2
+
+
+def test_a_first_prompt_without_room_for_max_tokens_fails_before_any_request(tiny_model_dir):
+    chat = ChatFormat.from_model_dir(tiny_model_dir)
+    room = len(chat.first_prompt("", "Hi.")) + 7  # one token short of max_tokens
+    result, _, client = play_scripted(tiny_model_dir, Scripted(Observation("Hi.", "s0"), []), [],
+                                      max_model_len=room, max_tokens=8)
+    assert isinstance(result, EpisodeFailed) and result.cause is Cause.PROMPT_TOO_LONG
+    assert "with max_tokens 8 that exceeds max_model_len" in result.message
+    assert client.prompts == []
 
 
 def test_fresh_contexts_against_the_synthetic_actor(synthetic, tiny_model_dir):

@@ -6,45 +6,18 @@ independent. What is asserted comes from the run's own outputs: summary.json, me
 trajectories.jsonl.
 """
 
+import signal
 import statistics
 import subprocess
-import sys
+import time
 from pathlib import Path
 
 import orjson
 import pytest
 
+from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, steps_of
+from millstream.shared.lifecycle import run_processes
 from millstream.shared.metrics import read_jsonl
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def millstream_run(actor, run_dir: Path, *overrides: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "millstream.shared.cli", "run", f"actor.connect={actor.address}",
-           f"model.path={actor.model_dir}", f"run.dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*.log"))
-        pytest.fail(f"millstream run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}")
-    return proc
-
-
-def steps_of(run_dir: Path) -> list[dict]:
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r]
-
-
-def check_accounting(run_dir: Path) -> dict:
-    summary = orjson.loads((run_dir / "summary.json").read_bytes())
-    accounted = (summary["episodes_trained"] + sum(summary["episodes_dropped"].values())
-                 + sum(summary["episodes_failed"].values()))
-    assert summary["episodes_started"] == accounted > 0
-    assert summary["accounting_ok"] is True and summary["workers_done"] == 1
-    assert summary["duplicates"] == 0 and summary["decode_errors"] == 0
-    # The trajectory store agrees: one line per trained or failed episode.
-    fates = [r["fate"] for r in read_jsonl(run_dir / "trajectories.jsonl")]
-    assert fates.count("trained") == summary["episodes_trained"]
-    assert len(fates) - fates.count("trained") == sum(summary["episodes_failed"].values())
-    return summary
 
 
 @pytest.fixture(scope="module")
@@ -102,28 +75,22 @@ def test_staleness_bound_and_failures_are_accounted(actor, tmp_path):
     assert all(r["staleness/max"] == 0 for r in steps_of(run_dir))
 
 
-def _children_alive(run_dir: Path) -> list[str]:
-    """Processes still running whose command line names this run's config."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if str(run_dir) in line and "ps -eo" not in line]
-
-
-def test_a_failing_role_stops_the_run_with_its_name(actor, tmp_path):
+def test_a_task_without_reward_spread_says_no_signal(actor, tmp_path):
+    """`noop` pays 0 to every episode: no group has a spread, nothing can be learned."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "millstream.shared.cli", "run", f"actor.connect={actor.address}",
-           f"model.path={actor.model_dir}", f"run.dir={run_dir}", "envpool.env=no-such-env"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert "envpool-0 exited early" in proc.stdout and "unknown environment 'no-such-env'" in proc.stdout
-    assert _children_alive(run_dir) == []
+    proc = millstream_run(actor, run_dir, "train.steps=4", "envpool.env=noop",
+                          "train.group_size=2", "train.groups_per_batch=2")
+    assert "NO SIGNAL: equal rewards in every group for 3 steps" in proc.stdout
+    steps = steps_of(run_dir)
+    assert [r["warning/no_signal_steps"] for r in steps] == [1, 2, 3, 4]
+    events = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("event") == "no_signal_warning"]
+    assert [e["step"] for e in events] == [3]
+    check_accounting(run_dir)
 
 
 def test_ctrl_c_stops_every_process(actor, tmp_path):
-    import signal
-    import time
-
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "millstream.shared.cli", "run", f"actor.connect={actor.address}",
+    cmd = [*MILLSTREAM, "run", f"actor.connect={actor.address}",
            f"model.path={actor.model_dir}", f"run.dir={run_dir}", "train.steps=1000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
@@ -136,4 +103,4 @@ def test_ctrl_c_stops_every_process(actor, tmp_path):
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in rest
-    assert _children_alive(run_dir) == []
+    assert run_processes(run_dir) == []

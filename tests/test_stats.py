@@ -1,6 +1,6 @@
 """Per-step statistics and the collapse warning."""
 
-from millstream.learner.stats import CollapseWatch
+from millstream.learner.stats import CollapseWatch, NoSignalWatch, progress_line
 
 
 def test_collapse_warning_fires_once_when_std_and_entropy_fall_together():
@@ -16,3 +16,18 @@ def test_no_warning_when_only_one_signal_falls():
     watch = CollapseWatch(window=3, ratio=0.5)
     assert not any(watch.update(0.3, 2.0) for _ in range(6))
     assert not any(watch.update(0.01, 1.9) for _ in range(10))  # entropy holds: no collapse
+
+
+def test_no_signal_counts_steps_whose_every_group_had_equal_rewards():
+    watch = NoSignalWatch(after=3)
+    assert [watch.update(f) for f in (1.0, 1.0, 0.75, 1.0, 1.0, 1.0, 1.0)] == [1, 2, 0, 1, 2, 3, 4]
+
+
+def test_the_step_line_says_no_signal_after_enough_steps():
+    record = {"step": 7, "reward/mean": 0.0, "reward/std": 0.0, "staleness/min": 0,
+              "staleness/mean": 0.0, "staleness/max": 0, "perf/tokens_per_s": 10.0,
+              "sync/total_s": 0.1, "perf/elapsed_s": 9.0, "episodes/failed/env_error": 2}
+    assert "NO SIGNAL" not in progress_line({**record, "warning/no_signal_steps": 2}, 10)
+    line = progress_line({**record, "warning/no_signal_steps": 3}, 10)
+    assert line.endswith("| NO SIGNAL: equal rewards in every group for 3 steps")
+    assert "failed 2" in line

@@ -15,7 +15,7 @@ import torch
 from millstream.envpool.client import GenerationFailed
 from millstream.learner.weights import WeightSender
 from millstream.shared.config import LearnerConfig
-from test_actor import with_client
+from helpers import MILLSTREAM, check_accounting, steps_of, with_client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def gen(client, seed, n=40, stop=(2,)):
 
 
 def test_many_concurrent_requests_stream_to_completion(synthetic):
-    async def many(client):
+    async def many(client, _tg):
         results = {}
 
         async def one(i):
@@ -51,13 +51,13 @@ def test_many_concurrent_requests_stream_to_completion(synthetic):
 
 
 def test_seeded_requests_are_reproducible_and_bad_ones_named(synthetic):
-    async def twice(client):
+    async def twice(client, _tg):
         return (await gen(client, seed=7)).token_ids, (await gen(client, seed=7)).token_ids
 
     a, b = run_client(synthetic, twice)
     assert a == b
 
-    async def bad(client):
+    async def bad(client, _tg):
         return await client.generate([], max_tokens=3, temperature=1.0, top_p=1.0, seed=None,
                                      stop_token_ids=[], timeout_s=30)
 
@@ -75,7 +75,7 @@ def test_weight_sync_is_real_on_the_wire(synthetic, tiny_model_dir):
         metrics = sender.push(model.named_parameters(), version=3)
         assert metrics["sync/bytes"] == 4 * sum(p.numel() for p in model.parameters())
 
-        async def versions(client):
+        async def versions(client, _tg):
             return set((await gen(client, seed=1, n=5)).versions)
 
         assert run_client(synthetic, versions) == {3}
@@ -85,11 +85,9 @@ def test_weight_sync_is_real_on_the_wire(synthetic, tiny_model_dir):
 
 def test_whole_loop_runs_on_the_synthetic_actor(tiny_model_dir, tmp_path):
     """`millstream run actor.kind=synthetic`: envpool and learner unchanged, no vLLM at all."""
-    from test_run import check_accounting, steps_of
-
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "millstream.shared.cli", "run", "actor.kind=synthetic",
+        [*MILLSTREAM, "run", "actor.kind=synthetic",
          f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.steps=3"],
         cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

@@ -1,0 +1,182 @@
+"""What many tests need: start a process and wait for its ready file, stand in for the learner,
+run `millstream run` as a user would. Not a test module.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import orjson
+import pytest
+import zmq
+
+from millstream.envpool.client import ActorClient
+from millstream.shared.config import TransportConfig
+from millstream.shared.transport import open_channel
+
+from millstream.shared.metrics import read_jsonl
+from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
+from millstream.shared.runtime import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+MILLSTREAM = [sys.executable, "-m", "millstream.shared.cli"]
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float, what: str,
+                  log: Path | None = None) -> None:
+    """Poll until `path` exists; fail naming `what` if `proc` exits first or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            detail = log.read_text()[-3000:] if log and log.exists() else ""
+            if not detail and proc.stderr is not None:
+                detail = proc.stderr.read().decode(errors="replace")[-3000:]
+            pytest.fail(f"{what} exited with {proc.returncode} before it was ready:\n{detail}")
+        if time.monotonic() > deadline:
+            stop_group(proc)
+            pytest.fail(f"{what} not ready in {timeout_s}s")
+        time.sleep(0.1)
+
+
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout_s: float = 30) -> None:
+    """Signal `proc`'s process group (it was started with start_new_session) and reap it."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def start_synthetic_actor(model_dir: str, workdir: Path, *overrides: str,
+                          address: str | None = None) -> tuple[str, subprocess.Popen]:
+    """The synthetic actor (actor/synthetic.py) as a process, ready; returns (address, proc)."""
+    address = address or f"tcp://127.0.0.1:{free_port()}"
+    ready = workdir / f"synthetic-{address.rsplit(':', 1)[1]}.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready),
+         "actor.kind=synthetic", f"model.path={model_dir}", f"actor.address={address}",
+         *overrides],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    wait_for_file(ready, proc, 120, "the synthetic actor")
+    return address, proc
+
+
+class StandInLearner:
+    """The learner's two sockets and nothing else: announce versions, collect what workers push.
+
+    `config()` gives the overrides that point an envpool worker at it. `pump()` announces the
+    current (version, limit, final) and reads what arrived; `received` keeps every message.
+    """
+
+    def __init__(self) -> None:
+        ctx = zmq.Context.instance()
+        self.pull, self.pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+        self.pull.set_hwm(0)  # the stand-in must never make a worker's PUSH block
+        self.experience_port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.version_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.codec = Codec()
+        self.received: list = []
+        self.outcomes: Counter = Counter()  # "trajectory" or the failure cause
+        self.done: list[PoolDone] = []
+
+    def config(self) -> list[str]:
+        return [f"learner.experience_address=tcp://127.0.0.1:{self.experience_port}",
+                f"learner.version_address=tcp://127.0.0.1:{self.version_port}"]
+
+    def announce(self, version: int, admit_limit: int, final: bool = False) -> None:
+        self.pub.send(self.codec.encode([PolicyVersion(version, admit_limit, 0, final=final)]))
+
+    def drain(self, wait_ms: int = 0) -> list:
+        """Read every message that arrives within `wait_ms`; returns the new ones."""
+        new = []
+        while self.pull.poll(wait_ms):
+            new.extend(self.codec.decode(self.pull.recv()))
+        for m in new:
+            if isinstance(m, Trajectory):
+                self.outcomes["trajectory"] += 1
+            elif isinstance(m, EpisodeFailed):
+                self.outcomes[str(m.cause)] += 1
+            elif isinstance(m, PoolDone):
+                self.done.append(m)
+        self.received.extend(new)
+        return new
+
+    @property
+    def episodes(self) -> int:
+        return sum(self.outcomes.values())
+
+    def close(self) -> None:
+        self.pull.close(0)
+        self.pub.close(0)
+
+
+async def with_client(address: str, body, *, name: str = "test"):
+    """Run `body(client, tg)` with an ActorClient connected to `address`; returns its result.
+
+    `tg` is the task group the client runs in (a test may start a scripted peer there). An
+    exception of `body` is raised as itself, not inside an ExceptionGroup.
+    """
+    channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
+    client = ActorClient(channel, name)
+    outcome: dict = {}
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(channel.run)
+        tg.start_soon(client.run)
+        try:
+            outcome["value"] = await body(client, tg)
+        except Exception as exc:
+            outcome["error"] = exc
+        tg.cancel_scope.cancel()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+# --- `millstream run` as a user runs it --------------------------------------------------------
+
+
+def millstream_run(actor, run_dir: Path, *overrides: str,
+                   timeout: float = 900) -> subprocess.CompletedProcess:
+    """`millstream run` against the session's actor; fails the test with every log if it fails."""
+    cmd = [*MILLSTREAM, "run", f"actor.connect={actor.address}", f"model.path={actor.model_dir}",
+           f"run.dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
+                         for p in (run_dir / "logs").glob("*.log"))
+        pytest.fail(f"millstream run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                    f"{proc.stderr[-3000:]}\n{logs}")
+    return proc
+
+
+def steps_of(run_dir: Path) -> list[dict]:
+    """The step records of a run, without the ones a resume rolled back."""
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl")
+            if "reward/mean" in r and not r.get("rolled_back")]
+
+
+def check_accounting(run_dir: Path, workers: int = 1) -> dict:
+    """summary.json adds up, and the trajectory store agrees with it; returns the summary."""
+    summary = orjson.loads((run_dir / "summary.json").read_bytes())
+    accounted = (summary["episodes_trained"] + sum(summary["episodes_dropped"].values())
+                 + sum(summary["episodes_failed"].values()))
+    assert summary["episodes_started"] == accounted > 0
+    assert summary["accounting_ok"] is True and summary["workers_done"] == workers
+    assert summary["duplicates"] == 0 and summary["decode_errors"] == 0
+    # The trajectory store agrees: one line per trained or failed episode that was not rolled back.
+    fates = [r["fate"] for r in read_jsonl(run_dir / "trajectories.jsonl")
+             if not r.get("rolled_back")]
+    assert fates.count("trained") == summary["episodes_trained"]
+    assert fates.count("failed") == sum(summary["episodes_failed"].values())
+    return summary

@@ -1,0 +1,90 @@
+"""Errors before anything starts: each bad input stops `millstream run` with one line naming the
+key, exit status 2, no run directory and no role process.
+
+Most cases go through `launcher.prepare`, the very function `millstream run` calls before it
+makes anything; a few go through the command itself, to check the plumbing (usage, exit status,
+one line on stderr, nothing left on disk).
+"""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from helpers import MILLSTREAM, ROOT
+from millstream.shared.config import ConfigError
+from millstream.shared.launcher import prepare
+from millstream.shared.lifecycle import ENV_RUN
+
+
+def refused(tmp_path: Path, *overrides: str) -> str:
+    root = tmp_path / "runs"
+    with pytest.raises(ConfigError) as caught:
+        prepare(None, [f"run.root={root}", *overrides])
+    assert not root.exists(), "a run directory was made before the check failed"
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("envpool.env=frozenlak", "envpool.env = 'frozenlak': unknown environment 'frozenlak'; did you "
+                              "mean 'frozenlake'?"),
+    ("envpool.env_args={no_such_arg=1}", "envpool.env_args: environment 'evenchars' rejected "
+                                         "envpool.env_args={'no_such_arg': 1}"),
+    ("envpool.max_tokens=1010", "envpool.max_tokens = 1010: the first prompt of 'evenchars' (seed 17) has 18 tokens"),
+])
+def test_the_envpool_check_runs_before_anything_starts(tmp_path, tiny_model_dir, override, message):
+    assert refused(tmp_path, f"model.path={tiny_model_dir}", override).startswith(message)
+
+
+def test_a_model_path_that_is_not_a_model_directory(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert refused(tmp_path, f"model.path={tmp_path / 'empty'}") == (
+        f"model.path = '{tmp_path / 'empty'}': not a model directory (no config.json, "
+        "tokenizer.json, tokenizer_config.json)")
+    assert refused(tmp_path, f"model.path={tmp_path / 'nowhere'}").endswith("not a directory")
+
+
+def test_a_resume_from_nowhere(tmp_path, tiny_model_dir):
+    message = refused(tmp_path, f"model.path={tiny_model_dir}", f"run.resume={tmp_path / 'gone'}")
+    assert message.startswith(f"run.resume = '{tmp_path / 'gone'}': no checkpoint at")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["train.steps"], "override 'train.steps' needs '=': write train.steps=VALUE"),
+    (['train.steps="8"'], 'train.steps = "8": expected int, got str'),
+    (["actor.device=tpu"], "actor.device = \"tpu\": expected one of 'auto', 'cpu', 'cuda'; did you "
+                           "mean 'cpu'?"),
+    (["envpool.temperature=3"], "envpool.temperature = 3: expected float <= 2.0"),
+    (["envpool.env=frozenlak"], "envpool.env = 'frozenlak': unknown environment"),
+])
+def test_the_command_says_one_line_and_starts_nothing(tmp_path, tiny_model_dir, args, message):
+    root = tmp_path / "runs"
+    proc = subprocess.run([*MILLSTREAM, "run", f"run.root={root}", f"model.path={tiny_model_dir}",
+                           *args] if "=" in args[0] else [*MILLSTREAM, "run", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"millstream run: {message}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert proc.stdout == "" and not root.exists()
+    assert not list(Path("/proc").glob("*/environ")) or _no_run_process(root)
+
+
+def _no_run_process(root: Path) -> bool:
+    """No process anywhere carries a run directory under `root` in its environment."""
+    marker = f"{ENV_RUN}={root}".encode()
+    for environ in Path("/proc").glob("*/environ"):
+        try:
+            if marker in environ.read_bytes():
+                return False
+        except OSError:
+            continue
+    return True
+
+
+def test_help_prints_usage_and_every_key():
+    proc = subprocess.run([*MILLSTREAM, "run", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: millstream run [CONFIG.toml]")
+    for key in ("[train]", "  steps = 40", "  temperature = 1.0", "  start_timeout_s = 900.0"):
+        assert key in proc.stdout

@@ -1,0 +1,111 @@
+"""No process outlives its run: after every kind of stop, the run's processes are counted.
+
+Every process of a run carries `MILLSTREAM_RUN=<run dir>` in its environment, inherited by what
+it spawns (vLLM's EngineCore and Worker too), so `run_processes` finds them all, however deep.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import MILLSTREAM, ROOT, stop_group, wait_for_file
+from millstream.shared.lifecycle import ENV_RUN, run_processes
+from millstream.shared.runtime import free_port
+
+pytestmark = pytest.mark.real
+
+
+def wait_gone(run_dir: Path, timeout_s: float = 60) -> list[int]:
+    """The run's processes still alive after waiting up to `timeout_s` for them to end."""
+    deadline = time.monotonic() + timeout_s
+    while (left := run_processes(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def start_run(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, list[str]]:
+    """`millstream run` in the background; returns it once the first step line appeared."""
+    proc = subprocess.Popen([*MILLSTREAM, "run", f"run.dir={run_dir}", *overrides], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    deadline = time.monotonic() + 300
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step ") or time.monotonic() > deadline:
+            break
+    assert any(line.startswith("step ") for line in lines), "".join(lines)
+    assert len(run_processes(run_dir)) >= 3  # launcher, actor, learner, envpool (and children)
+    return proc, lines
+
+
+def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str):
+    return start_run(run_dir, "actor.kind=synthetic", f"model.path={tiny_model_dir}",
+                     "train.steps=1000", "train.group_size=4", "train.groups_per_batch=2",
+                     *overrides)
+
+
+def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tiny_model_dir, tmp_path):
+    marker = tmp_path / "actor-run"
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready),
+         f"model.path={tiny_model_dir}", f"actor.address=tcp://127.0.0.1:{free_port()}"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        env=dict(os.environ, **{ENV_RUN: str(marker.resolve())}))
+    try:
+        wait_for_file(ready, proc, 600, "the vLLM actor")
+        engine = [pid for pid in run_processes(marker) if pid != proc.pid]
+        assert engine, "vLLM's EngineCore and Worker processes were not found"
+        os.kill(proc.pid, signal.SIGTERM)  # the actor alone, not its process group
+        assert proc.wait(timeout=120) == 130
+        assert wait_gone(marker) == []
+    finally:
+        stop_group(proc)
+
+
+def test_kill_9_of_the_launcher_leaves_no_process(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, _ = synthetic_run(tiny_model_dir, run_dir)
+    proc.kill()
+    proc.wait()
+    # Each role notices it was orphaned and stops; the learner says so in its log.
+    assert wait_gone(run_dir) == []
+    assert "the launcher (pid" in (run_dir / "logs" / "learner.log").read_text()
+
+
+def test_a_role_that_dies_stops_the_run_naming_it_and_how_to_resume(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc, _ = synthetic_run(tiny_model_dir, run_dir, "learner.checkpoint_every=1")
+    while not (run_dir / "checkpoints" / "latest").exists():
+        time.sleep(0.1)
+    os.kill(int((run_dir / "envpool-0.pid").read_text()), signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert "envpool-0 exited early, stopping the run: stopped by a signal" in out
+    assert f"resume with: millstream run run.resume={run_dir.resolve()}" in out
+    assert wait_gone(run_dir, 10) == []
+
+
+def test_a_crashing_role_is_reported_by_its_cause_not_its_traceback(tiny_model_dir, tmp_path):
+    """The actor fails at start (its address is taken); the launcher names the error."""
+    taken = f"tcp://127.0.0.1:{free_port()}"
+    import zmq
+
+    blocker = zmq.Context.instance().socket(zmq.ROUTER)
+    blocker.bind(taken)
+    try:
+        proc = subprocess.run(
+            [*MILLSTREAM, "run", f"run.dir={tmp_path / 'run'}", "actor.kind=synthetic",
+             f"model.path={tiny_model_dir}", f"actor.address={taken}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        blocker.close(0)
+    assert proc.returncode == 1
+    assert "actor exited early, stopping the run: ZMQError: Address already in use" in proc.stdout
+    assert wait_gone(tmp_path / "run", 10) == []
