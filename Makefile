@@ -54,7 +54,10 @@ PACKAGES := actor learner envpool shared bench
 typecheck: install
 	@mkdir -p .mypy-src/millstream
 	@for p in $(PACKAGES); do ln -sfn ../../$$p .mypy-src/millstream/$$p; done
-	$(BIN)/mypy --python-executable $(BIN)/python $(foreach p,$(PACKAGES),-p millstream.$(p)) tests
+	$(BIN)/mypy --python-executable $(BIN)/python $(foreach p,$(PACKAGES),-p millstream.$(p))
+	# Tests: annotated helpers are checked, not the bodies of unannotated test functions (they
+	# poke at unions of messages on purpose; their assertions are the check).
+	$(BIN)/mypy --python-executable $(BIN)/python --no-check-untyped-defs --disable-error-code annotation-unchecked tests
 
 format: install
 	$(BIN)/ruff check --fix .

@@ -62,8 +62,7 @@ class WeightEngine(Protocol):
 class LearnerLink:
     """Serves Hello / AttachLearner / WeightUpdate for one actor; owns its policy version."""
 
-    def __init__(self, channel: Channel, engine: WeightEngine,
-                 describe: Callable[[int], ActorInfo]) -> None:
+    def __init__(self, channel: Channel, engine: WeightEngine, describe: Callable[[int], ActorInfo]) -> None:
         self.channel = channel
         self.engine = engine
         self._describe = describe
@@ -110,8 +109,7 @@ class LearnerLink:
             started = time.monotonic()
             try:
                 if msg.session != self.session:
-                    raise RuntimeError(f"session {msg.session!r} is not attached "
-                                       f"({self.session!r} is)")
+                    raise RuntimeError(f"session {msg.session!r} is not attached ({self.session!r} is)")
                 await self.engine.load(msg)
             except Exception as exc:
                 log.exception("weight update to version %d failed", msg.version)

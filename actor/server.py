@@ -64,20 +64,25 @@ def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> 
         return f"max_tokens must be >= 1, got {req.max_tokens}"
     total = len(req.prompt_token_ids) + req.max_tokens
     if total > max_model_len:
-        return (f"prompt ({len(req.prompt_token_ids)}) + max_tokens ({req.max_tokens}) = "
-                f"{total} exceeds max_model_len {max_model_len}")
+        return (
+            f"prompt ({len(req.prompt_token_ids)}) + max_tokens ({req.max_tokens}) = "
+            f"{total} exceeds max_model_len {max_model_len}"
+        )
     for what, ids in (("prompt", req.prompt_token_ids), ("stop", req.stop_token_ids)):
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             return f"{what} token id {bad} outside the vocabulary [0, {vocab_size})"
     if not 0 <= req.temperature <= MAX_TEMPERATURE or not 0 < req.top_p <= 1:
-        return (f"bad sampling parameters temperature={req.temperature} (expected [0, "
-                f"{MAX_TEMPERATURE}]) top_p={req.top_p} (expected (0, 1])")
+        return (
+            f"bad sampling parameters temperature={req.temperature} (expected [0, "
+            f"{MAX_TEMPERATURE}]) top_p={req.top_p} (expected (0, 1])"
+        )
     return None
 
 
-def refusal(req: GenerateRequest, live: int, max_live: int, max_model_len: int,
-            vocab_size: int) -> GenerateError | None:
+def refusal(
+    req: GenerateRequest, live: int, max_live: int, max_model_len: int, vocab_size: int
+) -> GenerateError | None:
     """The error that refuses `req`, or None to serve it. Shared by every actor kind.
 
     `overloaded` (more than `actor.max_live_requests` held) says "try later" and the envpool
@@ -87,15 +92,17 @@ def refusal(req: GenerateRequest, live: int, max_live: int, max_model_len: int,
     if problem is not None:
         return GenerateError(req.request_id, TurnError.BAD_REQUEST, problem)
     if live >= max_live:
-        return GenerateError(req.request_id, TurnError.OVERLOADED, f"{live} requests live, the "
-                             f"limit (actor.max_live_requests) is {max_live}")
+        return GenerateError(
+            req.request_id,
+            TurnError.OVERLOADED,
+            f"{live} requests live, the limit (actor.max_live_requests) is {max_live}",
+        )
     return None
 
 
 def unexpected(message: Message) -> ErrorReply:
     """The answer to a message an actor does not take."""
-    return ErrorReply(ReplyCause.UNEXPECTED_MESSAGE,
-                      f"the actor does not take {type(message).__name__}")
+    return ErrorReply(ReplyCause.UNEXPECTED_MESSAGE, f"the actor does not take {type(message).__name__}")
 
 
 class _Deltas:
@@ -144,15 +151,20 @@ class VllmWeights:
 
     async def join(self, msg: AttachLearner) -> None:
         await self.engine.collective_rpc(
-            "millstream_join", timeout=msg.timeout_s + 30,
-            args=(msg.session, msg.host, msg.port, msg.world_size, msg.backend, msg.timeout_s))
+            "millstream_join",
+            timeout=msg.timeout_s + 30,
+            args=(msg.session, msg.host, msg.port, msg.world_size, msg.backend, msg.timeout_s),
+        )
 
     async def load(self, msg: WeightUpdate) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=True)
         try:
             specs = [(t.name, list(t.shape), t.offset) for t in msg.tensors]
-            await self.engine.collective_rpc("millstream_receive", timeout=self.rpc_timeout_s,
-                                             args=(msg.session, msg.dtype, msg.numel, specs))
+            await self.engine.collective_rpc(
+                "millstream_receive",
+                timeout=self.rpc_timeout_s,
+                args=(msg.session, msg.dtype, msg.numel, specs),
+            )
         finally:
             await self.engine.resume_generation()  # even a failed update must not freeze generation
 
@@ -160,19 +172,31 @@ class VllmWeights:
 class ActorServer:
     """Serves one ROUTER channel with one `AsyncLLM`. Run `serve()` inside an asyncio loop."""
 
-    def __init__(self, engine: Any, channel: Channel, *, model: str, dtype: str,
-                 weight_ranks: int, max_model_len: int, vocab_size: int,
-                 rpc_timeout_s: float = 600.0, stream_interval: int = 1,
-                 max_live_requests: int = 65536) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        channel: Channel,
+        *,
+        model: str,
+        dtype: str,
+        weight_ranks: int,
+        max_model_len: int,
+        vocab_size: int,
+        rpc_timeout_s: float = 600.0,
+        stream_interval: int = 1,
+        max_live_requests: int = 65536,
+    ) -> None:
         self.engine = engine
         self.channel = channel
         self.max_live_requests = max_live_requests
         self.stream_interval = stream_interval
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.link = LearnerLink(channel, VllmWeights(engine, rpc_timeout_s),
-                                lambda version: ActorInfo(model, version, weight_ranks,
-                                                          max_model_len, dtype))
+        self.link = LearnerLink(
+            channel,
+            VllmWeights(engine, rpc_timeout_s),
+            lambda version: ActorInfo(model, version, weight_ranks, max_model_len, dtype),
+        )
         self.stats = ActorStats()
         self._live: set[str] = set()  # engine request ids: "<peer hex>/<client request id>"
         #: Set when the engine died; `serve` then raises it, and the process exits non-zero.
@@ -232,8 +256,10 @@ class ActorServer:
                 self.dead = self.engine.dead_error
             log.exception("request %s failed", key)
             self.stats.errors += 1
-            await self.channel.send(GenerateError(req.request_id, TurnError.ENGINE_ERROR,
-                                                  f"{type(exc).__name__}: {exc}"[:500]), to=peer)
+            await self.channel.send(
+                GenerateError(req.request_id, TurnError.ENGINE_ERROR, f"{type(exc).__name__}: {exc}"[:500]),
+                to=peer,
+            )
         finally:
             self._live.discard(key)
             self.stats.live -= 1
@@ -244,17 +270,18 @@ class ActorServer:
 
     def _refusal(self, key: str, req: GenerateRequest) -> GenerateError | None:
         if key in self._live:
-            return GenerateError(req.request_id, TurnError.BAD_REQUEST,
-                                 f"request id {req.request_id!r} is already live")
-        return refusal(req, len(self._live), self.max_live_requests, self.max_model_len,
-                       self.vocab_size)
+            return GenerateError(
+                req.request_id, TurnError.BAD_REQUEST, f"request id {req.request_id!r} is already live"
+            )
+        return refusal(req, len(self._live), self.max_live_requests, self.max_model_len, self.vocab_size)
 
     async def _stream(self, peer: bytes, req: GenerateRequest, key: str) -> str:
         """Forward the engine's output stream as TokenDeltas; returns the finish reason."""
         pending = _Deltas(req.request_id, self.version)
         finish: str | None = None
-        async for out in self.engine.generate({"prompt_token_ids": list(req.prompt_token_ids)},
-                                              _sampling_params(req), key):
+        async for out in self.engine.generate(
+            {"prompt_token_ids": list(req.prompt_token_ids)}, _sampling_params(req), key
+        ):
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs or (), ids)]
@@ -286,10 +313,16 @@ class ActorServer:
         while True:
             await anyio.sleep(every_s)
             channel = self.channel.statistics()
-            log.info("actor stats %s version=%d updates=%d channel sent=%d recv=%d errors=%d "
-                     "send_queue=%d", asdict(self.stats), self.version, self.link.updates,
-                     channel.sent_messages, channel.recv_messages, channel.decode_errors,
-                     channel.send_queue)
+            log.info(
+                "actor stats %s version=%d updates=%d channel sent=%d recv=%d errors=%d send_queue=%d",
+                asdict(self.stats),
+                self.version,
+                self.link.updates,
+                channel.sent_messages,
+                channel.recv_messages,
+                channel.decode_errors,
+                channel.send_queue,
+            )
 
 
 def _sampling_params(req: GenerateRequest) -> Any:

@@ -29,7 +29,6 @@ import json
 import logging
 import math
 import random
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,8 +77,7 @@ class _Seq:
 
 
 class SyntheticActor:
-    def __init__(self, channel: Channel, cfg: Config, *, model: str, vocab_size: int,
-                 eos_id: int) -> None:
+    def __init__(self, channel: Channel, cfg: Config, *, model: str, vocab_size: int, eos_id: int) -> None:
         self.channel, self.cfg, self.model = channel, cfg, model
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.link = LearnerLink(channel, _DiscardingWeights(self), self._describe)
@@ -109,8 +107,13 @@ class SyntheticActor:
     async def _dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
         if isinstance(message, GenerateRequest):
             a = self.cfg.actor
-            refused = refusal(message, len(self._waiting) + len(self._running),
-                              a.max_live_requests, a.max_model_len, self.vocab_size)
+            refused = refusal(
+                message,
+                len(self._waiting) + len(self._running),
+                a.max_live_requests,
+                a.max_model_len,
+                self.vocab_size,
+            )
             if refused is not None:
                 await self.channel.send(refused, to=peer)
                 return
@@ -141,15 +144,19 @@ class SyntheticActor:
                 seq = self._waiting.popleft()
                 self._running[(seq.peer, seq.req.request_id)] = seq
                 prefill += len(seq.req.prompt_token_ids)
-            await anyio.sleep(a.synthetic_step_s + a.synthetic_step_s_per_seq * len(self._running)
-                              + a.synthetic_prefill_s_per_token * prefill)
+            await anyio.sleep(
+                a.synthetic_step_s
+                + a.synthetic_step_s_per_seq * len(self._running)
+                + a.synthetic_prefill_s_per_token * prefill
+            )
             self.steps += 1
             async with self.link.lock:  # no token is produced while weights are being received
                 for key, seq in list(self._running.items()):
                     await self._decode_one(key, seq, stop_p, stop_lp, other_lp)
 
-    async def _decode_one(self, key: tuple[bytes, str], seq: _Seq, stop_p: float, stop_lp: float,
-                          other_lp: float) -> None:
+    async def _decode_one(
+        self, key: tuple[bytes, str], seq: _Seq, stop_p: float, stop_lp: float, other_lp: float
+    ) -> None:
         if key in self._aborted:
             self._aborted.discard(key)
             del self._running[key]
@@ -163,8 +170,7 @@ class SyntheticActor:
         self.tokens += 1
         seq.pending_ids.append(token)
         seq.pending_logprobs.append(logprob)
-        finish = ("stop" if token in seq.stop
-                  else "length" if seq.produced >= seq.req.max_tokens else None)
+        finish = "stop" if token in seq.stop else "length" if seq.produced >= seq.req.max_tokens else None
         if finish:
             del self._running[key]
         if finish or len(seq.pending_ids) >= self.cfg.actor.stream_interval:
@@ -174,8 +180,9 @@ class SyntheticActor:
         """Stream the pending tokens of `seq` (all made under `self.version`)."""
         ids, logprobs = seq.pending_ids, seq.pending_logprobs
         seq.pending_ids, seq.pending_logprobs = [], []
-        await self.channel.send(TokenDelta(seq.req.request_id, ids, logprobs, self.version,
-                                           finish), to=seq.peer)
+        await self.channel.send(
+            TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish), to=seq.peer
+        )
 
     async def flush_all(self) -> None:
         """Stream every running sequence's pending tokens (before the version changes)."""
@@ -198,10 +205,8 @@ class _DiscardingWeights:
         from millstream.shared.weightsync import make_group, open_store
 
         def join() -> tuple[Any, Any]:
-            store = open_store(msg.host, msg.port, msg.world_size, is_master=False,
-                               timeout_s=msg.timeout_s)
-            return make_group(store, 1, msg.world_size, msg.backend, msg.timeout_s,
-                              msg.session), store
+            store = open_store(msg.host, msg.port, msg.world_size, is_master=False, timeout_s=msg.timeout_s)
+            return make_group(store, 1, msg.world_size, msg.backend, msg.timeout_s, msg.session), store
 
         self._group, self._store = await anyio.to_thread.run_sync(join)
         self._timeout_s = msg.timeout_s

@@ -7,8 +7,8 @@ times): the worker joins a torch.distributed group with the learner and receives
 flat buffer, which it cuts into named views and hands to vLLM's `reload_weights`.
 
 Why a flat buffer: one collective of N bytes is faster than N collectives of small tensors (on
-loopback gloo a 106 MiB model took 45 ms flat against 80 ms tensor by tensor), and the learner describes the layout once per update in the
-`WeightUpdate` message.
+loopback gloo a 106 MiB model took 45 ms flat against 80 ms tensor by tensor), and the learner
+describes the layout once per update in the `WeightUpdate` message.
 
 How the group is formed (stateless, its own TCPStore, rebuilt per learner session) is in
 `shared/weightsync.py`, which the learner uses too.
@@ -28,6 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -59,8 +61,13 @@ def _quiet_derived_buffers() -> None:
 class WeightSyncExtension:
     """Methods added to every vLLM worker. Called via `collective_rpc(name, args=...)`."""
 
-    def millstream_join(self, session: str, host: str, port: int, world_size: int,
-                        backend: str, timeout_s: float) -> int:
+    # Provided by the vLLM worker this class is mixed into (declared for the type checker).
+    device: Any
+    reload_weights: Callable[..., Any]
+
+    def millstream_join(
+        self, session: str, host: str, port: int, world_size: int, backend: str, timeout_s: float
+    ) -> int:
         """Join the learner's broadcast group as rank 1 + this worker's rank."""
         _quiet_derived_buffers()
         self.millstream_leave()
@@ -71,16 +78,22 @@ class WeightSyncExtension:
         self._ms_group, self._ms_store = group, store
         self._ms_session = session
         self._ms_timeout = timeout_s
-        log.info("joined weight group %s as rank %d/%d in %.2fs", session, rank, world_size,
-                 time.monotonic() - started)
+        log.info(
+            "joined weight group %s as rank %d/%d in %.2fs",
+            session,
+            rank,
+            world_size,
+            time.monotonic() - started,
+        )
         return rank
 
     def millstream_leave(self) -> None:
         """Forget the current group; dropping the last references destroys it (and its store)."""
         self._ms_group = self._ms_store = None
 
-    def millstream_receive(self, session: str, dtype: str, numel: int,
-                           tensors: list[tuple[str, list[int], int]]) -> float:
+    def millstream_receive(
+        self, session: str, dtype: str, numel: int, tensors: list[tuple[str, list[int], int]]
+    ) -> float:
         """Receive one flat broadcast and load it as the model's weights; returns seconds."""
         group = getattr(self, "_ms_group", None)
         if group is None or session != self._ms_session:
@@ -93,7 +106,8 @@ class WeightSyncExtension:
         flat = torch.empty(numel, dtype=DTYPES[dtype], device=device)
         broadcast(group, flat, self._ms_timeout)
 
-        views = ((name, flat[offset:offset + math.prod(shape)].view(shape))
-                 for name, shape, offset in tensors)
+        views = (
+            (name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in tensors
+        )
         self.reload_weights(weights_iterator=views)
         return time.monotonic() - started

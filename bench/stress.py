@@ -38,8 +38,8 @@ import zmq
 from millstream.envpool.envs import make_env
 from millstream.shared.config import ConfigError, dump_config, load_config, toml_value
 from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
-from millstream.shared.supervisor import Supervisor
 from millstream.shared.runtime import free_port, raise_fd_limit, resolve_model_dir
+from millstream.shared.supervisor import Supervisor
 
 from .stress_report import StatsFollower, build_report, format_table, plot_report, write_json
 
@@ -79,8 +79,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="output folder (default runs/stress-<env>-<time>)")
     p.add_argument("--timeout-s", type=float, default=3600, help="give up (and report) after this")
     p.add_argument("--config", default=None, help="TOML config the run starts from")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="dotted config override, repeatable (e.g. actor.max_num_seqs=512)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted config override, repeatable (e.g. actor.max_num_seqs=512)",
+    )
     return p
 
 
@@ -93,27 +99,50 @@ def stress_config(ns: argparse.Namespace, out: Path) -> tuple:
         raise ValueError(f"--episodes {ns.episodes} is not a multiple of --group-size {ns.group_size}")
     per_worker = math.ceil(ns.concurrency / ns.workers)
     if per_worker < ns.group_size:
-        raise ValueError(f"--concurrency {ns.concurrency} over {ns.workers} workers leaves "
-                         f"{per_worker} slots each, fewer than one group of {ns.group_size}")
-    defaults = [f"envpool.max_concurrent_episodes={per_worker}", f"envpool.workers={ns.workers}",
-                "envpool.step_timeout_s=5", "envpool.stats_every_s=1",
-                "envpool.max_consecutive_actor_failures=1000000000",
-                f"train.group_size={ns.group_size}", f"run.dir={out}"]
+        raise ValueError(
+            f"--concurrency {ns.concurrency} over {ns.workers} workers leaves "
+            f"{per_worker} slots each, fewer than one group of {ns.group_size}"
+        )
+    defaults = [
+        f"envpool.max_concurrent_episodes={per_worker}",
+        f"envpool.workers={ns.workers}",
+        "envpool.step_timeout_s=5",
+        "envpool.stats_every_s=1",
+        "envpool.max_consecutive_actor_failures=1000000000",
+        f"train.group_size={ns.group_size}",
+        f"run.dir={out}",
+    ]
     cfg = load_config(ns.config, defaults + ns.overrides)
     env, env_args = ns.env, dict(cfg.envpool.env_args)
     if faults:
-        env_args = {"inner": ns.env, "inner_args": env_args, "hang_s": 3600.0,
-                    "crash_prob": faults.get("crash", 0.0), "hang_prob": faults.get("hang", 0.0),
-                    "garbage_prob": faults.get("garbage", 0.0), "fault_seed": cfg.run.seed}
+        env_args = {
+            "inner": ns.env,
+            "inner_args": env_args,
+            "hang_s": 3600.0,
+            "crash_prob": faults.get("crash", 0.0),
+            "hang_prob": faults.get("hang", 0.0),
+            "garbage_prob": faults.get("garbage", 0.0),
+            "fault_seed": cfg.run.seed,
+        }
         env = "flaky"
     make_env(env, env_args)  # an unknown name or bad arguments: a clear error before anything starts
     exp, ver = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     actor = ns.actor if ns.actor != "synthetic" else f"tcp://127.0.0.1:{free_port()}"
     env_args_toml = toml_value(env_args)
-    cfg = load_config(ns.config, defaults + ns.overrides + [
-        f"envpool.env={env}", f"envpool.env_args={env_args_toml}",
-        f"model.path={resolve_model_dir(cfg)}", f"actor.connect={actor}", f"actor.address={actor}",
-        f"learner.experience_address={exp}", f"learner.version_address={ver}"])
+    cfg = load_config(
+        ns.config,
+        defaults
+        + ns.overrides
+        + [
+            f"envpool.env={env}",
+            f"envpool.env_args={env_args_toml}",
+            f"model.path={resolve_model_dir(cfg)}",
+            f"actor.connect={actor}",
+            f"actor.address={actor}",
+            f"learner.experience_address={exp}",
+            f"learner.version_address={ver}",
+        ],
+    )
     return cfg, faults
 
 
@@ -152,7 +181,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
     groups = ns.episodes // ns.group_size
     (out / "logs").mkdir(exist_ok=True)
     sup = Supervisor(out)  # the launcher's: own process groups, logs in out/logs
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
     pull.set_hwm(0)  # the stand-in learner must never make a worker's PUSH block
     pull.bind(cfg.learner.experience_address)
@@ -165,13 +194,24 @@ def run_stress(ns: argparse.Namespace) -> dict:
     started = time.monotonic()
     try:
         if ns.actor == "synthetic":
-            sup.start("actor", "millstream.actor", ["--config", str(out / "config.toml"),
-                                         "--ready-file", str(out / "actor.ready"),
-                                         "actor.kind=synthetic"])
+            sup.start(
+                "actor",
+                "millstream.actor",
+                [
+                    "--config",
+                    str(out / "config.toml"),
+                    "--ready-file",
+                    str(out / "actor.ready"),
+                    "actor.kind=synthetic",
+                ],
+            )
             _wait_ready(out / "actor.ready", sup, 120)
         for i in range(ns.workers):
-            sup.start(f"envpool-w{i}", "millstream.envpool", ["--config", str(out / "config.toml"),
-                                                    "--worker-index", str(i)])
+            sup.start(
+                f"envpool-w{i}",
+                "millstream.envpool",
+                ["--config", str(out / "config.toml"), "--worker-index", str(i)],
+            )
         t0 = time.monotonic()
         final = False
         last_beat = last_line = 0.0
@@ -219,12 +259,24 @@ def run_stress(ns: argparse.Namespace) -> dict:
         pull.close(0)
         pub.close(0)
     report = build_report(
-        args=vars(ns), faults=faults, wall_s=wall, setup_s=t0 - started, outcomes=outcomes,
-        turns=turns, invalid_actions=invalid, pool_done=list(done.values()),
-        follower=follower, episodes=ns.episodes)
+        args=vars(ns),
+        faults=faults,
+        wall_s=wall,
+        setup_s=t0 - started,
+        outcomes=outcomes,
+        turns=turns,
+        invalid_actions=invalid,
+        pool_done=list(done.values()),
+        follower=follower,
+        episodes=ns.episodes,
+    )
     write_json(report, out / "report.json")
-    plot_report(follower, out / "stress.png", title=f"millstream stress: {ns.env}, {ns.episodes} "
-                f"episodes, concurrency {ns.concurrency}, actor {ns.actor}")
+    plot_report(
+        follower,
+        out / "stress.png",
+        title=f"millstream stress: {ns.env}, {ns.episodes} "
+        f"episodes, concurrency {ns.concurrency}, actor {ns.actor}",
+    )
     print(format_table(report))
     print(f"report: {out / 'report.json'}  plot: {out / 'stress.png'}")
     return report

@@ -64,14 +64,20 @@ class StatsFollower:
         bins: dict[int, dict[str, Any]] = {}
         for recs in self.records.values():
             for previous, r in zip([None, *recs], recs):
-                b = bins.setdefault(int(r["time"] - t0), {"rates": {}, "live": {}, "rss": {},
-                                                          "hist": LatencyHistogram()})
+                b = bins.setdefault(
+                    int(r["time"] - t0), {"rates": {}, "live": {}, "rss": {}, "hist": LatencyHistogram()}
+                )
                 if previous is not None and r["time"] > previous["time"]:
                     dt = r["time"] - previous["time"]
-                    ended = (r["finished"] + sum(r["failed"].values())
-                             - previous["finished"] - sum(previous["failed"].values()))
+                    ended = (
+                        r["finished"]
+                        + sum(r["failed"].values())
+                        - previous["finished"]
+                        - sum(previous["failed"].values())
+                    )
                     b["rates"].setdefault(r["worker"], []).append(
-                        ((r["turns"] - previous["turns"]) / dt, ended / dt))
+                        ((r["turns"] - previous["turns"]) / dt, ended / dt)
+                    )
                 b["live"][r["worker"]] = r["live"]
                 b["rss"][r["worker"]] = r["rss_bytes"]
                 b["hist"].merge(LatencyHistogram.from_dict(r["turn_latency"]))
@@ -79,10 +85,17 @@ class StatsFollower:
         for second in sorted(bins):
             b = bins[second]
             means = [tuple(sum(x) / len(x) for x in zip(*rates)) for rates in b["rates"].values()]
-            rows.append({"t": second, "turns": sum(m[0] for m in means),
-                         "episodes": sum(m[1] for m in means),
-                         "live": sum(b["live"].values()), "rss_mb": sum(b["rss"].values()) / 2**20,
-                         "p50_s": b["hist"].percentile(50), "p99_s": b["hist"].percentile(99)})
+            rows.append(
+                {
+                    "t": second,
+                    "turns": sum(m[0] for m in means),
+                    "episodes": sum(m[1] for m in means),
+                    "live": sum(b["live"].values()),
+                    "rss_mb": sum(b["rss"].values()) / 2**20,
+                    "p50_s": b["hist"].percentile(50),
+                    "p99_s": b["hist"].percentile(99),
+                }
+            )
         return rows
 
     def latency(self) -> LatencyHistogram:
@@ -99,13 +112,17 @@ class StatsFollower:
             peak = max(recs, key=lambda r: r["live"])
             top = max(r["rss_bytes"] for r in recs)
             per_worker[worker] = {
-                "rss_start_mb": base / 2**20, "rss_peak_mb": top / 2**20, "peak_live": peak["live"],
+                "rss_start_mb": base / 2**20,
+                "rss_peak_mb": top / 2**20,
+                "peak_live": peak["live"],
                 # Conservative: the worker's highest memory, whenever it came, over its most
                 # live episodes (later in a run episodes hold longer contexts).
                 "bytes_per_live_episode": (top - base) / peak["live"] if peak["live"] else None,
                 # The memory when the most episodes were live (most of them just started).
-                "bytes_per_live_episode_at_peak_live": ((peak["rss_bytes"] - base) / peak["live"]
-                                                        if peak["live"] else None)}
+                "bytes_per_live_episode_at_peak_live": (
+                    (peak["rss_bytes"] - base) / peak["live"] if peak["live"] else None
+                ),
+            }
         return per_worker
 
     def progress_line(self, elapsed: float, accounted: int, total: int, outcomes: Counter) -> str:
@@ -119,8 +136,10 @@ class StatsFollower:
         rate = _recent_rate(self.records.values())
         failed = sum(v for k, v in outcomes.items() if k != "completed")
         p50, p99 = hist.percentile(50), hist.percentile(99)
-        return (f"[{elapsed:6.0f}s] {accounted}/{total} episodes ({failed} failed)  live {live}  "
-                f"{rate:7.0f} turns/s  p50 {_ms(p50)}  p99 {_ms(p99)}  rss {rss:.0f} MB")
+        return (
+            f"[{elapsed:6.0f}s] {accounted}/{total} episodes ({failed} failed)  live {live}  "
+            f"{rate:7.0f} turns/s  p50 {_ms(p50)}  p99 {_ms(p99)}  rss {rss:.0f} MB"
+        )
 
 
 def _recent_rate(worker_records) -> float:
@@ -137,21 +156,37 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
-def build_report(*, args: dict, faults: dict, wall_s: float, setup_s: float, outcomes: Counter,
-                 turns: int, invalid_actions: int, pool_done: list, follower: StatsFollower,
-                 episodes: int) -> dict[str, Any]:
+def build_report(
+    *,
+    args: dict,
+    faults: dict,
+    wall_s: float,
+    setup_s: float,
+    outcomes: Counter,
+    turns: int,
+    invalid_actions: int,
+    pool_done: list,
+    follower: StatsFollower,
+    episodes: int,
+) -> dict[str, Any]:
     started = sum(d.episodes_started for d in pool_done)
     accounted = sum(outcomes.values())
     hist = follower.latency()
     memory = follower.memory()
-    per_episode = [m["bytes_per_live_episode"] for m in memory.values()
-                   if m["bytes_per_live_episode"] is not None]
+    per_episode = [
+        m["bytes_per_live_episode"] for m in memory.values() if m["bytes_per_live_episode"] is not None
+    ]
     failures = {k: v for k, v in sorted(outcomes.items()) if k != "completed"}
     return {
         "args": {k: v for k, v in args.items() if k != "overrides"} | {"set": args.get("overrides")},
         "faults": faults,
-        "episodes": {"asked": episodes, "started": started, "completed": outcomes["completed"],
-                     "failed": sum(failures.values()), "accounted": accounted},
+        "episodes": {
+            "asked": episodes,
+            "started": started,
+            "completed": outcomes["completed"],
+            "failed": sum(failures.values()),
+            "accounted": accounted,
+        },
         "failures_by_cause": failures,
         # Started by a worker but never reported: must be 0. Workers that never sent PoolDone
         # make `started` unknown; then everything asked and unaccounted counts as lost.
@@ -163,13 +198,20 @@ def build_report(*, args: dict, faults: dict, wall_s: float, setup_s: float, out
         "setup_s": setup_s,
         "turns_per_s": turns / wall_s if wall_s else None,
         "episodes_per_s": accounted / wall_s if wall_s else None,
-        "turn_latency_s": {"p50": hist.percentile(50), "p95": hist.percentile(95),
-                           "p99": hist.percentile(99), "mean": hist.mean(), "count": hist.total},
+        "turn_latency_s": {
+            "p50": hist.percentile(50),
+            "p95": hist.percentile(95),
+            "p99": hist.percentile(99),
+            "mean": hist.mean(),
+            "count": hist.total,
+        },
         "peak_live": sum(m["peak_live"] for m in memory.values()),
         "bytes_per_live_episode": sum(per_episode) / len(per_episode) if per_episode else None,
         "memory": memory,
-        "sockets": {r["worker"]: {"actor": r["actor_socket"], "learner": r["learner_socket"],
-                                  "client": r["client"]} for r in follower.latest()},
+        "sockets": {
+            r["worker"]: {"actor": r["actor_socket"], "learner": r["learner_socket"], "client": r["client"]}
+            for r in follower.latest()
+        },
         "timeline": follower.timeline(),
     }
 
@@ -178,11 +220,16 @@ def format_table(report: dict[str, Any]) -> str:
     e, lat = report["episodes"], report["turn_latency_s"]
     per_ep = report["bytes_per_live_episode"]
     rows = [
-        ("episodes", f"{e['asked']} asked, {e['started']} started, {e['completed']} completed, "
-                     f"{e['failed']} failed"),
+        (
+            "episodes",
+            f"{e['asked']} asked, {e['started']} started, {e['completed']} completed, {e['failed']} failed",
+        ),
         ("wall time", f"{report['wall_s']:.1f} s (+{report['setup_s']:.1f} s start-up)"),
-        ("turns", f"{report['turns']} ({report['turns_per_s'] or 0:.0f}/s), "
-                  f"{report['invalid_actions']} invalid (format penalty)"),
+        (
+            "turns",
+            f"{report['turns']} ({report['turns_per_s'] or 0:.0f}/s), "
+            f"{report['invalid_actions']} invalid (format penalty)",
+        ),
         ("episodes/s", f"{report['episodes_per_s'] or 0:.0f}"),
         ("turn latency", f"p50 {_ms(lat['p50'])}, p95 {_ms(lat['p95'])}, p99 {_ms(lat['p99'])}"),
         ("peak live", f"{report['peak_live']}"),

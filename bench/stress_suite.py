@@ -27,9 +27,16 @@ __all__ = ["SCENARIOS", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-FAST_ENGINE = ["--set", "actor.max_num_seqs=10000", "--set", "actor.synthetic_step_s=0",
-               "--set", "actor.synthetic_step_s_per_seq=0",
-               "--set", "actor.synthetic_prefill_s_per_token=0"]
+FAST_ENGINE = [
+    "--set",
+    "actor.max_num_seqs=10000",
+    "--set",
+    "actor.synthetic_step_s=0",
+    "--set",
+    "actor.synthetic_step_s_per_seq=0",
+    "--set",
+    "actor.synthetic_prefill_s_per_token=0",
+]
 ECHO_20K = ["--env", "echo", "--episodes", "20000", "--concurrency", "10000", "--actor", "synthetic"]
 
 SCENARIOS: dict[str, list[str]] = {
@@ -37,10 +44,26 @@ SCENARIOS: dict[str, list[str]] = {
     "echo-20k-c10k-fast-engine": ECHO_20K + FAST_ENGINE,
     "echo-20k-c10k-faults": ECHO_20K + ["--faults", "crash=0.01,hang=0.01,garbage=0.05"],
     "echo-20k-c10k-2workers-fast-engine": ECHO_20K + ["--workers", "2"] + FAST_ENGINE,
-    "frozenlake-4k-c2k": ["--env", "frozenlake", "--episodes", "4000", "--concurrency", "2000",
-                          "--actor", "synthetic"],
-    "sokoban-4k-c2k": ["--env", "sokoban", "--episodes", "4000", "--concurrency", "2000",
-                        "--actor", "synthetic"],
+    "frozenlake-4k-c2k": [
+        "--env",
+        "frozenlake",
+        "--episodes",
+        "4000",
+        "--concurrency",
+        "2000",
+        "--actor",
+        "synthetic",
+    ],
+    "sokoban-4k-c2k": [
+        "--env",
+        "sokoban",
+        "--episodes",
+        "4000",
+        "--concurrency",
+        "2000",
+        "--actor",
+        "synthetic",
+    ],
 }
 
 
@@ -62,10 +85,12 @@ def summary_row(name: str, r: dict) -> str:
     lat = r["turn_latency_s"]
     fails = ", ".join(f"{k} {v}" for k, v in r["failures_by_cause"].items()) or "-"
     per_ep = r["bytes_per_live_episode"]
-    return (f"| {name} | {r['episodes']['started']} | {r['peak_live']} | {r['wall_s']:.1f} | "
-            f"{r['turns_per_s']:.0f} | {lat['p50'] * 1000:.0f} / {lat['p95'] * 1000:.0f} / "
-            f"{lat['p99'] * 1000:.0f} | {'-' if per_ep is None else f'{per_ep / 1024:.1f}'} | "
-            f"{fails} | {r['invalid_actions']} | {r['lost']} |")
+    return (
+        f"| {name} | {r['episodes']['started']} | {r['peak_live']} | {r['wall_s']:.1f} | "
+        f"{r['turns_per_s']:.0f} | {lat['p50'] * 1000:.0f} / {lat['p95'] * 1000:.0f} / "
+        f"{lat['p99'] * 1000:.0f} | {'-' if per_ep is None else f'{per_ep / 1024:.1f}'} | "
+        f"{fails} | {r['invalid_actions']} | {r['lost']} |"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -77,10 +102,14 @@ def main(argv: list[str] | None = None) -> None:
     names = [ns.only] if ns.only else list(SCENARIOS)
     reports = {name: run_scenario(name, SCENARIOS[name], scratch) for name in names}
     rows = [summary_row(n, r) for n, r in reports.items()]
-    table = "\n".join([
-        "| scenario | episodes | peak live | wall s | turns/s | turn latency p50 / p95 / p99 ms "
-        "| KiB per live episode | failed by cause | invalid turns | lost |",
-        "|---|---|---|---|---|---|---|---|---|---|", *rows])
+    table = "\n".join(
+        [
+            "| scenario | episodes | peak live | wall s | turns/s | turn latency p50 / p95 / p99 ms "
+            "| KiB per live episode | failed by cause | invalid turns | lost |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
     commands = "\n".join(f"- `{n}`: `millstream stress {' '.join(SCENARIOS[n])}`" for n in names)
     (RESULTS / "summary.md").write_text(f"{table}\n\n{commands}\n")
     print(table)

@@ -18,5 +18,15 @@ from .episode import EpisodeSpec, run_episode
 from .gate import AdmissionGate
 from .worker import WorkerStats, run_worker
 
-__all__ = ["ChatFormat", "ActorClient", "ActorUnreachable", "Generation", "GenerationFailed", "EpisodeSpec",
-           "run_episode", "AdmissionGate", "run_worker", "WorkerStats"]
+__all__ = [
+    "ChatFormat",
+    "ActorClient",
+    "ActorUnreachable",
+    "Generation",
+    "GenerationFailed",
+    "EpisodeSpec",
+    "run_episode",
+    "AdmissionGate",
+    "run_worker",
+    "WorkerStats",
+]

@@ -32,28 +32,31 @@ _PROBE_USER, _PROBE_ASSISTANT = "\x00user-probe\x00", "\x00assistant-probe\x00"
 
 
 class ChatFormat:
-    def __init__(self, tokenizer: Tokenizer, chat_template: str, eos_token: str,
-                 stop_tokens: list[str]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, chat_template: str, eos_token: str, stop_tokens: list[str]
+    ) -> None:
         self.tokenizer = tokenizer
-        self._template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(
-            chat_template)
+        self._template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
         eos = tokenizer.token_to_id(eos_token)
         if eos is None:
             raise ValueError(f"end-of-turn token {eos_token!r} is not in the vocabulary")
         self.eos_id = eos
-        self.stop_token_ids = sorted({eos, *(i for t in stop_tokens
-                                            if (i := tokenizer.token_to_id(t)) is not None)})
+        self.stop_token_ids = sorted(
+            {eos, *(i for t in stop_tokens if (i := tokenizer.token_to_id(t)) is not None)}
+        )
         self._eos_text = eos_token
         self._after_eos = self._text_after_assistant()
-        self._probe = [{"role": "user", "content": _PROBE_USER},
-                       {"role": "assistant", "content": _PROBE_ASSISTANT}]
+        self._probe = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_ASSISTANT},
+        ]
         self._probe_text = self.render(self._probe, add_generation_prompt=False)
         # The members of a group share their first prompt; rendering a template is the
         # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
         self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> "ChatFormat":
+    def from_model_dir(cls, path: str | Path) -> ChatFormat:
         path = Path(path)
         config = json.loads((path / "tokenizer_config.json").read_text())
         template = config.get("chat_template")
@@ -61,8 +64,9 @@ class ChatFormat:
             raise ValueError(f"{path}/tokenizer_config.json has no chat_template")
         eos = config.get("eos_token")
         eos = eos["content"] if isinstance(eos, dict) else eos
-        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), template, eos,
-                   stop_tokens=["<|endoftext|>"])
+        return cls(
+            Tokenizer.from_file(str(path / "tokenizer.json")), template, eos, stop_tokens=["<|endoftext|>"]
+        )
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
@@ -79,7 +83,7 @@ class ChatFormat:
         key = (system, observation)
         ids = self._first.get(key)
         if ids is None:
-            messages = ([{"role": "system", "content": system}] if system else [])
+            messages = [{"role": "system", "content": system}] if system else []
             messages.append({"role": "user", "content": observation})
             ids = self._first[key] = self.encode(self.render(messages, add_generation_prompt=True))
             if len(self._first) > self.FIRST_PROMPT_CACHE:
@@ -100,18 +104,20 @@ class ChatFormat:
     def next_prompt(self, observation: str) -> list[int]:
         """Tokens of one more user turn plus the generation prompt."""
         before = self._probe_text
-        after = self.render(self._probe + [{"role": "user", "content": observation}],
-                            add_generation_prompt=True)
+        after = self.render(
+            self._probe + [{"role": "user", "content": observation}], add_generation_prompt=True
+        )
         if not after.startswith(before):
             raise ValueError("the chat template re-renders earlier turns; cannot extend token-wise")
-        return self.encode(after[len(before):])
+        return self.encode(after[len(before) :])
 
     def _text_after_assistant(self) -> list[int]:
-        rendered = self.render([{"role": "user", "content": _PROBE_USER},
-                                {"role": "assistant", "content": _PROBE_ASSISTANT}],
-                               add_generation_prompt=False)
+        rendered = self.render(
+            [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}],
+            add_generation_prompt=False,
+        )
         marker = _PROBE_ASSISTANT + self._eos_text
         at = rendered.find(marker)
         if at < 0:
             raise ValueError("the chat template does not end assistant turns with the eos token")
-        return self.encode(rendered[at + len(marker):])
+        return self.encode(rendered[at + len(marker) :])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from millstream.shared.metrics import LatencyHistogram
 from millstream.shared.protocol import (
     RETRYABLE_CAUSES,
     TURN_CAUSE,
@@ -35,7 +36,6 @@ from millstream.shared.protocol import (
     Hello,
     TokenDelta,
 )
-from millstream.shared.metrics import LatencyHistogram
 from millstream.shared.transport import Channel
 
 __all__ = ["ActorClient", "ActorUnreachable", "Generation", "GenerationFailed", "ClientStats"]
@@ -125,8 +125,9 @@ class ActorClient:
                     reply: TokenDelta | GenerateError | GenerationFailed = message
                     if len(inbox.replies) >= self.MAX_DELTAS:
                         self.stats.error_replies += 1
-                        reply = GenerationFailed(Cause.ACTOR_PROTOCOL,
-                                                 f"over {self.MAX_DELTAS} deltas unread")
+                        reply = GenerationFailed(
+                            Cause.ACTOR_PROTOCOL, f"over {self.MAX_DELTAS} deltas unread"
+                        )
                         inbox.replies.clear()
                     inbox.replies.append(reply)
                     if inbox.wake is not None:
@@ -149,8 +150,11 @@ class ActorClient:
     def statistics(self) -> dict:
         """Counters, plus the deltas received and not yet read by their episodes."""
         counters = {k: v for k, v in vars(self.stats).items() if k != "latency"}
-        return {**counters, "queued_deltas": sum(len(i.replies) for i in self._routes.values()),
-                "queued_deltas_max_per_request": self.MAX_DELTAS}
+        return {
+            **counters,
+            "queued_deltas": sum(len(i.replies) for i in self._routes.values()),
+            "queued_deltas_max_per_request": self.MAX_DELTAS,
+        }
 
     async def handshake(self, *, timeout_s: float, retries: int, backoff_s: float) -> ActorInfo:
         """Say `Hello` until the actor answers; raises `ActorUnreachable` after `retries` more tries.
@@ -167,16 +171,30 @@ class ActorClient:
                 assert self.info is not None
                 return self.info
             if attempt < retries:
-                log.warning("%s: no answer from the actor in %.1fs (try %d of %d)", self.worker,
-                            timeout_s, attempt + 1, retries + 1)
+                log.warning(
+                    "%s: no answer from the actor in %.1fs (try %d of %d)",
+                    self.worker,
+                    timeout_s,
+                    attempt + 1,
+                    retries + 1,
+                )
                 self.stats.retries += 1
                 await anyio.sleep(backoff_s * 2**attempt)
-        raise ActorUnreachable(f"the actor did not answer Hello in {retries + 1} tries of "
-                               f"{timeout_s}s each")
+        raise ActorUnreachable(f"the actor did not answer Hello in {retries + 1} tries of {timeout_s}s each")
 
-    async def generate(self, prompt_token_ids: list[int], *, max_tokens: int, temperature: float,
-                       top_p: float, seed: int | None, stop_token_ids: list[int],
-                       timeout_s: float, retries: int = 0, backoff_s: float = 1.0) -> Generation:
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop_token_ids: list[int],
+        timeout_s: float,
+        retries: int = 0,
+        backoff_s: float = 1.0,
+    ) -> Generation:
         """Request a generation and collect its stream; raises `GenerationFailed`.
 
         A request that gets no final delta within `timeout_s` (an actor that is unreachable,
@@ -188,8 +206,14 @@ class ActorClient:
         for attempt in range(retries + 1):
             try:
                 return await self._generate_once(
-                    prompt_token_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                    seed=seed, stop_token_ids=stop_token_ids, timeout_s=timeout_s)
+                    prompt_token_ids,
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=seed,
+                    stop_token_ids=stop_token_ids,
+                    timeout_s=timeout_s,
+                )
             except GenerationFailed as exc:
                 if exc.cause not in RETRYABLE_CAUSES or attempt == retries:
                     raise
@@ -197,9 +221,17 @@ class ActorClient:
                 await anyio.sleep(backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def _generate_once(self, prompt_token_ids: list[int], *, max_tokens: int,
-                             temperature: float, top_p: float, seed: int | None,
-                             stop_token_ids: list[int], timeout_s: float) -> Generation:
+    async def _generate_once(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop_token_ids: list[int],
+        timeout_s: float,
+    ) -> Generation:
         request_id = f"{self.worker}-{next(self._ids)}"
         inbox = _Inbox()
         self._routes[request_id] = inbox
@@ -212,9 +244,11 @@ class ActorClient:
             # A class-based scope, not `fail_after` (a generator context manager): at 10,000
             # live episodes the difference shows in profiles.
             with anyio.CancelScope(deadline=sent_at + timeout_s) as scope:
-                await self.channel.send(GenerateRequest(
-                    request_id, prompt_token_ids, max_tokens, temperature, top_p, seed,
-                    stop_token_ids))
+                await self.channel.send(
+                    GenerateRequest(
+                        request_id, prompt_token_ids, max_tokens, temperature, top_p, seed, stop_token_ids
+                    )
+                )
                 while not done:
                     if not inbox.replies:
                         inbox.wake = anyio.Event()

@@ -74,9 +74,15 @@ async def _call_env(what: str, coro_fn, arg, timeout_s: float):
     raise _EnvFailure(Cause.ENV_TIMEOUT, f"env.{what} took longer than {timeout_s}s")
 
 
-async def run_episode(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClient,
-                      cfg: EnvPoolConfig, max_model_len: int,
-                      starting: anyio.CapacityLimiter | None = None) -> Trajectory | EpisodeFailed:
+async def run_episode(
+    spec: EpisodeSpec,
+    env: Env,
+    chat: ChatFormat,
+    client: ActorClient,
+    cfg: EnvPoolConfig,
+    max_model_len: int,
+    starting: anyio.CapacityLimiter | None = None,
+) -> Trajectory | EpisodeFailed:
     """Play one episode; `starting` (optional) bounds how many environments reset at once."""
     started = time.monotonic()
     try:
@@ -122,16 +128,23 @@ class _Context:
         self.versions.extend(gen.versions)
 
     def visible(self) -> list[int]:
-        return self.ids[self.segment:]
+        return self.ids[self.segment :]
 
     def start_segment(self) -> None:
         self.segment = len(self.ids)
         self.segment_starts.append(self.segment)
 
 
-async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClient,
-                cfg: EnvPoolConfig, max_model_len: int, started: float,
-                starting: anyio.CapacityLimiter | None) -> Trajectory:
+async def _play(
+    spec: EpisodeSpec,
+    env: Env,
+    chat: ChatFormat,
+    client: ActorClient,
+    cfg: EnvPoolConfig,
+    max_model_len: int,
+    started: float,
+    starting: anyio.CapacityLimiter | None,
+) -> Trajectory:
     async with starting or nullcontext():  # bounds envs starting at once (sandboxes, containers)
         obs = await _call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
     system = getattr(env, "system_prompt", "")
@@ -146,15 +159,24 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
     truncated: Truncation | None = None
     carried: list[int] = []  # carry-over ids that open the current reply (Delethink)
     if len(ctx.ids) + cfg.max_tokens > max_model_len:
-        raise _EnvFailure(Cause.PROMPT_TOO_LONG, f"the first prompt has {len(ctx.ids)} tokens; "
-                          f"with max_tokens {cfg.max_tokens} that exceeds max_model_len "
-                          f"{max_model_len}")
+        raise _EnvFailure(
+            Cause.PROMPT_TOO_LONG,
+            f"the first prompt has {len(ctx.ids)} tokens; "
+            f"with max_tokens {cfg.max_tokens} that exceeds max_model_len "
+            f"{max_model_len}",
+        )
     for turn in range(cfg.max_turns):
         gen = await client.generate(
-            ctx.visible(), max_tokens=cfg.max_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-            seed=sampling_seed(spec.seed, spec.member, turn), stop_token_ids=chat.stop_token_ids,
-            timeout_s=cfg.turn_timeout_s, retries=cfg.actor_retries,
-            backoff_s=cfg.actor_retry_backoff_s)
+            ctx.visible(),
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            seed=sampling_seed(spec.seed, spec.member, turn),
+            stop_token_ids=chat.stop_token_ids,
+            timeout_s=cfg.turn_timeout_s,
+            retries=cfg.actor_retries,
+            backoff_s=cfg.actor_retry_backoff_s,
+        )
         starts.append(len(ctx.ids))
         anchors.append(obs.anchor)
         ctx.add_generation(gen, obs.trained)
@@ -173,8 +195,11 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
         if obs.new_context:
             # Delethink: a fresh context of the prompt plus the reply's last tokens, as ids.
             reply = carried + gen.token_ids  # a reply that continued a carry-over includes it
-            carry = [t for t in reply if t not in chat.stop_token_ids][-obs.carry_tokens:] \
-                if obs.carry_tokens > 0 else []
+            carry = (
+                [t for t in reply if t not in chat.stop_token_ids][-obs.carry_tokens :]
+                if obs.carry_tokens > 0
+                else []
+            )
             fresh = chat.first_prompt(system, obs.text)
             if len(fresh) + len(carry) + cfg.max_tokens > max_model_len:
                 truncated = Truncation.CONTEXT_FULL
@@ -191,9 +216,24 @@ async def _play(spec: EpisodeSpec, env: Env, chat: ChatFormat, client: ActorClie
             break
         ctx.add_prompt(bridge)
     return Trajectory(
-        episode_id=spec.episode_id, group_id=spec.group_id, seed=spec.seed, env=spec.env_name,
-        token_ids=ctx.ids, loss_mask=ctx.mask, logprobs=ctx.logprobs, versions=ctx.versions,
-        reward=sum(rewards), turn_rewards=rewards, num_turns=len(rewards),
-        group_size=spec.group_size, duration_s=time.monotonic() - started,
-        turn_starts=starts, turn_ends=ends, anchors=anchors, texts=texts,
-        segment_starts=ctx.segment_starts, invalid_actions=invalid, truncated=truncated)
+        episode_id=spec.episode_id,
+        group_id=spec.group_id,
+        seed=spec.seed,
+        env=spec.env_name,
+        token_ids=ctx.ids,
+        loss_mask=ctx.mask,
+        logprobs=ctx.logprobs,
+        versions=ctx.versions,
+        reward=sum(rewards),
+        turn_rewards=rewards,
+        num_turns=len(rewards),
+        group_size=spec.group_size,
+        duration_s=time.monotonic() - started,
+        turn_starts=starts,
+        turn_ends=ends,
+        anchors=anchors,
+        texts=texts,
+        segment_starts=ctx.segment_starts,
+        invalid_actions=invalid,
+        truncated=truncated,
+    )

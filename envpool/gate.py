@@ -76,8 +76,9 @@ class AdmissionGate:
                     await self._changed.wait()
             except TimeoutError:
                 what = "first policy version" if first else "policy version"
-                raise TimeoutError(f"no {what} from the learner for {timeout_s}s "
-                                   f"(gate at {self.statistics()})") from None
+                raise TimeoutError(
+                    f"no {what} from the learner for {timeout_s}s (gate at {self.statistics()})"
+                ) from None
         if self.final:
             return None
         number = self.next_group
@@ -86,6 +87,11 @@ class AdmissionGate:
         return number
 
     def statistics(self) -> dict[str, int | None]:
-        return {"version": self.version, "limit": self.limit, "admitted": self.admitted,
-                "next_group": self.next_group, "group_base": self.group_base,
-                "waits": self.waits}
+        return {
+            "version": self.version,
+            "limit": self.limit,
+            "admitted": self.admitted,
+            "next_group": self.next_group,
+            "group_base": self.group_base,
+            "waits": self.waits,
+        }

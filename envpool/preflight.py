@@ -49,9 +49,11 @@ def check_envpool(cfg: Config) -> str | None:
         return f"envpool.env = {pool.env!r}: reset({seed}) failed: {type(exc).__name__}: {exc}"
     prompt = len(chat.first_prompt(getattr(env, "system_prompt", ""), obs.text))
     if prompt + pool.max_tokens > cfg.actor.max_model_len:
-        return (f"envpool.max_tokens = {pool.max_tokens}: the first prompt of {pool.env!r} "
-                f"(seed {seed}) has {prompt} tokens, and {prompt} + {pool.max_tokens} exceeds "
-                f"actor.max_model_len = {cfg.actor.max_model_len}")
+        return (
+            f"envpool.max_tokens = {pool.max_tokens}: the first prompt of {pool.env!r} "
+            f"(seed {seed}) has {prompt} tokens, and {prompt} + {pool.max_tokens} exceeds "
+            f"actor.max_model_len = {cfg.actor.max_model_len}"
+        )
     return None
 
 

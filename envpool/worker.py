@@ -51,8 +51,7 @@ from .envs import make_env
 from .episode import EpisodeSpec, run_episode
 from .gate import AdmissionGate
 
-__all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable", "tokenizer_dir",
-           "group_seed"]
+__all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable", "tokenizer_dir", "group_seed"]
 
 log = logging.getLogger("envpool")
 
@@ -92,7 +91,8 @@ def tokenizer_dir(cfg: Config) -> str:
     if not (path / "tokenizer.json").exists():
         raise FileNotFoundError(
             f"no tokenizer.json in {path}: set model.path (the launcher does) or build the tiny "
-            "model first with `millstream tiny-model DIR`")
+            "model first with `millstream tiny-model DIR`"
+        )
     return str(path)
 
 
@@ -125,19 +125,19 @@ class Worker:
         self.name = f"w{worker_index}"
         self.chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
         self.actor_address = actor_address or cfg.actor.connect or cfg.actor.address
-        self.dealer = open_channel("dealer", self.actor_address, bind=False, cfg=cfg.transport,
-                                   recv_queue=4096)
+        self.dealer = open_channel(
+            "dealer", self.actor_address, bind=False, cfg=cfg.transport, recv_queue=4096
+        )
         self.sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport)
-        self.push = open_channel("push", cfg.learner.experience_address, bind=False,
-                                 cfg=cfg.transport)
+        self.push = open_channel("push", cfg.learner.experience_address, bind=False, cfg=cfg.transport)
         self.client = ActorClient(self.dealer, self.name)
         self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
         self.stats = WorkerStats()
         self.slots = anyio.Semaphore(pool.max_concurrent_episodes)
         self.starting = anyio.CapacityLimiter(pool.max_starting_envs)
         self.metrics: MetricsWriter | NullMetrics = (
-            MetricsWriter(Path(cfg.run.dir) / f"envpool-{self.name}.jsonl") if cfg.run.dir
-            else NullMetrics())
+            MetricsWriter(Path(cfg.run.dir) / f"envpool-{self.name}.jsonl") if cfg.run.dir else NullMetrics()
+        )
 
     async def run(self, ready_file: str | None = None) -> WorkerStats:
         async with anyio.create_task_group() as io:
@@ -148,8 +148,7 @@ class Worker:
             io.start_soon(self._record_stats)
             if ready_file:
                 Path(ready_file).write_text(f'{{"worker": "{self.name}"}}')
-            log.info("%s running %s, waiting for the learner's first version", self.name,
-                     self.pool.env)
+            log.info("%s running %s, waiting for the learner's first version", self.name, self.pool.env)
             with anyio.CancelScope() as admitting:
                 io.start_soon(self._follow_versions, admitting)
                 async with anyio.create_task_group() as episodes:
@@ -164,8 +163,7 @@ class Worker:
     async def _admit_groups(self, episodes: TaskGroup) -> None:
         greeted = False
         while True:
-            number = await self.gate.admit(self.pool.start_timeout_s,
-                                           self.pool.learner_silence_timeout_s)
+            number = await self.gate.admit(self.pool.start_timeout_s, self.pool.learner_silence_timeout_s)
             if number is None:
                 return
             if not greeted:
@@ -178,11 +176,14 @@ class Worker:
 
     async def _greet_actor(self) -> None:
         pool = self.pool
-        info = await self.client.handshake(timeout_s=pool.actor_connect_timeout_s,
-                                           retries=pool.actor_retries,
-                                           backoff_s=pool.actor_retry_backoff_s)
-        log.info("%s: actor at %s serves %s (version %d)", self.name, self.actor_address,
-                 info.model, info.version)
+        info = await self.client.handshake(
+            timeout_s=pool.actor_connect_timeout_s,
+            retries=pool.actor_retries,
+            backoff_s=pool.actor_retry_backoff_s,
+        )
+        log.info(
+            "%s: actor at %s serves %s (version %d)", self.name, self.actor_address, info.model, info.version
+        )
 
     async def _take_slots(self, n: int) -> None:
         for _ in range(n):
@@ -215,16 +216,26 @@ class Worker:
     async def _episode(self, spec: EpisodeSpec) -> None:
         """Play one episode; whatever happens, count it and report exactly one result."""
         result: Trajectory | EpisodeFailed = EpisodeFailed(
-            spec.episode_id, spec.group_id, spec.group_size, Cause.RUN_ENDED,
-            "the learner finished (or the worker stopped) while this episode ran")
+            spec.episode_id,
+            spec.group_id,
+            spec.group_size,
+            Cause.RUN_ENDED,
+            "the learner finished (or the worker stopped) while this episode ran",
+        )
         try:
             env = make_env(self.pool.env, self.pool.env_args)
-            result = await run_episode(spec, env, self.chat, self.client, self.pool,
-                                       self.cfg.actor.max_model_len, self.starting)
+            result = await run_episode(
+                spec, env, self.chat, self.client, self.pool, self.cfg.actor.max_model_len, self.starting
+            )
         except Exception as exc:  # a bug of ours must still not lose the episode
             log.exception("episode %s crashed", spec.episode_id)
-            result = EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size,
-                                   Cause.ENVPOOL_ERROR, f"{type(exc).__name__}: {exc}"[:500])
+            result = EpisodeFailed(
+                spec.episode_id,
+                spec.group_id,
+                spec.group_size,
+                Cause.ENVPOOL_ERROR,
+                f"{type(exc).__name__}: {exc}"[:500],
+            )
         finally:  # cancellation (the run ended) lands here with the default result above
             self.stats.settle(result)
             self.slots.release()
@@ -232,23 +243,33 @@ class Worker:
                 await self.push.send(result)
         streak = self.stats.actor_failure_streak
         if streak > self.pool.max_consecutive_actor_failures and isinstance(result, EpisodeFailed):
-            raise ActorUnavailable(f"{streak} episodes in a row failed on the actor's side, the "
-                                   f"last with {result.cause}: {result.message}")
+            raise ActorUnavailable(
+                f"{streak} episodes in a row failed on the actor's side, the "
+                f"last with {result.cause}: {result.message}"
+            )
 
     # --- statistics and the end --------------------------------------------------------------
 
     def _snapshot(self) -> None:
         """One statistics record; the latency histogram covers the interval since the last."""
         stats, client = self.stats, self.client
-        self.metrics.write({
-            "worker": self.name, "started": stats.started, "finished": stats.finished,
-            "failed": {str(k): v for k, v in stats.failed.items()}, "live": stats.live,
-            "groups": stats.groups, "rss_bytes": rss_bytes(), "turns": client.stats.completed,
-            "turn_latency": client.take_latency().to_dict(), "gate": self.gate.statistics(),
-            "client": client.statistics(),
-            "actor_socket": self.dealer.statistics().counters(),
-            "learner_socket": self.push.statistics().counters(),
-        })
+        self.metrics.write(
+            {
+                "worker": self.name,
+                "started": stats.started,
+                "finished": stats.finished,
+                "failed": {str(k): v for k, v in stats.failed.items()},
+                "live": stats.live,
+                "groups": stats.groups,
+                "rss_bytes": rss_bytes(),
+                "turns": client.stats.completed,
+                "turn_latency": client.take_latency().to_dict(),
+                "gate": self.gate.statistics(),
+                "client": client.statistics(),
+                "actor_socket": self.dealer.statistics().counters(),
+                "learner_socket": self.push.statistics().counters(),
+            }
+        )
 
     async def _record_stats(self) -> None:
         while True:
@@ -260,24 +281,39 @@ class Worker:
             await anyio.sleep(every_s)
             # A short line; the full statistics go to envpool-<name>.jsonl (_snapshot).
             stats = self.stats
-            log.info("%s started=%d finished=%d failed=%s live=%d gate=%s", self.name,
-                     stats.started, stats.finished, dict(stats.failed), stats.live,
-                     self.gate.statistics())
+            log.info(
+                "%s started=%d finished=%d failed=%s live=%d gate=%s",
+                self.name,
+                stats.started,
+                stats.finished,
+                dict(stats.failed),
+                stats.live,
+                self.gate.statistics(),
+            )
 
     async def _finish(self) -> None:
         stats = self.stats
-        await self.push.send(PoolDone(self.name, stats.started, stats.finished,
-                                      sum(stats.failed.values())))
+        await self.push.send(PoolDone(self.name, stats.started, stats.finished, sum(stats.failed.values())))
         flushed = await self.push.flush(timeout=30.0)
         self._snapshot()
         self.metrics.close()
-        log.info("%s done: started=%d finished=%d failed=%s flushed=%s", self.name,
-                 stats.started, stats.finished, dict(stats.failed), flushed)
+        log.info(
+            "%s done: started=%d finished=%d failed=%s flushed=%s",
+            self.name,
+            stats.started,
+            stats.finished,
+            dict(stats.failed),
+            flushed,
+        )
 
 
-async def run_worker(cfg: Config, worker_index: int = 0, ready_file: str | None = None,
-                     actor_address: str | None = None,
-                     stats_hook: Callable[[WorkerStats], Any] | None = None) -> WorkerStats:
+async def run_worker(
+    cfg: Config,
+    worker_index: int = 0,
+    ready_file: str | None = None,
+    actor_address: str | None = None,
+    stats_hook: Callable[[WorkerStats], Any] | None = None,
+) -> WorkerStats:
     """Run one worker until the learner is final; `stats_hook` receives the live stats object."""
     worker = Worker(cfg, worker_index, actor_address)
     if stats_hook is not None:
@@ -296,10 +332,16 @@ def main(argv: list[str] | None = None) -> None:
             return preflight(cfg)
         raise_fd_limit()
         started = time.monotonic()
-        stats, stopped = anyio.run(run_until_signal, run_worker, cfg, ns.worker_index,
-                                   ns.ready_file, backend="trio")
+        stats, stopped = anyio.run(
+            run_until_signal, run_worker, cfg, ns.worker_index, ns.ready_file, backend="trio"
+        )
         log.info("envpool exited after %.1fs: %s", time.monotonic() - started, stats)
         return STOPPED if stopped else 0
 
-    run_role("envpool", body, argv, check="check the envpool's settings (environment, its "
-             "arguments, tokenizer, a first prompt against the context) and exit")
+    run_role(
+        "envpool",
+        body,
+        argv,
+        check="check the envpool's settings (environment, its "
+        "arguments, tokenizer, a first prompt against the context) and exit",
+    )

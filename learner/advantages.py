@@ -83,9 +83,7 @@ EPS = 1e-6
 Estimator = Callable[..., list[float]]
 
 
-def grpo_advantages(
-    rewards: Sequence[float], *, normalize_std: bool = True, eps: float = EPS
-) -> list[float]:
+def grpo_advantages(rewards: Sequence[float], *, normalize_std: bool = True, eps: float = EPS) -> list[float]:
     """GRPO advantages `(r - mean) / (std + eps)` (population std); `r - mean` without std."""
     n = len(rewards)
     if n == 0:
@@ -115,9 +113,7 @@ def rloo_advantages(rewards: Sequence[float], *, eps: float = EPS) -> list[float
     return [n / (n - 1) * c for c in drgrpo_advantages(rewards, eps=eps)]
 
 
-def ngrpo_advantages(
-    rewards: Sequence[float], *, max_reward: float = 1.0, eps: float = EPS
-) -> list[float]:
+def ngrpo_advantages(rewards: Sequence[float], *, max_reward: float = 1.0, eps: float = EPS) -> list[float]:
     """NGRPO: GRPO with a virtual member of reward `max_reward` in the mean and std only."""
     if not rewards:
         return []
@@ -163,8 +159,11 @@ def compute_advantages(groups: list[Group], cfg: LearnerConfig) -> list[list[lis
     for group in groups:
         trajs = group.trajectories
         for traj in trajs:
-            _check(traj, spans=cfg.advantage == "gigpo" or cfg.reward_level == "turn",
-                   anchors=cfg.advantage == "gigpo")
+            _check(
+                traj,
+                spans=cfg.advantage == "gigpo" or cfg.reward_level == "turn",
+                anchors=cfg.advantage == "gigpo",
+            )
         if cfg.advantage == "gigpo":
             out.append(_gigpo(trajs, cfg))
         elif cfg.reward_level == "trajectory":
@@ -196,8 +195,10 @@ def filter_groups(groups: list[Group], cfg: LearnerConfig) -> tuple[list[Group],
         stds = [_std([t.reward for t in g.trajectories]) for g in groups]
         # sorted() is stable, so equal stds stay in candidate order: earlier wins.
         top = set(sorted(range(len(groups)), key=lambda i: -stds[i])[:k])
-        return ([g for i, g in enumerate(groups) if i in top],
-                [g for i, g in enumerate(groups) if i not in top])
+        return (
+            [g for i, g in enumerate(groups) if i in top],
+            [g for i, g in enumerate(groups) if i not in top],
+        )
     raise ValueError(f"unknown group_filter {mode!r}; known: none, zero_std, starpo_s")
 
 
@@ -220,9 +221,7 @@ def _lookup(name: str) -> Estimator:
     try:
         return ESTIMATORS[name]
     except KeyError:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}"
-        ) from None
+        raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ESTIMATORS)}") from None
 
 
 def _scalar(cfg: LearnerConfig) -> Callable[[Sequence[float]], list[float]]:
@@ -259,8 +258,10 @@ def _check(traj: Trajectory, *, spans: bool, anchors: bool) -> None:
         return
     turns = len(traj.turn_rewards)
     if not len(traj.turn_starts) == len(traj.turn_ends) == turns:
-        raise bad(f"{len(traj.turn_starts)} turn starts, {len(traj.turn_ends)} ends and "
-                  f"{turns} turn rewards: turn-level advantages need one span per turn")
+        raise bad(
+            f"{len(traj.turn_starts)} turn starts, {len(traj.turn_ends)} ends and "
+            f"{turns} turn rewards: turn-level advantages need one span per turn"
+        )
     if anchors and len(traj.anchors) != turns:
         raise bad(f"{len(traj.anchors)} anchors for {turns} turns (GiGPO needs one per turn)")
     prev = 0
@@ -310,5 +311,4 @@ def _gigpo(trajs: Sequence[Trajectory], cfg: LearnerConfig) -> list[list[float]]
         for (i, t), a in zip(members, grpo_advantages([returns[i][t] for i, t in members])):
             step_adv[i][t] = a
     w = cfg.gigpo_step_weight
-    return [_place(traj, episode[i], [w * a for a in step_adv[i]])
-            for i, traj in enumerate(trajs)]
+    return [_place(traj, episode[i], [w * a for a in step_adv[i]]) for i, traj in enumerate(trajs)]

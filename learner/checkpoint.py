@@ -68,8 +68,9 @@ def _rng_state() -> dict[str, Any]:
         "python": random.getstate(),
         "numpy": [kind, np.asarray(key, dtype=np.uint32).tobytes(), pos, has_gauss, gauss],
         "torch": torch.get_rng_state().numpy().tobytes(),
-        "cuda": ([s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()]
-                 if torch.cuda.is_available() else []),
+        "cuda": (
+            [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+        ),
     }
 
 
@@ -81,11 +82,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     if state["cuda"] and torch.cuda.is_available():
         if len(state["cuda"]) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all([torch.frombuffer(bytearray(s), dtype=torch.uint8)
-                                          for s in state["cuda"]])
+            torch.cuda.set_rng_state_all(
+                [torch.frombuffer(bytearray(s), dtype=torch.uint8) for s in state["cuda"]]
+            )
         else:
-            log.warning("CUDA RNG states not restored: saved for %d devices, %d visible",
-                        len(state["cuda"]), torch.cuda.device_count())
+            log.warning(
+                "CUDA RNG states not restored: saved for %d devices, %d visible",
+                len(state["cuda"]),
+                torch.cuda.device_count(),
+            )
 
 
 def _write_synced(path: Path, data: bytes) -> None:
@@ -131,9 +136,15 @@ def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> P
     name = f"step_{version:06d}"
     final, tmp = root / name, root / f".tmp-{name}"
     # Encode first: an unencodable `extra` must fail before anything is written.
-    state = msgspec.msgpack.encode({
-        "format": _FORMAT, "version": version, "extra": extra, "rng": _rng_state(),
-        "buffer": buffer.state_dict() if rank == 0 else None})
+    state = msgspec.msgpack.encode(
+        {
+            "format": _FORMAT,
+            "version": version,
+            "extra": extra,
+            "rng": _rng_state(),
+            "buffer": buffer.state_dict() if rank == 0 else None,
+        }
+    )
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
@@ -184,16 +195,19 @@ def load_checkpoint(path: Path, trainer, buffer) -> dict:
     path, rank = Path(path), _rank()
     state = msgspec.msgpack.decode((path / STATE_FILE).read_bytes())
     if state.get("format") != _FORMAT:
-        raise ValueError(f"{path / STATE_FILE} has format {state.get('format')!r}, this code "
-                         f"reads format {_FORMAT}")
-    loaded, _ = trainer.engine.load_checkpoint(str(path), tag=_ENGINE_TAG,
-                                               load_optimizer_states=True,
-                                               load_lr_scheduler_states=True)
+        raise ValueError(
+            f"{path / STATE_FILE} has format {state.get('format')!r}, this code reads format {_FORMAT}"
+        )
+    loaded, _ = trainer.engine.load_checkpoint(
+        str(path), tag=_ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=True
+    )
     if loaded is None:
         raise FileNotFoundError(f"DeepSpeed found no engine checkpoint in {path / _ENGINE_TAG}")
     if trainer.version != state["version"]:
-        raise RuntimeError(f"{path}: engine restored at step {trainer.version}, the checkpoint "
-                           f"was saved at version {state['version']}")
+        raise RuntimeError(
+            f"{path}: engine restored at step {trainer.version}, the checkpoint "
+            f"was saved at version {state['version']}"
+        )
     restored = 0
     if buffer is not None:
         if state["buffer"] is None:
@@ -207,6 +221,5 @@ def load_checkpoint(path: Path, trainer, buffer) -> dict:
             log.warning("no RNG state for rank %d in %s; keeping the current one", rank, path)
     if rng is not None:
         _set_rng_state(rng)
-    log.info("resumed from %s at version %d (%d complete groups restored)", path,
-             state["version"], restored)
+    log.info("resumed from %s at version %d (%d complete groups restored)", path, state["version"], restored)
     return {**state["extra"], "version": state["version"], "restored_groups": restored}

@@ -43,8 +43,9 @@ def init_distributed(deepspeed: Any) -> list[str]:
     ours: list[str] = []
     if not dist.is_initialized() and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # No launcher: be rank 0 of 1 (else DeepSpeed tries MPI discovery through mpi4py).
-        env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(free_port()))
+        env = dict(
+            RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+        )
         os.environ.update(env)
         ours = [k for k in env if k != "LOCAL_RANK"]  # every engine init reads LOCAL_RANK
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -71,8 +71,9 @@ def _pad_first(x: Tensor) -> Tensor:
     return torch.cat([x.new_zeros(x.shape[0], 1), x], dim=1)
 
 
-def sequence_logprobs(logits: Tensor, token_ids: Tensor, *,
-                      entropy_grad: bool = True) -> tuple[Tensor, Tensor]:
+def sequence_logprobs(
+    logits: Tensor, token_ids: Tensor, *, entropy_grad: bool = True
+) -> tuple[Tensor, Tensor]:
     """Log-prob and predictive entropy of each token: ([B, T], [B, T]) float32, 0 at t = 0.
 
     `logits` [B, T, V] come from a causal LM run over `token_ids` [B, T]; `logp[:, t]` is
@@ -96,8 +97,14 @@ def gather_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
     return _pad_first(_shifted_log_softmax(logits, token_ids)[1])
 
 
-def aggregation_weights(mask: Tensor, loss_agg: LossAgg, *, tokens: float, sequences: float,
-                        generation_budget: float | None = None) -> Tensor:
+def aggregation_weights(
+    mask: Tensor,
+    loss_agg: LossAgg,
+    *,
+    tokens: float,
+    sequences: float,
+    generation_budget: float | None = None,
+) -> Tensor:
     """Per-token weights `c` [B, T] float32 (see the module docstring); 0 off the mask.
 
     `tokens` and `sequences` are the step's totals of loss tokens and of sequences with at least
@@ -116,8 +123,10 @@ def aggregation_weights(mask: Tensor, loss_agg: LossAgg, *, tokens: float, seque
         denom = on.sum(dim=1, keepdim=True).clamp(min=1).float() * float(sequences)
     elif loss_agg == "seq_sum_norm":
         if sequences <= 0 or not generation_budget or generation_budget <= 0:
-            raise ValueError("seq_sum_norm needs sequences > 0 and generation_budget > 0, got "
-                             f"{sequences} and {generation_budget}")
+            raise ValueError(
+                "seq_sum_norm needs sequences > 0 and generation_budget > 0, got "
+                f"{sequences} and {generation_budget}"
+            )
         denom = torch.as_tensor(float(sequences) * float(generation_budget))
     else:
         raise ValueError(f"unknown loss_agg {loss_agg!r}")
@@ -209,6 +218,7 @@ def ppo_clip_loss(
     on = mask > 0
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     if weights is None:
+        assert normalizer is not None  # exactly one of them, checked above
         weights = mask.float() / normalizer
     c = torch.where(on, weights.float(), zero)
     anchor = behav_logp if prox_logp is None else prox_logp
@@ -237,15 +247,17 @@ def ppo_clip_loss(
         r = ratio.detach()
         lr = log_ratio.detach()
         clipped = on & (((adv > 0) & (r > 1.0 + clip_high)) | ((adv < 0) & (r < 1.0 - clip_low)))
-        stats.update({
-            "tokens": on.sum().float(),
-            "clipped_tokens": clipped.sum().float(),
-            "ratio_sum": torch.where(on, r, zero).sum(),
-            # ratio > 0 everywhere, so 0 off the mask never wins the max (and is the empty answer).
-            "ratio_max": torch.where(on, r, zero).max() if r.numel() else zero.clone(),
-            "approx_kl_sum": torch.where(on, (r - 1.0) - lr, zero).sum(),
-            "pg_loss": loss.detach(),
-        })
+        stats.update(
+            {
+                "tokens": on.sum().float(),
+                "clipped_tokens": clipped.sum().float(),
+                "ratio_sum": torch.where(on, r, zero).sum(),
+                # ratio > 0 everywhere, so 0 off the mask never wins the max (and is the empty answer).
+                "ratio_max": torch.where(on, r, zero).max() if r.numel() else zero.clone(),
+                "approx_kl_sum": torch.where(on, (r - 1.0) - lr, zero).sum(),
+                "pg_loss": loss.detach(),
+            }
+        )
     return loss, stats
 
 
@@ -279,9 +291,17 @@ def rl_loss(
     """
     if kl_coef > 0 and ref_logp is None:
         raise ValueError("kl_coef > 0 needs reference logprobs")
-    loss, stats = ppo_clip_loss(logp, behav_logp, advantages, mask, clip_low=clip_low,
-                                clip_high=clip_high, weights=weights, prox_logp=prox_logp,
-                                is_cap=is_cap)
+    loss, stats = ppo_clip_loss(
+        logp,
+        behav_logp,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        weights=weights,
+        prox_logp=prox_logp,
+        is_cap=is_cap,
+    )
     on = mask > 0
     zero = torch.zeros((), dtype=torch.float32, device=logp.device)
     c = torch.where(on, weights.float(), zero)

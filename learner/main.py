@@ -67,7 +67,7 @@ class Experience:
     """Rank 0's sockets: PULL for episodes, PUB for versions."""
 
     def __init__(self, cfg: Config) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.codec = Codec()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, cfg.transport.high_water_mark)
@@ -101,9 +101,11 @@ def train_samples(traj: Trajectory, advantages: list[float]) -> list[TrainSample
     """The sequences one trajectory trains: one per context it used (Delethink chunks are
     separate contexts, `segment_starts`), skipping a context with no trained token."""
     bounds = [0, *traj.segment_starts, len(traj.token_ids)]
-    return [TrainSample(traj.token_ids[a:b], traj.loss_mask[a:b], traj.logprobs[a:b],
-                        advantages[a:b])
-            for a, b in zip(bounds, bounds[1:]) if any(traj.loss_mask[a:b])]
+    return [
+        TrainSample(traj.token_ids[a:b], traj.loss_mask[a:b], traj.logprobs[a:b], advantages[a:b])
+        for a, b in zip(bounds, bounds[1:])
+        if any(traj.loss_mask[a:b])
+    ]
 
 
 class Leader:
@@ -113,8 +115,7 @@ class Leader:
         self.cfg, self.trainer, self.team, self.run_dir = cfg, trainer, team, run_dir
         train, learner = cfg.train, cfg.learner
         bound = train.max_staleness if learner.staleness_policy == "drop" else learner.decoupled_max_staleness
-        self.buffer = ReplayBuffer(train.group_size, train.groups_per_batch, bound,
-                                   learner.max_buffer_groups)
+        self.buffer = ReplayBuffer(train.group_size, train.groups_per_batch, bound, learner.max_buffer_groups)
         self.group_base = 0  # first group number of this session (continues after a resume)
         self.carried = 0  # complete groups restored from a checkpoint, holding admission slots
         self.trained_groups = 0  # groups trained in this session
@@ -129,10 +130,14 @@ class Leader:
 
     def limit(self) -> int:
         cfg = self.cfg
-        return admit_limit(group_base=self.group_base,
-                           consumed=self.trained_groups + self.buffer.dropped_groups - self.dropped_before,
-                           carried=self.carried, groups_per_batch=cfg.train.groups_per_batch,
-                           max_staleness=cfg.train.max_staleness, slack=cfg.envpool.admission_slack)
+        return admit_limit(
+            group_base=self.group_base,
+            consumed=self.trained_groups + self.buffer.dropped_groups - self.dropped_before,
+            carried=self.carried,
+            groups_per_batch=cfg.train.groups_per_batch,
+            max_staleness=cfg.train.max_staleness,
+            slack=cfg.envpool.admission_slack,
+        )
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -140,8 +145,12 @@ class Leader:
         cfg, trainer = self.cfg, self.trainer
         if cfg.run.resume:
             self._resume(find_checkpoint(cfg.run.resume))
-        self.sync = WeightSender(cfg.actor.connect or cfg.actor.address, cfg.learner,
-                                 dtype=cfg.model.dtype, hello_timeout_s=cfg.actor.startup_timeout_s)
+        self.sync = WeightSender(
+            cfg.actor.connect or cfg.actor.address,
+            cfg.learner,
+            dtype=cfg.model.dtype,
+            hello_timeout_s=cfg.actor.startup_timeout_s,
+        )
         self.sync.attach()
         pushed = self._push_weights()
         log.info("policy version %d pushed in %.2fs", trainer.version, pushed["sync/total_s"])
@@ -149,10 +158,16 @@ class Leader:
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         self.episodes_log = (self.run_dir / "trajectories.jsonl").open("ab")
         if cfg.run.resume:
-            self.metrics.write({"event": "resume", "step": trainer.version,
-                                "checkpoint": str(find_checkpoint(cfg.run.resume))})
-        write_ready(ready_file, experience=cfg.learner.experience_address,
-                    versions=cfg.learner.version_address)
+            self.metrics.write(
+                {
+                    "event": "resume",
+                    "step": trainer.version,
+                    "checkpoint": str(find_checkpoint(cfg.run.resume)),
+                }
+            )
+        write_ready(
+            ready_file, experience=cfg.learner.experience_address, versions=cfg.learner.version_address
+        )
         self.started = self.last_step = self.last_data = time.monotonic()
         announced = self.limit()
         self.exp.announce(trainer.version, announced, self.group_base)
@@ -165,8 +180,10 @@ class Leader:
                 announced = self.limit()
                 self.exp.announce(trainer.version, announced, self.group_base)
             if not stepped and time.monotonic() - self.last_data > cfg.learner.idle_timeout_s:
-                raise TimeoutError(f"no experience for {cfg.learner.idle_timeout_s}s; is the envpool "
-                                   f"alive? buffer: {self.buffer.statistics()}")
+                raise TimeoutError(
+                    f"no experience for {cfg.learner.idle_timeout_s}s; is the envpool "
+                    f"alive? buffer: {self.buffer.statistics()}"
+                )
         return self._finish()
 
     def _handle(self, message) -> None:
@@ -174,8 +191,9 @@ class Leader:
             self.buffer.add(message)
         elif isinstance(message, EpisodeFailed):
             self.buffer.fail(message)
-            self._log_episode({"fate": "failed", "version": self.trainer.version,
-                               **msgspec.structs.asdict(message)})
+            self._log_episode(
+                {"fate": "failed", "version": self.trainer.version, **msgspec.structs.asdict(message)}
+            )
         elif isinstance(message, PoolDone):
             self.done_workers[message.worker] = message
         else:
@@ -192,11 +210,15 @@ class Leader:
         self.trained_groups += len(batch)
         sync_metrics = self._push_weights()
         now = time.monotonic()
-        record = {"step": self.trainer.version, "trained_version": version,
-                  "learner/ranks": self.team.world,
-                  **batch_metrics(batch, version, now - self.last_step, now - self.started),
-                  **{f"train/{k}": v for k, v in step_metrics.items()},
-                  **sync_metrics, **self._buffer_metrics()}
+        record = {
+            "step": self.trainer.version,
+            "trained_version": version,
+            "learner/ranks": self.team.world,
+            **batch_metrics(batch, version, now - self.last_step, now - self.started),
+            **{f"train/{k}": v for k, v in step_metrics.items()},
+            **sync_metrics,
+            **self._buffer_metrics(),
+        }
         self._log_trained(scored, version)  # first: the metrics record counts these episodes
         self._report(record, step_metrics)
         self.last_step = now
@@ -209,7 +231,8 @@ class Leader:
         """The next batch of complete, fresh-enough groups that pass the group filter."""
         cfg = self.cfg
         candidates = self.buffer.take_batch(
-            version, count=filter_pool_size(cfg.learner, cfg.train.groups_per_batch))
+            version, count=filter_pool_size(cfg.learner, cfg.train.groups_per_batch)
+        )
         if candidates is None:
             return []
         batch, rejected = filter_groups(candidates, cfg.learner)
@@ -220,15 +243,15 @@ class Leader:
     def _score(self, batch: list[Group]) -> list[tuple[Trajectory, list[float]]]:
         """Every trajectory of the batch with its per-token advantages."""
         advantages = compute_advantages(batch, self.cfg.learner)
-        return [(t, adv) for g, g_adv in zip(batch, advantages)
-                for t, adv in zip(g.trajectories, g_adv)]
+        return [(t, adv) for g, g_adv in zip(batch, advantages) for t, adv in zip(g.trajectories, g_adv)]
 
     def _train(self, scored: list[tuple[Trajectory, list[float]]]) -> dict[str, float]:
         """One optimizer step on every rank (each trains its shard of the samples)."""
         samples = [s for t, adv in scored for s in train_samples(t, adv)]
         self.team.command("train", samples)
-        metrics = self.trainer.train_step(self.team.shard(samples), self.cfg.learner,
-                                          generation_budget=self.generation_budget)
+        metrics = self.trainer.train_step(
+            self.team.shard(samples), self.cfg.learner, generation_budget=self.generation_budget
+        )
         return metrics
 
     def _report(self, record: dict, step_metrics: dict[str, float]) -> None:
@@ -238,26 +261,33 @@ class Leader:
         record["warning/no_signal_steps"] = quiet
         self.metrics.write(record)
         if quiet == self.no_signal.after:
-            log.warning("no learning signal: every group of the last %d batches had equal rewards",
-                        quiet)
+            log.warning("no learning signal: every group of the last %d batches had equal rewards", quiet)
             self.metrics.write({"event": "no_signal_warning", "step": step, "steps": quiet})
         warning = self.collapse.update(record["reward/std"], step_metrics.get("entropy"))
         if warning:
             log.warning("collapse warning at step %d: %s", step, warning)
-            print(f"warning: reward std and entropy collapsing at step {step} "
-                  f"(std {warning['reward_std']:.3f} from {warning['reward_std_peak']:.3f}, entropy "
-                  f"{warning['entropy']:.2f} from {warning['entropy_peak']:.2f})", flush=True)
+            print(
+                f"warning: reward std and entropy collapsing at step {step} "
+                f"(std {warning['reward_std']:.3f} from {warning['reward_std_peak']:.3f}, entropy "
+                f"{warning['entropy']:.2f} from {warning['entropy_peak']:.2f})",
+                flush=True,
+            )
             self.metrics.write({"event": "collapse_warning", "step": step, **warning})
-        print(progress_line(record, self.cfg.train.steps, no_signal_after=self.no_signal.after),
-              flush=True)
+        print(progress_line(record, self.cfg.train.steps, no_signal_after=self.no_signal.after), flush=True)
 
     def _log_trained(self, scored: list[tuple[Trajectory, list[float]]], version: int) -> None:
         """One trajectory record per trained episode, flushed with the step (a kill keeps it)."""
         for traj, adv in scored:
             first = next((a for a, m in zip(adv, traj.loss_mask) if m), 0.0)
-            self._log_episode({"fate": "trained", "step": self.trainer.version,
-                               "trained_version": version, "advantage": first,
-                               **msgspec.structs.asdict(traj)})
+            self._log_episode(
+                {
+                    "fate": "trained",
+                    "step": self.trainer.version,
+                    "trained_version": version,
+                    "advantage": first,
+                    **msgspec.structs.asdict(traj),
+                }
+            )
         self.episodes_log.flush()
 
     # --- collective steps (every rank enters them) -----------------------------------------
@@ -269,8 +299,9 @@ class Leader:
     def _save(self) -> Path:
         extra = {"next_group": self._next_group(), "run_dir": str(self.run_dir)}
         self.team.command("save", extra)
-        path = save_checkpoint(self.run_dir, self.trainer, self.buffer, extra,
-                               keep=self.cfg.learner.keep_checkpoints)
+        path = save_checkpoint(
+            self.run_dir, self.trainer, self.buffer, extra, keep=self.cfg.learner.keep_checkpoints
+        )
         self.metrics.write({"event": "checkpoint", "step": self.trainer.version, "path": str(path)})
         return path
 
@@ -281,8 +312,13 @@ class Leader:
         self.carried = int(state["restored_groups"])
         self.received_before = self.buffer.statistics()["received"]
         self.dropped_before = self.buffer.dropped_groups
-        log.info("resumed from %s at policy version %d (%d groups carried, numbering from %d)",
-                 path, self.trainer.version, self.carried, self.group_base)
+        log.info(
+            "resumed from %s at policy version %d (%d groups carried, numbering from %d)",
+            path,
+            self.trainer.version,
+            self.carried,
+            self.group_base,
+        )
 
     def _next_group(self) -> int:
         seen = self.buffer.max_group_number()
@@ -320,9 +356,11 @@ class Leader:
         }
         # Every episode this session's workers started arrived, and every episode the buffer
         # ever received (this session's and, after a resume, earlier ones) has exactly one fate.
-        summary["accounting_ok"] = (len(self.done_workers) == cfg.envpool.workers
-                                    and started == stats["received"] - self.received_before
-                                    and stats["received"] == accounted)
+        summary["accounting_ok"] = (
+            len(self.done_workers) == cfg.envpool.workers
+            and started == stats["received"] - self.received_before
+            and stats["received"] == accounted
+        )
         if not summary["accounting_ok"]:
             log.error("accounting does not add up: %s", summary)
         self.team.command("stop")
@@ -334,8 +372,12 @@ class Leader:
 
     def _buffer_metrics(self) -> dict:
         stats = self.buffer.statistics()
-        out = {"episodes/received": stats["received"], "episodes/trained": stats["trained"],
-               "episodes/buffered": stats["buffered"], "groups/dropped": stats["dropped_groups"]}
+        out = {
+            "episodes/received": stats["received"],
+            "episodes/trained": stats["trained"],
+            "episodes/buffered": stats["buffered"],
+            "groups/dropped": stats["dropped_groups"],
+        }
         out.update({f"episodes/dropped/{k}": v for k, v in stats["dropped"].items()})
         out.update({f"episodes/failed/{k}": v for k, v in stats["failed"].items()})
         return out
@@ -355,8 +397,9 @@ def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
             for _ in trainer.named_weights():
                 pass
         elif kind == "save":
-            save_checkpoint(Path(payload["run_dir"]), trainer, None, payload,
-                            keep=cfg.learner.keep_checkpoints)
+            save_checkpoint(
+                Path(payload["run_dir"]), trainer, None, payload, keep=cfg.learner.keep_checkpoints
+            )
         elif kind == "load":
             load_checkpoint(Path(payload), trainer, None)  # only rank 0 holds the buffer
         elif kind == "stop":
@@ -368,8 +411,7 @@ def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
 def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
     run_dir = Path(cfg.run.dir or f"{cfg.run.root}/{cfg.run.name}-learner")
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(resolve_model_dir(cfg), cfg.learner, seed=cfg.run.seed,
-                      dtype=cfg.learner.train_dtype)
+    trainer = Trainer(resolve_model_dir(cfg), cfg.learner, seed=cfg.run.seed, dtype=cfg.learner.train_dtype)
     team = Team()
     if not team.leader:
         follow(cfg, trainer, team)

@@ -277,23 +277,41 @@ class ReplayBuffer:
         return {
             "format": self.STATE_FORMAT,
             "group_size": self.group_size,
-            "complete": [{"group_id": g.group_id, "trajectories": list(g.trajectories),
-                          "failed": g.failed, "oldest_version": g.oldest_version}
-                         for g in self._complete.values()],
-            "partial": [{"group_id": gid, "trajectories": list(p.trajectories),
-                         "failed": p.failed, "oldest": p.oldest}
-                        for gid, p in self._pending.items()],
-            "counters": {"received": self.received, "trained": self.trained,
-                         "duplicates": self.duplicates, "buffered": self.buffered,
-                         "dropped_groups": self.dropped_groups, "dropped": dict(self.dropped),
-                         "failed": dict(self.failed)},
+            "complete": [
+                {
+                    "group_id": g.group_id,
+                    "trajectories": list(g.trajectories),
+                    "failed": g.failed,
+                    "oldest_version": g.oldest_version,
+                }
+                for g in self._complete.values()
+            ],
+            "partial": [
+                {
+                    "group_id": gid,
+                    "trajectories": list(p.trajectories),
+                    "failed": p.failed,
+                    "oldest": p.oldest,
+                }
+                for gid, p in self._pending.items()
+            ],
+            "counters": {
+                "received": self.received,
+                "trained": self.trained,
+                "duplicates": self.duplicates,
+                "buffered": self.buffered,
+                "dropped_groups": self.dropped_groups,
+                "dropped": dict(self.dropped),
+                "failed": dict(self.failed),
+            },
             "seen": sorted(self._seen),
             "closed": dict(self._closed),
             "last_staleness": list(self._last_staleness),
         }
 
-    def load_state_dict(self, state: dict[str, Any], *,
-                        drop_partial_cause: DropCause = DropCause.INCOMPLETE_AT_RESUME) -> int:
+    def load_state_dict(
+        self, state: dict[str, Any], *, drop_partial_cause: DropCause = DropCause.INCOMPLETE_AT_RESUME
+    ) -> int:
         """Replaces this buffer's contents with `state` (from `state_dict`, possibly through a
         msgpack round trip); returns how many complete groups were restored.
 
@@ -304,32 +322,41 @@ class ReplayBuffer:
         holds more than `max_groups` complete groups.
         """
         if state.get("format") != self.STATE_FORMAT:
-            raise ValueError(f"replay buffer state has format {state.get('format')!r}, this "
-                             f"code reads format {self.STATE_FORMAT}")
+            raise ValueError(
+                f"replay buffer state has format {state.get('format')!r}, this "
+                f"code reads format {self.STATE_FORMAT}"
+            )
         if state["group_size"] != self.group_size:
-            raise ValueError(f"replay buffer state was saved with group_size="
-                             f"{state['group_size']}, the buffer uses {self.group_size}: "
-                             "train.group_size cannot change across a resume")
+            raise ValueError(
+                f"replay buffer state was saved with group_size="
+                f"{state['group_size']}, the buffer uses {self.group_size}: "
+                "train.group_size cannot change across a resume"
+            )
         if len(state["complete"]) > self.max_groups:
-            raise ValueError(f"replay buffer state holds {len(state['complete'])} complete "
-                             f"groups, more than max_groups={self.max_groups}")
+            raise ValueError(
+                f"replay buffer state holds {len(state['complete'])} complete "
+                f"groups, more than max_groups={self.max_groups}"
+            )
 
         def trajectories(raw: list) -> list[Trajectory]:
             return [msgspec.convert(t, Trajectory) for t in raw]
 
         complete: OrderedDict[str, Group] = OrderedDict()
         for g in state["complete"]:
-            complete[g["group_id"]] = Group(g["group_id"], trajectories(g["trajectories"]),
-                                            int(g["failed"]), int(g["oldest_version"]))
-        partial = {p["group_id"]: _Pending(trajectories(p["trajectories"]), int(p["failed"]),
-                                           p["oldest"]) for p in state["partial"]}
+            complete[g["group_id"]] = Group(
+                g["group_id"], trajectories(g["trajectories"]), int(g["failed"]), int(g["oldest_version"])
+            )
+        partial = {
+            p["group_id"]: _Pending(trajectories(p["trajectories"]), int(p["failed"]), p["oldest"])
+            for p in state["partial"]
+        }
         c = state["counters"]
         held = sum(len(g.trajectories) for g in complete.values()) + sum(
-            len(p.trajectories) for p in partial.values())
+            len(p.trajectories) for p in partial.values()
+        )
         gone = c["trained"] + sum(c["dropped"].values()) + sum(c["failed"].values())
         if c["buffered"] != held or c["received"] != gone + held:
-            raise ValueError(f"replay buffer state is inconsistent: {held} trajectories held, "
-                             f"counters {c}")
+            raise ValueError(f"replay buffer state is inconsistent: {held} trajectories held, counters {c}")
 
         closed = {gid: DropCause(cause) for gid, cause in state["closed"].items()}
         seen = set(state["seen"])
@@ -375,8 +402,6 @@ class ReplayBuffer:
             "partial_groups": len(self._pending),
             # Of the groups returned by the last take_batch; None before the first batch.
             "staleness": (
-                {"min": min(stale), "mean": sum(stale) / len(stale), "max": max(stale)}
-                if stale
-                else None
+                {"min": min(stale), "mean": sum(stale) / len(stale), "max": max(stale)} if stale else None
             ),
         }

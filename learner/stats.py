@@ -27,8 +27,7 @@ __all__ = ["batch_metrics", "progress_line", "CollapseWatch", "NoSignalWatch"]
 
 def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: float) -> dict:
     rewards = [t.reward for g in batch for t in g.trajectories]
-    lags = [version - v for g in batch for t in g.trajectories
-            for v, m in zip(t.versions, t.loss_mask) if m]
+    lags = [version - v for g in batch for t in g.trajectories for v, m in zip(t.versions, t.loss_mask) if m]
     tokens = len(lags)
     zero_std = sum(1 for g in batch if len({t.reward for t in g.trajectories}) == 1)
     truncated = Counter(str(t.truncated) for g in batch for t in g.trajectories if t.truncated)
@@ -56,11 +55,13 @@ def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: fl
 def progress_line(record: dict, steps: int, no_signal_after: int = 3) -> str:
     dropped = sum(v for k, v in record.items() if k.startswith("episodes/dropped/"))
     failed = sum(v for k, v in record.items() if k.startswith("episodes/failed/"))
-    line = (f"step {record['step']:>4}/{steps} | reward {record['reward/mean']:.3f} "
-            f"± {record['reward/std']:.3f} | staleness {record['staleness/min']}/"
-            f"{record['staleness/mean']:.2f}/{record['staleness/max']} | "
-            f"{record['perf/tokens_per_s']:.0f} tok/s | dropped {dropped} failed {failed} | "
-            f"sync {record['sync/total_s']:.2f}s | {record['perf/elapsed_s']:.0f}s")
+    line = (
+        f"step {record['step']:>4}/{steps} | reward {record['reward/mean']:.3f} "
+        f"± {record['reward/std']:.3f} | staleness {record['staleness/min']}/"
+        f"{record['staleness/mean']:.2f}/{record['staleness/max']} | "
+        f"{record['perf/tokens_per_s']:.0f} tok/s | dropped {dropped} failed {failed} | "
+        f"sync {record['sync/total_s']:.2f}s | {record['perf/elapsed_s']:.0f}s"
+    )
     quiet = record.get("warning/no_signal_steps", 0)
     if quiet >= no_signal_after:
         line += f" | NO SIGNAL: equal rewards in every group for {quiet} steps"
@@ -96,14 +97,19 @@ class CollapseWatch:
             return None
         recent_std = statistics.fmean(self.stds[-w:])
         recent_ent = statistics.fmean(self.entropies[-w:])
-        best_std = max(statistics.fmean(self.stds[i:i + w]) for i in range(len(self.stds) - 2 * w + 1))
-        best_ent = max(statistics.fmean(self.entropies[i:i + w])
-                       for i in range(len(self.entropies) - 2 * w + 1))
+        best_std = max(statistics.fmean(self.stds[i : i + w]) for i in range(len(self.stds) - 2 * w + 1))
+        best_ent = max(
+            statistics.fmean(self.entropies[i : i + w]) for i in range(len(self.entropies) - 2 * w + 1)
+        )
         collapsing = recent_std < self.ratio * best_std and recent_ent < self.ratio * best_ent
         if collapsing and not self.warned:
             self.warned = True
-            return {"reward_std": recent_std, "reward_std_peak": best_std,
-                    "entropy": recent_ent, "entropy_peak": best_ent}
+            return {
+                "reward_std": recent_std,
+                "reward_std_peak": best_std,
+                "entropy": recent_ent,
+                "entropy_peak": best_ent,
+            }
         if not collapsing:
             self.warned = False
         return None

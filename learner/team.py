@@ -46,4 +46,4 @@ class Team:
         return box[0]
 
     def shard(self, items: list) -> list:
-        return items[self.rank::self.world]
+        return items[self.rank :: self.world]

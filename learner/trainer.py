@@ -67,10 +67,11 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,17 @@ _Logprobs = list[torch.Tensor]  # one [B, T] tensor per micro-batch
 PAD_ID = 0
 
 # Tokenizer files copied next to the saved weights (the rest of the model dir is weights/config).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-                    "chat_template.jinja", "chat_template.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 @dataclass
@@ -126,8 +135,9 @@ class Trainer:
     else None; see the module docstring for its memory cost, under ZeRO-3 especially.
     """
 
-    def __init__(self, model_dir: str, learner_cfg: LearnerConfig, *, seed: int,
-                 dtype: str = "float32") -> None:
+    def __init__(
+        self, model_dir: str, learner_cfg: LearnerConfig, *, seed: int, dtype: str = "float32"
+    ) -> None:
         if dtype not in ("float32", "bfloat16"):
             # fp16 would need loss scaling and overflow handling; nothing here wants it.
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
@@ -142,19 +152,23 @@ class Trainer:
             # fp32 master weights; DeepSpeed casts the module to bf16 itself when bf16 is on.
             model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
             model.config.use_cache = False  # training never reuses a KV cache
-            optimizer = torch.optim.AdamW(model.parameters(), lr=learner_cfg.lr,
-                                          weight_decay=learner_cfg.weight_decay,
-                                          betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
-                                          eps=learner_cfg.adam_eps)
-            self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                                   config=ds_config(learner_cfg, dtype))
+            optimizer = torch.optim.AdamW(
+                model.parameters(),
+                lr=learner_cfg.lr,
+                weight_decay=learner_cfg.weight_decay,
+                betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
+                eps=learner_cfg.adam_eps,
+            )
+            self.engine, *_ = deepspeed.initialize(
+                model=model, optimizer=optimizer, config=ds_config(learner_cfg, dtype)
+            )
             self.reference: torch.nn.Module | None = None
             if learner_cfg.kl_coef > 0:
                 # Loaded after deepspeed.initialize, so a ZeRO-3 engine never sees it: a whole,
                 # unsharded copy on every rank (module docstring).
                 ref = AutoModelForCausalLM.from_pretrained(
-                    str(self.model_dir),
-                    dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+                    str(self.model_dir), dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32
+                )
                 ref.config.use_cache = False
                 self.reference = ref.to(self.engine.device).eval().requires_grad_(False)
         finally:
@@ -177,8 +191,10 @@ class Trainer:
     def _batch(self, samples: list[TrainSample]) -> dict[str, torch.Tensor]:
         """Right-pad a micro-batch into tensors on the engine's device."""
         width = max(len(s.token_ids) for s in samples)
-        out = {"ids": torch.full((len(samples), width), PAD_ID, dtype=torch.long),
-               "attn": torch.zeros((len(samples), width), dtype=torch.long)}
+        out = {
+            "ids": torch.full((len(samples), width), PAD_ID, dtype=torch.long),
+            "attn": torch.zeros((len(samples), width), dtype=torch.long),
+        }
         out.update({k: torch.zeros((len(samples), width)) for k in ("mask", "behav", "adv")})
         for i, s in enumerate(samples):
             t = len(s.token_ids)
@@ -190,8 +206,7 @@ class Trainer:
         return {k: v.to(self.device) for k, v in out.items()}
 
     @staticmethod
-    def _check(samples: list[TrainSample], cfg: LearnerConfig,
-               generation_budget: int) -> tuple[int, int]:
+    def _check(samples: list[TrainSample], cfg: LearnerConfig, generation_budget: int) -> tuple[int, int]:
         """Validate the samples; return their loss tokens and sequences with loss tokens."""
         if not samples:
             raise ValueError("train_step needs at least one sample (on every rank)")
@@ -201,8 +216,10 @@ class Trainer:
         for i, s in enumerate(samples):
             t = len(s.token_ids)
             if not (len(s.loss_mask) == len(s.behav_logprobs) == len(s.advantages) == t):
-                raise ValueError(f"sample {i}: token_ids, loss_mask, behav_logprobs and "
-                                 "advantages must have the same length")
+                raise ValueError(
+                    f"sample {i}: token_ids, loss_mask, behav_logprobs and "
+                    "advantages must have the same length"
+                )
             if t and s.loss_mask[0]:
                 # Position 0 has no context, hence no logprob: it can never carry loss.
                 raise ValueError(f"sample {i}: loss_mask[0] must be 0")
@@ -210,8 +227,7 @@ class Trainer:
             if cfg.loss_agg == "seq_sum_norm" and n > generation_budget:
                 # Dr.GRPO's constant normaliser assumes no sequence exceeds the budget; more
                 # means the caller's budget is wrong (e.g. max_tokens without max_turns).
-                raise ValueError(f"sample {i}: {n} loss tokens exceed generation_budget "
-                                 f"{generation_budget}")
+                raise ValueError(f"sample {i}: {n} loss tokens exceed generation_budget {generation_budget}")
             tokens += n
             sequences += n > 0
         return tokens, sequences
@@ -226,8 +242,9 @@ class Trainer:
         return module(input_ids=batch["ids"], attention_mask=batch["attn"], use_cache=False).logits
 
     @torch.no_grad()
-    def _frozen_logprobs(self, batches: list[dict[str, torch.Tensor]], n_chunks: int, *,
-                         proximal: bool) -> tuple[_Logprobs | None, _Logprobs | None]:
+    def _frozen_logprobs(
+        self, batches: list[dict[str, torch.Tensor]], n_chunks: int, *, proximal: bool
+    ) -> tuple[_Logprobs | None, _Logprobs | None]:
         """No-grad passes before the update: proximal logprobs (the engine's current weights, eval
         mode) and reference logprobs, one [B, T] tensor per micro-batch, or None where not needed.
 
@@ -240,7 +257,7 @@ class Trainer:
             self.engine.eval()
         for k in range(n_chunks):
             batch = batches[min(k, len(batches) - 1)]
-            if proximal:
+            if prox is not None:
                 logp = gather_logprobs(self._logits(self.engine, batch), batch["ids"])
                 if k < len(batches):
                     prox.append(logp)
@@ -248,8 +265,9 @@ class Trainer:
                 ref.append(gather_logprobs(self._logits(self.reference, batch), batch["ids"]))
         return prox, ref
 
-    def train_step(self, samples: list[TrainSample], cfg: LearnerConfig, *,
-                   generation_budget: int) -> dict[str, float]:
+    def train_step(
+        self, samples: list[TrainSample], cfg: LearnerConfig, *, generation_budget: int
+    ) -> dict[str, float]:
         """One optimizer step over all `samples` with the loss `cfg` describes; plain-float metrics.
 
         `generation_budget` is the most generated tokens one sequence can have (envpool max_tokens
@@ -283,32 +301,48 @@ class Trainer:
         self.engine.step()  # the one boundary: reduce, clip, AdamW update, zero the grads
         return self._metrics(plan, sums, maxes, local_norm, time.perf_counter() - start)
 
-    def _plan(self, samples: list[TrainSample], cfg: LearnerConfig,
-              generation_budget: int) -> _StepPlan:
+    def _plan(self, samples: list[TrainSample], cfg: LearnerConfig, generation_budget: int) -> _StepPlan:
         """Check the samples, count them over all ranks, cut them into micro-batches."""
         local_tokens, local_seqs = self._check(samples, cfg, generation_budget)
         if cfg.kl_coef > 0 and self.reference is None:
-            raise ValueError("kl_coef > 0 needs the reference policy: build the Trainer with a "
-                             "learner config whose kl_coef > 0")
+            raise ValueError(
+                "kl_coef > 0 needs the reference policy: build the Trainer with a "
+                "learner config whose kl_coef > 0"
+            )
         order = sorted(range(len(samples)), key=lambda i: len(samples[i].token_ids), reverse=True)
         mbs = self.micro_batch_size
-        chunks = [order[lo:lo + mbs] for lo in range(0, len(order), mbs)]
+        chunks = [order[lo : lo + mbs] for lo in range(0, len(order), mbs)]
         # ZeRO-2/3 reduce gradients inside backward, so all ranks must run as many micro-batches;
         # a rank with fewer repeats its last one at weight 0.
         total_tokens, total_seqs, all_samples = (
-            int(v) for v in self._all_reduce([local_tokens, local_seqs, len(samples)], "sum"))
+            int(v) for v in self._all_reduce([local_tokens, local_seqs, len(samples)], "sum")
+        )
         n_chunks = int(self._all_reduce([len(chunks)], "max")[0])
         if total_tokens == 0:
             # Every aggregation is undefined over zero tokens; the caller should filter these.
             raise ValueError("train_step got no loss-carrying tokens (every loss_mask is 0)")
         batches = [self._batch([samples[i] for i in chunk]) for chunk in chunks]
-        return _StepPlan(batches, n_chunks, total_tokens, total_seqs, all_samples,
-                         cfg.staleness_policy == "decoupled", self.engine.dp_world_size,
-                         generation_budget)
+        return _StepPlan(
+            batches,
+            n_chunks,
+            total_tokens,
+            total_seqs,
+            all_samples,
+            cfg.staleness_policy == "decoupled",
+            self.engine.dp_world_size,
+            generation_budget,
+        )
 
-    def _micro_step(self, plan: _StepPlan, k: int, cfg: LearnerConfig,
-                    prox: _Logprobs | None, ref: _Logprobs | None,
-                    sums: dict[str, torch.Tensor], maxes: dict[str, torch.Tensor]) -> None:
+    def _micro_step(
+        self,
+        plan: _StepPlan,
+        k: int,
+        cfg: LearnerConfig,
+        prox: _Logprobs | None,
+        ref: _Logprobs | None,
+        sums: dict[str, torch.Tensor],
+        maxes: dict[str, torch.Tensor],
+    ) -> None:
         """Forward and backward of micro-batch `k`; its statistics join `sums` and `maxes`."""
         repeat = k >= len(plan.batches)  # this rank ran out: its last micro-batch at weight 0
         i = min(k, len(plan.batches) - 1)
@@ -319,16 +353,32 @@ class Trainer:
         logp, entropy = sequence_logprobs(logits, batch["ids"], entropy_grad=cfg.entropy_coef > 0)
         # DeepSpeed averages gradients over ranks; scaling by `world` turns that average back
         # into the sum, so the step's loss is normalised by the totals over all ranks.
-        weights = aggregation_weights(batch["mask"], cfg.loss_agg, tokens=plan.total_tokens,
-                                      sequences=plan.total_seqs,
-                                      generation_budget=plan.generation_budget) * plan.world
+        weights = (
+            aggregation_weights(
+                batch["mask"],
+                cfg.loss_agg,
+                tokens=plan.total_tokens,
+                sequences=plan.total_seqs,
+                generation_budget=plan.generation_budget,
+            )
+            * plan.world
+        )
         loss, stats = rl_loss(
-            logp, entropy, batch["behav"], batch["adv"], batch["mask"], weights,
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high,
+            logp,
+            entropy,
+            batch["behav"],
+            batch["adv"],
+            batch["mask"],
+            weights,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
             prox_logp=prox[i] if prox is not None else None,
             is_cap=cfg.is_cap if plan.decoupled else None,
             ref_logp=ref[i] if ref is not None else None,
-            kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
+            kl_coef=cfg.kl_coef,
+            kl_estimator=cfg.kl_estimator,
+            entropy_coef=cfg.entropy_coef,
+        )
         # Accumulates into the step's gradient; no optimizer update happens here.
         self.engine.backward(loss * (0.0 if repeat else 1.0))
         if not repeat:
@@ -340,36 +390,48 @@ class Trainer:
                 else:
                     sums[key] = sums[key] + value if key in sums else value
 
-    def _metrics(self, plan: _StepPlan, sums: dict[str, torch.Tensor],
-                 maxes: dict[str, torch.Tensor], local_norm: float,
-                 elapsed_s: float) -> dict[str, float]:
+    def _metrics(
+        self,
+        plan: _StepPlan,
+        sums: dict[str, torch.Tensor],
+        maxes: dict[str, torch.Tensor],
+        local_norm: float,
+        elapsed_s: float,
+    ) -> dict[str, float]:
         """The step's metrics over all ranks (see `train_step`)."""
         world = plan.world
         s = dict(zip(sums, self._all_reduce(torch.stack(list(sums.values())), "sum"), strict=True))
-        m = dict(zip(maxes, self._all_reduce(torch.stack(list(maxes.values())), "max"),
-                     strict=True))
+        m = dict(zip(maxes, self._all_reduce(torch.stack(list(maxes.values())), "max"), strict=True))
         n = float(plan.total_tokens)
         # Each rank's loss carries the factor `world` (above): the global loss is their sum / world.
         metrics = {"loss": s["loss"] / world, "pg_loss": s["pg_loss"] / world}
         if "kl_sum" in s:
             metrics["kl"] = s["kl_sum"] / n
-        metrics.update({
-            "entropy": s["entropy_sum"] / n,
-            "clip_frac": s["clipped_tokens"] / n,
-            "approx_kl": s["approx_kl_sum"] / n,
-            "ratio_mean": s["ratio_sum"] / n,
-            "ratio_max": m["ratio_max"],
-        })
+        metrics.update(
+            {
+                "entropy": s["entropy_sum"] / n,
+                "clip_frac": s["clipped_tokens"] / n,
+                "approx_kl": s["approx_kl_sum"] / n,
+                "ratio_mean": s["ratio_sum"] / n,
+                "ratio_max": m["ratio_max"],
+            }
+        )
         if plan.decoupled:
-            metrics.update({"is_weight_mean": s["is_weight_sum"] / n,
-                            "is_weight_max": m["is_weight_max"],
-                            "is_capped_frac": s["is_capped_tokens"] / n})
-        metrics.update({
-            "grad_norm": self._grad_norm(local_norm),
-            "tokens": n,
-            "sequences": float(plan.all_samples),
-            "step_time_s": elapsed_s,
-        })
+            metrics.update(
+                {
+                    "is_weight_mean": s["is_weight_sum"] / n,
+                    "is_weight_max": m["is_weight_max"],
+                    "is_capped_frac": s["is_capped_tokens"] / n,
+                }
+            )
+        metrics.update(
+            {
+                "grad_norm": self._grad_norm(local_norm),
+                "tokens": n,
+                "sequences": float(plan.all_samples),
+                "step_time_s": elapsed_s,
+            }
+        )
         return metrics
 
     def _local_grad_norm(self) -> float:
@@ -379,8 +441,11 @@ class Trainer:
         if self.engine.zero_optimization_stage() != 0 or self.engine.dp_world_size != 1:
             return math.nan
         grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float())
-                                                            for g in grads]))) if grads else 0.0
+        return (
+            float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+            if grads
+            else 0.0
+        )
 
     def _grad_norm(self, local_norm: float) -> float:
         # Global gradient norm before clipping, as ZeRO 1-3 measured it inside step().

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from typing import Iterable
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 import torch
 import zmq
@@ -40,14 +41,17 @@ __all__ = ["WeightSender", "WeightSyncError"]
 
 log = logging.getLogger(__name__)
 
+M = TypeVar("M", bound=Message)
+
 
 class WeightSyncError(RuntimeError):
     """The actor refused or failed an attach or a weight update, or did not answer in time."""
 
 
 class WeightSender:
-    def __init__(self, actor_address: str, cfg: LearnerConfig, *, dtype: str,
-                 hello_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, actor_address: str, cfg: LearnerConfig, *, dtype: str, hello_timeout_s: float | None = None
+    ) -> None:
         self.address = actor_address
         #: The first answer may take an engine's whole start-up (actor.startup_timeout_s).
         self.hello_timeout_s = hello_timeout_s or cfg.sync_timeout_s
@@ -56,21 +60,21 @@ class WeightSender:
         self.backend = pick_backend(cfg.sync_backend)
         self.session = f"learner-{uuid.uuid4().hex[:12]}"
         self._codec = Codec()
-        self._sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(actor_address)
-        self._group = None
-        self._store = None
+        self._group: Any = None
+        self._store: Any = None
         self._flat: torch.Tensor | None = None
         self._layout: list[TensorSpec] = []
         self.info: ActorInfo | None = None
         self.last_push_s = 0.0
 
-    def _request(self, message: Message, expect: type, timeout_s: float) -> Message:
+    def _request(self, message: Message, expect: type[M], timeout_s: float) -> M:
         self._sock.send(self._codec.encode([message]))
         return self._await(expect, timeout_s, what=type(message).__name__)
 
-    def _await(self, expect: type, timeout_s: float, what: str) -> Message:
+    def _await(self, expect: type[M], timeout_s: float, what: str) -> M:
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not self._sock.poll(int(left * 1000) + 1):
@@ -79,11 +83,13 @@ class WeightSender:
                 if isinstance(reply, expect):
                     return reply
                 if isinstance(reply, ErrorReply):
-                    raise WeightSyncError(f"actor at {self.address} refused {what}: "
-                                          f"{reply.cause}: {reply.message}")
+                    raise WeightSyncError(
+                        f"actor at {self.address} refused {what}: {reply.cause}: {reply.message}"
+                    )
                 log.warning("ignoring %s while waiting for %s", type(reply).__name__, expect.__name__)
-        raise WeightSyncError(f"no {expect.__name__} from the actor at {self.address} "
-                              f"within {timeout_s:.0f}s after {what}")
+        raise WeightSyncError(
+            f"no {expect.__name__} from the actor at {self.address} within {timeout_s:.0f}s after {what}"
+        )
 
     def attach(self) -> ActorInfo:
         """Say hello, open the store, ask the actor to join, join; returns the actor's info."""
@@ -91,18 +97,34 @@ class WeightSender:
         if info.dtype != self.dtype:
             raise WeightSyncError(f"actor runs {info.dtype} weights but the learner sends {self.dtype}")
         world = info.weight_ranks + 1
-        self._store = open_store(self.cfg.sync_host, 0, world, is_master=True,
-                                 timeout_s=self.cfg.sync_timeout_s)
+        store = self._store = open_store(
+            self.cfg.sync_host, 0, world, is_master=True, timeout_s=self.cfg.sync_timeout_s
+        )
         started = time.monotonic()
-        self._sock.send(self._codec.encode([AttachLearner(
-            self.session, self.cfg.sync_host, self._store.port, world, self.backend,
-            self.cfg.sync_timeout_s)]))
-        self._group = make_group(self._store, 0, world, self.backend, self.cfg.sync_timeout_s,
-                                 self.session)
-        self.info = self._await(ActorInfo, self.cfg.sync_timeout_s, what="AttachLearner")
-        log.info("attached to actor %s (%d weight ranks, %s) in %.2fs", self.address,
-                 info.weight_ranks, self.backend, time.monotonic() - started)
-        return self.info
+        self._sock.send(
+            self._codec.encode(
+                [
+                    AttachLearner(
+                        self.session,
+                        self.cfg.sync_host,
+                        store.port,
+                        world,
+                        self.backend,
+                        self.cfg.sync_timeout_s,
+                    )
+                ]
+            )
+        )
+        self._group = make_group(store, 0, world, self.backend, self.cfg.sync_timeout_s, self.session)
+        self.info = attached = self._await(ActorInfo, self.cfg.sync_timeout_s, what="AttachLearner")
+        log.info(
+            "attached to actor %s (%d weight ranks, %s) in %.2fs",
+            self.address,
+            info.weight_ranks,
+            self.backend,
+            time.monotonic() - started,
+        )
+        return attached
 
     def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
         """Broadcast the weights as `version`; returns timing and size metrics."""
@@ -118,10 +140,13 @@ class WeightSender:
         if [(n, list(t.shape)) for n, t in weights] != [(s.name, s.shape) for s in self._layout]:
             raise WeightSyncError("the model's tensors changed between pushes")
         for (_, tensor), spec in zip(weights, self._layout):
-            self._flat[spec.offset:spec.offset + tensor.numel()].copy_(tensor.reshape(-1))
+            self._flat[spec.offset : spec.offset + tensor.numel()].copy_(tensor.reshape(-1))
         packed = time.monotonic()
-        self._sock.send(self._codec.encode([WeightUpdate(
-            self.session, version, self.dtype, self._flat.numel(), self._layout)]))
+        self._sock.send(
+            self._codec.encode(
+                [WeightUpdate(self.session, version, self.dtype, self._flat.numel(), self._layout)]
+            )
+        )
         broadcast(self._group, self._flat, self.cfg.sync_timeout_s)
         sent = time.monotonic()
         applied = self._await(WeightsApplied, self.cfg.sync_timeout_s, what="WeightUpdate")

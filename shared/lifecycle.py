@@ -87,8 +87,9 @@ async def run_until_signal(fn: Callable[..., Awaitable[T]], *args: Any) -> tuple
     return (result[0] if result else None), (stopped[0] if stopped else None)
 
 
-def watch_parent(*, every_s: float = 0.5, grace_s: float = 20.0,
-                 on_orphan: Callable[[], Any] | None = None) -> threading.Thread | None:
+def watch_parent(
+    *, every_s: float = 0.5, grace_s: float = 20.0, on_orphan: Callable[[], Any] | None = None
+) -> threading.Thread | None:
     """Stop this process when the launcher that started it is gone; None if none started it.
 
     On orphaning, `on_orphan` runs (default: SIGTERM to ourselves, the orderly path above); if
@@ -144,11 +145,11 @@ def _parents() -> list[tuple[int, int]]:
             except OSError:
                 continue  # exited meanwhile
             # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
-            fields = stat[stat.rfind(")") + 2:].split()
+            fields = stat[stat.rfind(")") + 2 :].split()
             pairs.append((int(entry.name), int(fields[1])))
         return pairs
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped]
     except ImportError:
         return []
     return [(p.pid, p.ppid()) for p in psutil.process_iter()]
@@ -193,7 +194,7 @@ def _alive(pid: int) -> bool:
         return False
     except OSError:
         return True
-    return not stat[stat.rfind(")") + 2:].startswith("Z")
+    return not stat[stat.rfind(")") + 2 :].startswith("Z")
 
 
 def _kill(pid: int, sig: int) -> None:

@@ -35,8 +35,12 @@ class MetricsWriter:
             return f.read(1) == b"\n"
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(orjson.dumps({"time": time.time(), **record},
-                                      option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE))
+        self._file.write(
+            orjson.dumps(
+                {"time": time.time(), **record},
+                option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE,
+            )
+        )
         self._file.flush()
 
     def close(self) -> None:
@@ -84,7 +88,7 @@ class LatencyHistogram:
         self.total += 1
         self.sum_s += seconds
 
-    def merge(self, other: "LatencyHistogram") -> None:
+    def merge(self, other: LatencyHistogram) -> None:
         if (other.low_s, len(other.counts)) != (self.low_s, len(self.counts)):
             raise ValueError("histograms with different buckets cannot be merged")
         self.counts = [a + b for a, b in zip(self.counts, other.counts)]
@@ -108,11 +112,15 @@ class LatencyHistogram:
 
     def to_dict(self) -> dict[str, Any]:
         """Sparse form for JSON: {"low_s", "n", "sum_s", "buckets": {index: count}}."""
-        return {"low_s": self.low_s, "n": len(self.counts), "sum_s": self.sum_s,
-                "buckets": {str(i): c for i, c in enumerate(self.counts) if c}}
+        return {
+            "low_s": self.low_s,
+            "n": len(self.counts),
+            "sum_s": self.sum_s,
+            "buckets": {str(i): c for i, c in enumerate(self.counts) if c},
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LatencyHistogram":
+    def from_dict(cls, data: dict[str, Any]) -> LatencyHistogram:
         hist = cls(data["low_s"], data["n"] // cls.PER_DOUBLING)
         for i, c in data["buckets"].items():
             hist.counts[int(i)] = c

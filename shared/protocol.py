@@ -27,7 +27,6 @@ Channels, and who sends what:
 from __future__ import annotations
 
 import enum
-from typing import Union
 
 import msgspec
 
@@ -123,14 +122,24 @@ class Cause(enum.StrEnum):
 
 
 #: Failures on the actor's side: a long run of them means the actor is gone, not the episodes.
-ACTOR_CAUSES = frozenset({Cause.ACTOR_TIMEOUT, Cause.ACTOR_OVERLOADED, Cause.ACTOR_BAD_REQUEST,
-                          Cause.ACTOR_ENGINE_ERROR, Cause.ACTOR_ABORT, Cause.ACTOR_PROTOCOL})
+ACTOR_CAUSES = frozenset(
+    {
+        Cause.ACTOR_TIMEOUT,
+        Cause.ACTOR_OVERLOADED,
+        Cause.ACTOR_BAD_REQUEST,
+        Cause.ACTOR_ENGINE_ERROR,
+        Cause.ACTOR_ABORT,
+        Cause.ACTOR_PROTOCOL,
+    }
+)
 #: Failures that say "try later", not "this request is wrong": the envpool retries them.
 RETRYABLE_CAUSES = frozenset({Cause.ACTOR_TIMEOUT, Cause.ACTOR_OVERLOADED})
 #: The episode cause of each actor-side turn error.
-TURN_CAUSE = {TurnError.BAD_REQUEST: Cause.ACTOR_BAD_REQUEST,
-              TurnError.OVERLOADED: Cause.ACTOR_OVERLOADED,
-              TurnError.ENGINE_ERROR: Cause.ACTOR_ENGINE_ERROR}
+TURN_CAUSE = {
+    TurnError.BAD_REQUEST: Cause.ACTOR_BAD_REQUEST,
+    TurnError.OVERLOADED: Cause.ACTOR_OVERLOADED,
+    TurnError.ENGINE_ERROR: Cause.ACTOR_ENGINE_ERROR,
+}
 
 
 class Truncation(enum.StrEnum):
@@ -177,19 +186,21 @@ class ProtocolError(ValueError):
 
 
 class _Wire(msgspec.Struct, array_like=True, frozen=True):
-    """Base of every message: encoded as a tagged array (the union needs one layout for all)."""
+    """Base of every message: encoded as a tagged array (the union needs one layout for all).
+
+    Each message repeats `frozen=True`: msgspec inherits it anyway, type checkers do not."""
 
 
 # --- actor service ---------------------------------------------------------------------------
 
 
-class Hello(_Wire, tag="hello"):
+class Hello(_Wire, tag="hello", frozen=True):
     """Asks the actor to describe itself; answered by `ActorInfo`."""
 
     client: str
 
 
-class ActorInfo(_Wire, tag="actor_info"):
+class ActorInfo(_Wire, tag="actor_info", frozen=True):
     """The actor's answer to `Hello`."""
 
     model: str
@@ -204,7 +215,7 @@ class ActorInfo(_Wire, tag="actor_info"):
     dtype: str
 
 
-class GenerateRequest(_Wire, tag="gen", gc=False):
+class GenerateRequest(_Wire, tag="gen", gc=False, frozen=True):
     """Generate a continuation of `prompt_token_ids`, streamed back as `TokenDelta`s.
 
     `request_id` is chosen by the client and is unique among its live requests; replies carry it.
@@ -222,13 +233,13 @@ class GenerateRequest(_Wire, tag="gen", gc=False):
     stop_token_ids: list[int] = []
 
 
-class Abort(_Wire, tag="abort", gc=False):
+class Abort(_Wire, tag="abort", gc=False, frozen=True):
     """Stop a request; the actor answers with a final `TokenDelta` whose finish_reason is "abort"."""
 
     request_id: str
 
 
-class TokenDelta(_Wire, tag="delta", gc=False):
+class TokenDelta(_Wire, tag="delta", gc=False, frozen=True):
     """New tokens of one request, in order, with the logprob of each under the sampling policy.
 
     All tokens of one delta were produced by the weights of `version` (the actor never mixes
@@ -244,7 +255,7 @@ class TokenDelta(_Wire, tag="delta", gc=False):
     finish_reason: str | None = None
 
 
-class GenerateError(_Wire, tag="gen_error"):
+class GenerateError(_Wire, tag="gen_error", frozen=True):
     """A request failed inside the actor (bad prompt, engine error). Ends that request."""
 
     request_id: str
@@ -255,7 +266,7 @@ class GenerateError(_Wire, tag="gen_error"):
 # --- weight synchronisation (learner -> actor) -------------------------------------------------
 
 
-class AttachLearner(_Wire, tag="attach"):
+class AttachLearner(_Wire, tag="attach", frozen=True):
     """Join the learner's weight-broadcast group (a fresh one per learner session).
 
     The learner is rank 0 and hosts the TCPStore at `host:port`; actor workers take ranks
@@ -279,7 +290,7 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
     offset: int
 
 
-class WeightUpdate(_Wire, tag="weights"):
+class WeightUpdate(_Wire, tag="weights", frozen=True):
     """Weights of `version` follow as one broadcast of a flat `dtype` buffer of `numel` elements.
 
     The actor pauses generation (requests keep their state), receives the broadcast in its
@@ -293,7 +304,7 @@ class WeightUpdate(_Wire, tag="weights"):
     tensors: list[TensorSpec]
 
 
-class WeightsApplied(_Wire, tag="weights_applied"):
+class WeightsApplied(_Wire, tag="weights_applied", frozen=True):
     """The actor now generates with `version`."""
 
     version: int
@@ -304,7 +315,7 @@ class WeightsApplied(_Wire, tag="weights_applied"):
 # --- experience (envpool -> learner) -----------------------------------------------------------
 
 
-class Trajectory(_Wire, tag="traj", gc=False):
+class Trajectory(_Wire, tag="traj", gc=False, frozen=True):
     """One finished episode, token in / token out.
 
     `token_ids` is the whole multi-turn context as the model saw it. `loss_mask[i]` is 1 where
@@ -348,7 +359,7 @@ class Trajectory(_Wire, tag="traj", gc=False):
     truncated: Truncation | None = None
 
 
-class EpisodeFailed(_Wire, tag="failed"):
+class EpisodeFailed(_Wire, tag="failed", frozen=True):
     """An episode ended without a trainable trajectory. Never scored as a reward."""
 
     episode_id: str
@@ -358,7 +369,7 @@ class EpisodeFailed(_Wire, tag="failed"):
     message: str
 
 
-class PoolDone(_Wire, tag="pool_done"):
+class PoolDone(_Wire, tag="pool_done", frozen=True):
     """The last message of an envpool worker: its totals, for exact accounting."""
 
     worker: str
@@ -367,7 +378,7 @@ class PoolDone(_Wire, tag="pool_done"):
     episodes_failed: int
 
 
-class PolicyVersion(_Wire, tag="version"):
+class PolicyVersion(_Wire, tag="version", frozen=True):
     """The learner's policy version and the admission bound derived from it.
 
     Groups are numbered over the whole run (`group_id(n)`); an envpool worker may start group `n`
@@ -386,8 +397,9 @@ class PolicyVersion(_Wire, tag="version"):
     final: bool = False
 
 
-def admit_limit(*, group_base: int, consumed: int, carried: int, groups_per_batch: int,
-                max_staleness: int, slack: int) -> int:
+def admit_limit(
+    *, group_base: int, consumed: int, carried: int, groups_per_batch: int, max_staleness: int, slack: int
+) -> int:
     """The `PolicyVersion.admit_limit` the learner announces (envpool/gate.py explains why).
 
     `consumed`: groups trained or dropped in this learner session; `carried`: groups restored
@@ -409,29 +421,30 @@ def group_number(gid: str) -> int:
     return int(gid[1:])
 
 
-class ErrorReply(_Wire, tag="error"):
+class ErrorReply(_Wire, tag="error", frozen=True):
     """Answer to a frame that could not be handled (malformed, wrong protocol, unknown kind)."""
 
     cause: ReplyCause
     message: str
 
 
-Message = Union[
-    Hello,
-    ActorInfo,
-    GenerateRequest,
-    Abort,
-    TokenDelta,
-    GenerateError,
-    AttachLearner,
-    WeightUpdate,
-    WeightsApplied,
-    Trajectory,
-    EpisodeFailed,
-    PoolDone,
-    PolicyVersion,
-    ErrorReply,
-]
+#: Every message kind; a frame's messages decode to one of these by their tag.
+Message = (
+    Hello
+    | ActorInfo
+    | GenerateRequest
+    | Abort
+    | TokenDelta
+    | GenerateError
+    | AttachLearner
+    | WeightUpdate
+    | WeightsApplied
+    | Trajectory
+    | EpisodeFailed
+    | PoolDone
+    | PolicyVersion
+    | ErrorReply
+)
 
 
 class Packet(msgspec.Struct, array_like=True, gc=False, frozen=True):
@@ -464,8 +477,9 @@ class Codec:
             packet = self._decoder.decode(frame)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             self.errors += 1
-            raise ProtocolError(self._other_version(frame) or
-                                f"malformed frame ({len(frame)} bytes): {exc}") from None
+            raise ProtocolError(
+                self._other_version(frame) or f"malformed frame ({len(frame)} bytes): {exc}"
+            ) from None
         if packet.protocol != PROTOCOL_VERSION:
             self.errors += 1
             raise ProtocolError(self._mismatch(packet.protocol))

@@ -54,18 +54,46 @@ STATE_FILE = "learner_state.msgpack"
 
 #: Keys (or whole sections, or section prefixes) a resumed run must share with its checkpoint.
 MUST_MATCH = (
-    "model.path", "model.tiny_seed", "model.dtype",
-    "train.group_size", "train.groups_per_batch", "train.max_staleness",
-    "envpool.env", "envpool.env_args", "envpool.max_turns", "envpool.max_tokens",
-    "envpool.temperature", "envpool.top_p", "envpool.admission_slack",
-    "learner.lr", "learner.weight_decay", "learner.adam_beta1", "learner.adam_beta2",
-    "learner.adam_eps", "learner.grad_clip", "learner.clip_low", "learner.clip_high",
-    "learner.micro_batch_size", "learner.train_dtype", "learner.advantage",
-    "learner.reward_level", "learner.gamma", "learner.gigpo_step_weight",
-    "learner.ngrpo_max_reward", "learner.group_filter", "learner.starpo_keep",
-    "learner.loss_agg", "learner.staleness_policy", "learner.decoupled_max_staleness",
-    "learner.is_cap", "learner.kl_coef", "learner.kl_estimator", "learner.entropy_coef",
-    "learner.ranks", "learner.zero_stage", "run.seed",
+    "model.path",
+    "model.tiny_seed",
+    "model.dtype",
+    "train.group_size",
+    "train.groups_per_batch",
+    "train.max_staleness",
+    "envpool.env",
+    "envpool.env_args",
+    "envpool.max_turns",
+    "envpool.max_tokens",
+    "envpool.temperature",
+    "envpool.top_p",
+    "envpool.admission_slack",
+    "learner.lr",
+    "learner.weight_decay",
+    "learner.adam_beta1",
+    "learner.adam_beta2",
+    "learner.adam_eps",
+    "learner.grad_clip",
+    "learner.clip_low",
+    "learner.clip_high",
+    "learner.micro_batch_size",
+    "learner.train_dtype",
+    "learner.advantage",
+    "learner.reward_level",
+    "learner.gamma",
+    "learner.gigpo_step_weight",
+    "learner.ngrpo_max_reward",
+    "learner.group_filter",
+    "learner.starpo_keep",
+    "learner.loss_agg",
+    "learner.staleness_policy",
+    "learner.decoupled_max_staleness",
+    "learner.is_cap",
+    "learner.kl_coef",
+    "learner.kl_estimator",
+    "learner.entropy_coef",
+    "learner.ranks",
+    "learner.zero_stage",
+    "run.seed",
 )
 
 
@@ -98,7 +126,8 @@ def find_checkpoint(path: str | Path) -> Path:
                 return found[-1][1]
     raise FileNotFoundError(
         f"no checkpoint at {path}: looked for {path / STATE_FILE} (a checkpoint folder), "
-        f"{path / 'checkpoints' / 'latest'} (a run directory) and {path / 'latest'}")
+        f"{path / 'checkpoints' / 'latest'} (a run directory) and {path / 'latest'}"
+    )
 
 
 def checkpoint_step(checkpoint: Path) -> int:
@@ -126,21 +155,21 @@ def plan_resume(where: str) -> Resume:
     run_dir = checkpoint.parent.parent
     config = run_dir / "config.toml"
     if not config.is_file():
-        raise ConfigError(f"run.resume = {where!r}: {checkpoint} is not inside a run directory "
-                          f"(no {config})")
-    return Resume(checkpoint.resolve(), checkpoint_step(checkpoint), run_dir.resolve(),
-                  load_config(config))
+        raise ConfigError(f"run.resume = {where!r}: {checkpoint} is not inside a run directory (no {config})")
+    return Resume(checkpoint.resolve(), checkpoint_step(checkpoint), run_dir.resolve(), load_config(config))
 
 
 #: Keys that belong to one session, not to the run: never compared.
-_SESSION_KEYS = frozenset({"run.dir", "run.resume", "actor.address", "learner.experience_address",
-                           "learner.version_address"})
+_SESSION_KEYS = frozenset(
+    {"run.dir", "run.resume", "actor.address", "learner.experience_address", "learner.version_address"}
+)
 
 
 def resume_conflicts(previous: Config, new: Config) -> tuple[list[str], list[str]]:
     """(keys in MUST_MATCH that differ, as `key: old -> new`; other keys that differ)."""
     old, now = _flat(previous), _flat(new)
-    refused, changed = [], []
+    refused: list[str] = []
+    changed: list[str] = []
     for key in sorted(old.keys() | now.keys()):
         if old.get(key) == now.get(key) or key in _SESSION_KEYS:
             continue
@@ -161,9 +190,12 @@ def mark_rolled_back(run_dir: Path, step: int) -> dict[str, int]:
     """Mark the records written after the checkpoint at `step` (see the module docstring);
     returns how many were marked per file. Each file is rewritten atomically."""
     marked = {}
-    rules = {"metrics.jsonl": lambda r: r.get("step", -1) > step,
-             "trajectories.jsonl": lambda r: (r.get("step", -1) > step if r.get("fate") == "trained"
-                                              else r.get("version", -1) >= step)}
+    rules = {
+        "metrics.jsonl": lambda r: r.get("step", -1) > step,
+        "trajectories.jsonl": lambda r: (
+            r.get("step", -1) > step if r.get("fate") == "trained" else r.get("version", -1) >= step
+        ),
+    }
     for name, after in rules.items():
         path = run_dir / name
         if not path.is_file():

@@ -32,8 +32,19 @@ import orjson
 from .config import Config, ConfigError, load_config
 from .lifecycle import reap_children, stop_on_signals, watch_parent
 
-__all__ = ["role_args", "run_role", "setup_logging", "resolve_model_dir", "check_model_dir",
-           "raise_fd_limit", "write_ready", "free_port", "ENV_NAME", "STOPPED", "exit_file"]
+__all__ = [
+    "role_args",
+    "run_role",
+    "setup_logging",
+    "resolve_model_dir",
+    "check_model_dir",
+    "raise_fd_limit",
+    "write_ready",
+    "free_port",
+    "ENV_NAME",
+    "STOPPED",
+    "exit_file",
+]
 
 #: The name the launcher gave this process ("actor", "learner", "envpool-0", ...).
 ENV_NAME = "MILLSTREAM_NAME"
@@ -42,8 +53,9 @@ ENV_NAME = "MILLSTREAM_NAME"
 STOPPED = 130
 
 
-def role_args(role: str, argv: list[str] | None = None, *,
-              check: str = "") -> tuple[Config, argparse.Namespace]:
+def role_args(
+    role: str, argv: list[str] | None = None, *, check: str = ""
+) -> tuple[Config, argparse.Namespace]:
     """Parse a role's arguments and load its config; `check` documents the role's `--check`."""
     parser = argparse.ArgumentParser(prog=f"millstream {role}", description=f"run the {role} role")
     if check:
@@ -58,8 +70,13 @@ def role_args(role: str, argv: list[str] | None = None, *,
     return cfg, ns
 
 
-def run_role(role: str, body: Callable[[Config, argparse.Namespace], int | None],
-             argv: list[str] | None = None, *, check: str = "") -> NoReturn:
+def run_role(
+    role: str,
+    body: Callable[[Config, argparse.Namespace], int | None],
+    argv: list[str] | None = None,
+    *,
+    check: str = "",
+) -> NoReturn:
     """Parse the role's arguments, run `body(cfg, ns)`, and exit with its status (see above)."""
     try:
         cfg, ns = role_args(role, argv, check=check)
@@ -111,8 +128,12 @@ def _write_exit_cause(cfg: Config, exc: BaseException) -> None:
         return
     exc = _root_cause(exc)
     where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    record: dict[str, Any] = {"name": name, "error": type(exc).__name__, "message": str(exc)[:2000],
-                              "at": f"{where[0].filename}:{where[0].lineno}" if where else ""}
+    record: dict[str, Any] = {
+        "name": name,
+        "error": type(exc).__name__,
+        "message": str(exc)[:2000],
+        "at": f"{where[0].filename}:{where[0].lineno}" if where else "",
+    }
     try:
         exit_file(cfg.run.dir, name).write_bytes(orjson.dumps(record))
     except OSError:
@@ -134,11 +155,11 @@ def check_model_dir(path: str | Path, key: str = "model.path") -> Path:
     where = Path(path).expanduser()
     if not where.is_dir():
         raise ConfigError(f"{key} = {str(path)!r}: not a directory")
-    missing = [f for f in ("config.json", "tokenizer.json", "tokenizer_config.json")
-               if not (where / f).is_file()]
+    missing = [
+        f for f in ("config.json", "tokenizer.json", "tokenizer_config.json") if not (where / f).is_file()
+    ]
     if missing:
-        raise ConfigError(f"{key} = {str(path)!r}: not a model directory (no "
-                          f"{', '.join(missing)})")
+        raise ConfigError(f"{key} = {str(path)!r}: not a model directory (no {', '.join(missing)})")
     return where
 
 
@@ -164,7 +185,8 @@ def raise_fd_limit(want: int = 65536) -> int:
         soft = target
     if soft < want:
         logging.getLogger(__name__).warning(
-            "open-file limit is %d (hard limit %s), below the %d asked for", soft, hard, want)
+            "open-file limit is %d (hard limit %s), below the %d asked for", soft, hard, want
+        )
     return soft
 
 

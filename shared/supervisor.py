@@ -43,12 +43,19 @@ class Supervisor:
         self.logs[name] = log
         exit_file(self.run_dir, name).unlink(missing_ok=True)  # a previous session's
         out: IO[bytes] = log.open("ab")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **{
-            ENV_PARENT: str(os.getpid()), ENV_RUN: str(self.run_dir.resolve()), ENV_NAME: name})
+        env = dict(
+            os.environ,
+            PYTHONUNBUFFERED="1",
+            **{ENV_PARENT: str(os.getpid()), ENV_RUN: str(self.run_dir.resolve()), ENV_NAME: name},
+        )
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", module, *args],
-            stdout=subprocess.PIPE if pipe_stdout else out, stderr=out, stdin=subprocess.DEVNULL,
-            env=env, start_new_session=True)
+            stdout=subprocess.PIPE if pipe_stdout else out,
+            stderr=out,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
         out.close()  # the child holds its own copy
         (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
 

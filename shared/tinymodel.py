@@ -37,8 +37,13 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKER = "millstream_tiny.json"
 # Bump when the recipe changes, so old directories are rebuilt instead of reused.
 RECIPE_VERSION = 1
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors",
-               "tokenizer.json", "tokenizer_config.json")
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+)
 
 QWEN2_PRETOKENIZE_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
@@ -51,26 +56,241 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_COMMON_WORDS = """
-the of and to a in is it you that he was for on are with as his they be at one have this from or
-had by not word but what some we can out other were all there when up use your how said each she
-which do their time if will way about many then them write would like so these her long make thing
-see him two has look more day could go come did number sound no most people my over know water than
-call first who may down side been now find any new work part take get place made live where after
-back little only round year came show every good me give our under name very through just form
-sentence great think say help line turn much mean before move right old same tell does set three
-want well also play small end put home read hand large add even here must big high such follow why
-ask change went light kind need house try again point world near build earth head stand page should
-found answer school grow study still learn food sun four between keep never last let thought city
-tree start might story far sea draw left late run while close night real life open seem together
-next
-""".split()
+_COMMON_WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "a",
+    "in",
+    "is",
+    "it",
+    "you",
+    "that",
+    "he",
+    "was",
+    "for",
+    "on",
+    "are",
+    "with",
+    "as",
+    "his",
+    "they",
+    "be",
+    "at",
+    "one",
+    "have",
+    "this",
+    "from",
+    "or",
+    "had",
+    "by",
+    "not",
+    "word",
+    "but",
+    "what",
+    "some",
+    "we",
+    "can",
+    "out",
+    "other",
+    "were",
+    "all",
+    "there",
+    "when",
+    "up",
+    "use",
+    "your",
+    "how",
+    "said",
+    "each",
+    "she",
+    "which",
+    "do",
+    "their",
+    "time",
+    "if",
+    "will",
+    "way",
+    "about",
+    "many",
+    "then",
+    "them",
+    "write",
+    "would",
+    "like",
+    "so",
+    "these",
+    "her",
+    "long",
+    "make",
+    "thing",
+    "see",
+    "him",
+    "two",
+    "has",
+    "look",
+    "more",
+    "day",
+    "could",
+    "go",
+    "come",
+    "did",
+    "number",
+    "sound",
+    "no",
+    "most",
+    "people",
+    "my",
+    "over",
+    "know",
+    "water",
+    "than",
+    "call",
+    "first",
+    "who",
+    "may",
+    "down",
+    "side",
+    "been",
+    "now",
+    "find",
+    "any",
+    "new",
+    "work",
+    "part",
+    "take",
+    "get",
+    "place",
+    "made",
+    "live",
+    "where",
+    "after",
+    "back",
+    "little",
+    "only",
+    "round",
+    "year",
+    "came",
+    "show",
+    "every",
+    "good",
+    "me",
+    "give",
+    "our",
+    "under",
+    "name",
+    "very",
+    "through",
+    "just",
+    "form",
+    "sentence",
+    "great",
+    "think",
+    "say",
+    "help",
+    "line",
+    "turn",
+    "much",
+    "mean",
+    "before",
+    "move",
+    "right",
+    "old",
+    "same",
+    "tell",
+    "does",
+    "set",
+    "three",
+    "want",
+    "well",
+    "also",
+    "play",
+    "small",
+    "end",
+    "put",
+    "home",
+    "read",
+    "hand",
+    "large",
+    "add",
+    "even",
+    "here",
+    "must",
+    "big",
+    "high",
+    "such",
+    "follow",
+    "why",
+    "ask",
+    "change",
+    "went",
+    "light",
+    "kind",
+    "need",
+    "house",
+    "try",
+    "again",
+    "point",
+    "world",
+    "near",
+    "build",
+    "earth",
+    "head",
+    "stand",
+    "page",
+    "should",
+    "found",
+    "answer",
+    "school",
+    "grow",
+    "study",
+    "still",
+    "learn",
+    "food",
+    "sun",
+    "four",
+    "between",
+    "keep",
+    "never",
+    "last",
+    "let",
+    "thought",
+    "city",
+    "tree",
+    "start",
+    "might",
+    "story",
+    "far",
+    "sea",
+    "draw",
+    "left",
+    "late",
+    "run",
+    "while",
+    "close",
+    "night",
+    "real",
+    "life",
+    "open",
+    "seem",
+    "together",
+    "next",
+]
 
 _CHAT_OPENERS = [
-    "Hello, how are you?", "Can you help me with this?", "What is the answer?",
-    "Please explain step by step.", "Thanks!", "Sure, here is the answer:",
-    "Let me think about it.", "The answer is", "You are a helpful assistant.",
-    "I don't know.", "Good question!", "Here's what I found:",
+    "Hello, how are you?",
+    "Can you help me with this?",
+    "What is the answer?",
+    "Please explain step by step.",
+    "Thanks!",
+    "Sure, here is the answer:",
+    "Let me think about it.",
+    "The answer is",
+    "You are a helpful assistant.",
+    "I don't know.",
+    "Good question!",
+    "Here's what I found:",
 ]
 
 
@@ -81,8 +301,10 @@ def _synthetic_corpus(seed: int, vocab_size: int) -> list[str]:
     # Made-up words give the BPE merges something besides the fixed word list,
     # so different seeds really give different tokenizers; bigger vocabularies
     # need more distinct words to have enough merges to learn.
-    made_up = ["".join(rng.choice(consonants) + rng.choice(vowels)
-                       for _ in range(rng.randint(1, 4))) for _ in range(max(200, vocab_size))]
+    made_up = [
+        "".join(rng.choice(consonants) + rng.choice(vowels) for _ in range(rng.randint(1, 4)))
+        for _ in range(max(200, vocab_size))
+    ]
     words = _COMMON_WORDS + made_up
 
     def sentence() -> str:
@@ -118,8 +340,16 @@ def _synthetic_corpus(seed: int, vocab_size: int) -> list[str]:
 
 
 def _train_tokenizer(seed: int, vocab_size: int):
-    from tokenizers import (Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
-                            processors, trainers)
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     # The same normalizer and pre-tokenizer as Qwen2. transformers picks its
@@ -127,19 +357,27 @@ def _train_tokenizer(seed: int, vocab_size: int):
     # anything else here would make raw `tokenizers`, transformers and vLLM
     # disagree on token ids.
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_synthetic_corpus(seed, vocab_size), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"tokenizer came out with {tok.get_vocab_size()} tokens, "
-                           f"wanted {vocab_size}; the synthetic corpus is too small")
+        raise RuntimeError(
+            f"tokenizer came out with {tok.get_vocab_size()} tokens, "
+            f"wanted {vocab_size}; the synthetic corpus is too small"
+        )
     return tok
 
 
@@ -203,20 +441,36 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, *, vocab_size: int = 512,
-                     hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-                     num_kv_heads: int = 2, intermediate_size: int = 256,
-                     max_position_embeddings: int = 4096, dtype: str = "float32") -> Path:
+def build_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 4096,
+    dtype: str = "float32",
+) -> Path:
     """Write a tiny random Qwen2 chat model into `out_dir` and return its path."""
     out = Path(out_dir)
-    args = dict(recipe=RECIPE_VERSION, seed=seed, vocab_size=vocab_size,
-                hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
-                max_position_embeddings=max_position_embeddings, dtype=dtype)
+    args = dict(
+        recipe=RECIPE_VERSION,
+        seed=seed,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        dtype=dtype,
+    )
     marker = out / MARKER
     try:
-        if (json.loads(marker.read_text()) == args
-                and all((out / f).is_file() for f in MODEL_FILES)):
+        if json.loads(marker.read_text()) == args and all((out / f).is_file() for f in MODEL_FILES):
             return out
     except (OSError, ValueError):
         pass
@@ -249,34 +503,58 @@ def _write_model(out: Path, args: dict) -> None:
 
     n_layers = args["num_layers"]
     cfg = {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-        "vocab_size": vocab_size, "hidden_size": args["hidden_size"],
-        "intermediate_size": args["intermediate_size"], "num_hidden_layers": n_layers,
-        "num_attention_heads": args["num_heads"], "num_key_value_heads": args["num_kv_heads"],
-        "hidden_act": "silu", "rms_norm_eps": 1e-6, "attention_dropout": 0.0,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": vocab_size,
+        "hidden_size": args["hidden_size"],
+        "intermediate_size": args["intermediate_size"],
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": args["num_heads"],
+        "num_key_value_heads": args["num_kv_heads"],
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "attention_dropout": 0.0,
         "max_position_embeddings": args["max_position_embeddings"],
         # Both spellings of the RoPE base: transformers 5 reads rope_parameters, 4.x rope_theta.
-        "rope_theta": 10000.0, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
-        "use_sliding_window": False, "sliding_window": None, "max_window_layers": n_layers,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n_layers,
         "layer_types": ["full_attention"] * n_layers,
         # Random init with tied embeddings makes every output echo the last token.
         "tie_word_embeddings": False,
-        "bos_token_id": eot, "eos_token_id": im_end, "pad_token_id": eot,
-        "initializer_range": 0.02, "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
+        "bos_token_id": eot,
+        "eos_token_id": im_end,
+        "pad_token_id": eot,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
     }
     _write_json(out / "config.json", cfg)
-    _write_json(out / "generation_config.json", {
-        "bos_token_id": eot, "eos_token_id": im_end, "pad_token_id": eot})
+    _write_json(
+        out / "generation_config.json", {"bos_token_id": eot, "eos_token_id": im_end, "pad_token_id": eot}
+    )
 
-    _write_json(out / "tokenizer_config.json", {
-        "tokenizer_class": "Qwen2Tokenizer", "chat_template": CHAT_TEMPLATE,
-        "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-        "unk_token": None, "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-        # No space clean-up, so decode(encode(text)) gives back text exactly.
-        "clean_up_tokenization_spaces": False, "add_prefix_space": False,
-        "split_special_tokens": False, "padding_side": "left",
-        "model_max_length": args["max_position_embeddings"],
-    })
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "tokenizer_class": "Qwen2Tokenizer",
+            "chat_template": CHAT_TEMPLATE,
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+            # No space clean-up, so decode(encode(text)) gives back text exactly.
+            "clean_up_tokenization_spaces": False,
+            "add_prefix_space": False,
+            "split_special_tokens": False,
+            "padding_side": "left",
+            "model_max_length": args["max_position_embeddings"],
+        },
+    )
 
     import torch
     from safetensors.torch import save_file
@@ -289,16 +567,18 @@ def _write_model(out: Path, args: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    ap = argparse.ArgumentParser(prog="python -m millstream.shared.tinymodel",
-                                 description="Build a tiny random Qwen2 chat model.")
+    ap = argparse.ArgumentParser(
+        prog="python -m millstream.shared.tinymodel", description="Build a tiny random Qwen2 chat model."
+    )
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab-size", type=int, default=512)
     ap.add_argument("--hidden-size", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     a = ap.parse_args(argv)
-    path = build_tiny_model(a.out_dir, a.seed, vocab_size=a.vocab_size,
-                            hidden_size=a.hidden_size, num_layers=a.layers)
+    path = build_tiny_model(
+        a.out_dir, a.seed, vocab_size=a.vocab_size, hidden_size=a.hidden_size, num_layers=a.layers
+    )
     print(path)
     return path
 

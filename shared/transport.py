@@ -22,8 +22,9 @@ Malformed frames are counted (`statistics().decode_errors`) and, on sockets that
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import cast
 
 import anyio
 import zmq
@@ -82,8 +83,9 @@ class Channel:
     and `send(msg, to=peer)` addresses a reply; elsewhere `peer` is `b""`.
     """
 
-    def __init__(self, sock: zmq.Socket, kind: str, address: str, cfg: TransportConfig,
-                 recv_queue: int = 1024) -> None:
+    def __init__(
+        self, sock: zmq.Socket, kind: str, address: str, cfg: TransportConfig, recv_queue: int = 1024
+    ) -> None:
         self.sock = sock
         self.kind = kind
         self.address = address
@@ -97,8 +99,7 @@ class Channel:
         self._in_tx, self._in_rx = anyio.create_memory_object_stream(recv_queue)
         self._read_wait: anyio.CancelScope | None = None
         self._in_hand = 0  # messages taken off the queue but not yet handed to ZeroMQ
-        self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue,
-                                   recv_queue_max=recv_queue)
+        self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue, recv_queue_max=recv_queue)
 
     # --- public API ------------------------------------------------------------------------
 
@@ -160,9 +161,9 @@ class Channel:
     # --- the two tasks ---------------------------------------------------------------------
 
     async def _reader(self) -> None:
-        sock, fd = self.sock, self.sock.getsockopt(zmq.FD)
+        sock, fd = self.sock, cast(int, self.sock.getsockopt(zmq.FD))
         while True:
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
                 except zmq.Again:
@@ -238,19 +239,26 @@ class Channel:
                     return
                 raise
         # A send can swallow the descriptor's edge; wake the reader if frames are waiting.
-        if self._read_wait is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        if self._read_wait is not None and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._read_wait.cancel()
 
 
-def open_channel(kind: str, address: str, *, bind: bool, cfg: TransportConfig,
-                 identity: bytes | None = None, recv_queue: int = 1024) -> Channel:
+def open_channel(
+    kind: str,
+    address: str,
+    *,
+    bind: bool,
+    cfg: TransportConfig,
+    identity: bytes | None = None,
+    recv_queue: int = 1024,
+) -> Channel:
     """Create a socket of `kind`, bind or connect it to `address`, and wrap it in a Channel.
 
     Binding to port 0 (`tcp://127.0.0.1:0`) picks a free port; `channel.address` tells which.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown socket kind {kind!r}; expected one of {sorted(KINDS)}")
-    sock = zmq.Context.instance().socket(KINDS[kind])
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(KINDS[kind])
     sock.setsockopt(zmq.SNDHWM, cfg.high_water_mark)
     sock.setsockopt(zmq.RCVHWM, cfg.high_water_mark)
     sock.setsockopt(zmq.LINGER, 2000)
@@ -267,4 +275,3 @@ def open_channel(kind: str, address: str, *, bind: bool, cfg: TransportConfig,
     else:
         sock.connect(address)
     return Channel(sock, kind, address, cfg, recv_queue=recv_queue)
-

@@ -16,8 +16,8 @@ large collective beats many small ones; the layout itself goes in the `WeightUpd
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from datetime import timedelta
-from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -38,8 +38,14 @@ def pick_backend(name: str) -> str:
 
 def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
     """The group's TCPStore; the master may pass port 0 and read the chosen one from `.port`."""
-    return dist.TCPStore(host, port, world_size, is_master=is_master,
-                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_master=is_master,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
 
 
 def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float, session: str):
@@ -64,7 +70,9 @@ def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
     group.broadcast([tensor], opts).wait(timedelta(seconds=timeout_s))
 
 
-def flat_layout(named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> tuple[list[tuple[str, list[int], int]], int]:
+def flat_layout(
+    named_shapes: Iterable[tuple[str, tuple[int, ...]]],
+) -> tuple[list[tuple[str, list[int], int]], int]:
     """Offsets (in elements) of each tensor in the flat buffer, and the total element count."""
     layout, offset = [], 0
     for name, shape in named_shapes:

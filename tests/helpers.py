@@ -19,18 +19,18 @@ import zmq
 
 from millstream.envpool.client import ActorClient
 from millstream.shared.config import TransportConfig
-from millstream.shared.transport import open_channel
-
 from millstream.shared.metrics import read_jsonl
 from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
 from millstream.shared.runtime import free_port
+from millstream.shared.transport import open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 MILLSTREAM = [sys.executable, "-m", "millstream.shared.cli"]
 
 
-def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float, what: str,
-                  log: Path | None = None) -> None:
+def wait_for_file(
+    path: Path, proc: subprocess.Popen, timeout_s: float, what: str, log: Path | None = None
+) -> None:
     """Poll until `path` exists; fail naming `what` if `proc` exits first or time runs out."""
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -58,16 +58,29 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout_s: flo
         proc.wait()
 
 
-def start_synthetic_actor(model_dir: str, workdir: Path, *overrides: str,
-                          address: str | None = None) -> tuple[str, subprocess.Popen]:
+def start_synthetic_actor(
+    model_dir: str, workdir: Path, *overrides: str, address: str | None = None
+) -> tuple[str, subprocess.Popen]:
     """The synthetic actor (actor/synthetic.py) as a process, ready; returns (address, proc)."""
     address = address or f"tcp://127.0.0.1:{free_port()}"
     ready = workdir / f"synthetic-{address.rsplit(':', 1)[1]}.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready),
-         "actor.kind=synthetic", f"model.path={model_dir}", f"actor.address={address}",
-         *overrides],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "millstream.actor",
+            "--ready-file",
+            str(ready),
+            "actor.kind=synthetic",
+            f"model.path={model_dir}",
+            f"actor.address={address}",
+            *overrides,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     wait_for_file(ready, proc, 120, "the synthetic actor")
     return address, proc
 
@@ -80,7 +93,7 @@ class StandInLearner:
     """
 
     def __init__(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pull, self.pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
         self.pull.set_hwm(0)  # the stand-in must never make a worker's PUSH block
         self.experience_port = self.pull.bind_to_random_port("tcp://127.0.0.1")
@@ -91,8 +104,10 @@ class StandInLearner:
         self.done: list[PoolDone] = []
 
     def config(self) -> list[str]:
-        return [f"learner.experience_address=tcp://127.0.0.1:{self.experience_port}",
-                f"learner.version_address=tcp://127.0.0.1:{self.version_port}"]
+        return [
+            f"learner.experience_address=tcp://127.0.0.1:{self.experience_port}",
+            f"learner.version_address=tcp://127.0.0.1:{self.version_port}",
+        ]
 
     def announce(self, version: int, admit_limit: int, final: bool = False) -> None:
         self.pub.send(self.codec.encode([PolicyVersion(version, admit_limit, 0, final=final)]))
@@ -146,37 +161,48 @@ async def with_client(address: str, body, *, name: str = "test"):
 # --- `millstream run` as a user runs it --------------------------------------------------------
 
 
-def millstream_run(actor, run_dir: Path, *overrides: str,
-                   timeout: float = 900) -> subprocess.CompletedProcess:
+def millstream_run(
+    actor, run_dir: Path, *overrides: str, timeout: float = 900
+) -> subprocess.CompletedProcess:
     """`millstream run` against the session's actor; fails the test with every log if it fails."""
-    cmd = [*MILLSTREAM, "run", f"actor.connect={actor.address}", f"model.path={actor.model_dir}",
-           f"run.dir={run_dir}", *overrides]
+    cmd = [
+        *MILLSTREAM,
+        "run",
+        f"actor.connect={actor.address}",
+        f"model.path={actor.model_dir}",
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
-                         for p in (run_dir / "logs").glob("*.log"))
-        pytest.fail(f"millstream run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}\n{logs}")
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*.log"))
+        pytest.fail(
+            f"millstream run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+            f"{proc.stderr[-3000:]}\n{logs}"
+        )
     return proc
 
 
 def steps_of(run_dir: Path) -> list[dict]:
     """The step records of a run, without the ones a resume rolled back."""
-    return [r for r in read_jsonl(run_dir / "metrics.jsonl")
-            if "reward/mean" in r and not r.get("rolled_back")]
+    return [
+        r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r and not r.get("rolled_back")
+    ]
 
 
 def check_accounting(run_dir: Path, workers: int = 1) -> dict:
     """summary.json adds up, and the trajectory store agrees with it; returns the summary."""
     summary = orjson.loads((run_dir / "summary.json").read_bytes())
-    accounted = (summary["episodes_trained"] + sum(summary["episodes_dropped"].values())
-                 + sum(summary["episodes_failed"].values()))
+    accounted = (
+        summary["episodes_trained"]
+        + sum(summary["episodes_dropped"].values())
+        + sum(summary["episodes_failed"].values())
+    )
     assert summary["episodes_started"] == accounted > 0
     assert summary["accounting_ok"] is True and summary["workers_done"] == workers
     assert summary["duplicates"] == 0 and summary["decode_errors"] == 0
     # The trajectory store agrees: one line per trained or failed episode that was not rolled back.
-    fates = [r["fate"] for r in read_jsonl(run_dir / "trajectories.jsonl")
-             if not r.get("rolled_back")]
+    fates = [r["fate"] for r in read_jsonl(run_dir / "trajectories.jsonl") if not r.get("rolled_back")]
     assert fates.count("trained") == summary["episodes_trained"]
     assert fates.count("failed") == sum(summary["episodes_failed"].values())
     return summary

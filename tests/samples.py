@@ -14,6 +14,12 @@ def random_samples(n: int, seed: int, max_len: int = 24) -> list[TrainSample]:
         prompt = rng.randint(2, length - 3)
         mask = [0] * prompt + [1] * (length - prompt)
         adv = rng.uniform(-1.0, 1.0)
-        out.append(TrainSample([rng.randrange(3, 512) for _ in range(length)], mask,
-                               [-rng.uniform(4.0, 8.0) * m for m in mask], [adv * m for m in mask]))
+        out.append(
+            TrainSample(
+                [rng.randrange(3, 512) for _ in range(length)],
+                mask,
+                [-rng.uniform(4.0, 8.0) * m for m in mask],
+                [adv * m for m in mask],
+            )
+        )
     return out

@@ -3,26 +3,33 @@
 import anyio
 import pytest
 import torch
+from helpers import with_client
 from transformers import AutoModelForCausalLM
 
-from helpers import with_client
 from millstream.envpool.client import GenerationFailed
 from millstream.learner.weights import WeightSender, WeightSyncError
-from millstream.shared.config import LearnerConfig, TransportConfig
-from millstream.shared.transport import open_channel
+from millstream.shared.config import LearnerConfig
 
 PROMPT = [1, 367, 201, 316, 276, 223, 19, 20, 425, 2, 201, 1, 366, 201]
 
 
 def generate(client, prompt=PROMPT, n=12, temperature=0.0, seed=None, stop=()):
-    return client.generate(list(prompt), max_tokens=n, temperature=temperature, top_p=1.0,
-                           seed=seed, stop_token_ids=list(stop), timeout_s=120)
+    return client.generate(
+        list(prompt),
+        max_tokens=n,
+        temperature=temperature,
+        top_p=1.0,
+        seed=seed,
+        stop_token_ids=list(stop),
+        timeout_s=120,
+    )
 
 
 def hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_logprobs(model, prompt, tokens):
@@ -82,15 +89,25 @@ def test_cancelled_generation_is_aborted_on_the_actor(actor):
     assert stats.aborted == 1 and len(after.token_ids) == 4
 
 
-@pytest.mark.parametrize("prompt, max_tokens, message", [
-    ([], 4, "empty prompt"),
-    ([1, 2, 999_999], 4, "outside the vocabulary"),
-    ([1, 2, 3], 5000, "exceeds max_model_len"),
-])
+@pytest.mark.parametrize(
+    "prompt, max_tokens, message",
+    [
+        ([], 4, "empty prompt"),
+        ([1, 2, 999_999], 4, "outside the vocabulary"),
+        ([1, 2, 3], 5000, "exceeds max_model_len"),
+    ],
+)
 def test_bad_requests_fail_with_a_named_cause(actor, prompt, max_tokens, message):
     async def run(client, _tg):
-        return await client.generate(prompt, max_tokens=max_tokens, temperature=1.0, top_p=1.0,
-                                     seed=None, stop_token_ids=[], timeout_s=60)
+        return await client.generate(
+            prompt,
+            max_tokens=max_tokens,
+            temperature=1.0,
+            top_p=1.0,
+            seed=None,
+            stop_token_ids=[],
+            timeout_s=60,
+        )
 
     with pytest.raises(GenerationFailed, match=message) as info:
         anyio.run(with_client, actor.address, run, backend="trio")

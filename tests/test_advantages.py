@@ -47,11 +47,23 @@ def traj(turn_rewards, anchors=None, *, resp=2, obs=3, eid="e") -> Trajectory:
     mask.append(0)
     turns = len(turn_rewards)
     return Trajectory(
-        episode_id=eid, group_id="g0", seed=0, env="test", token_ids=ids, loss_mask=mask,
-        logprobs=[-0.5 if m else 0.0 for m in mask], versions=[0 if m else -1 for m in mask],
-        reward=math.fsum(turn_rewards), turn_rewards=list(turn_rewards), num_turns=turns,
-        group_size=4, duration_s=0.0, turn_starts=starts, turn_ends=ends,
-        anchors=list(anchors) if anchors is not None else [""] * turns)
+        episode_id=eid,
+        group_id="g0",
+        seed=0,
+        env="test",
+        token_ids=ids,
+        loss_mask=mask,
+        logprobs=[-0.5 if m else 0.0 for m in mask],
+        versions=[0 if m else -1 for m in mask],
+        reward=math.fsum(turn_rewards),
+        turn_rewards=list(turn_rewards),
+        num_turns=turns,
+        group_size=4,
+        duration_s=0.0,
+        turn_starts=starts,
+        turn_ends=ends,
+        anchors=list(anchors) if anchors is not None else [""] * turns,
+    )
 
 
 def group(*trajs: Trajectory, gid: str = "g0") -> Group:
@@ -90,7 +102,7 @@ def test_ragen_worked_example_per_token():
     # The same example as token-level rewards (one per turn) summing to 3.0 and 2.0: +1 / -1 on
     # every response token, exactly 0 on the prompt, observation and closing tokens.
     a, b = traj([1.0, 2.0], eid="a"), traj([0.5, 1.5], eid="b")
-    (out_a, out_b), = compute_advantages([group(a, b)], cfg(advantage="grpo"))
+    ((out_a, out_b),) = compute_advantages([group(a, b)], cfg(advantage="grpo"))
     for t, adv, sign in ((a, out_a, 1.0), (b, out_b, -1.0)):
         assert_masked(t, adv)
         assert [x for x, m in zip(adv, t.loss_mask) if m] == pytest.approx([sign] * 4, abs=1e-5)
@@ -130,8 +142,9 @@ def test_ngrpo_gives_signal_to_a_zero_std_group():
     g = group(traj([0.0]), traj([0.0]), traj([0.0]), traj([0.0]))
     (ng,) = compute_advantages([g], cfg(advantage="ngrpo", ngrpo_max_reward=1.0))
     (gr,) = compute_advantages([g], cfg(advantage="grpo"))
-    assert all(a == pytest.approx(-0.5, abs=1e-5) for t in ng for a, m in
-               zip(t, g.trajectories[0].loss_mask) if m)
+    assert all(
+        a == pytest.approx(-0.5, abs=1e-5) for t in ng for a, m in zip(t, g.trajectories[0].loss_mask) if m
+    )
     assert all(a == 0.0 for t in gr for a in t)
 
 
@@ -156,19 +169,19 @@ def test_degenerate_groups():
 
 
 def _flat(reward: float) -> Trajectory:
-    return Trajectory("e", "g", 0, "t", [0, 1], [0, 1], [0.0, -1.0], [-1, 0], reward, [reward], 1,
-                      2, 0.0)
+    return Trajectory("e", "g", 0, "t", [0, 1], [0, 1], [0.0, -1.0], [-1, 0], reward, [reward], 1, 2, 0.0)
 
 
 def test_group_advantages_per_group_in_trajectory_order():
-    groups = [Group("a", [_flat(3.0), _flat(2.0)], 0, 0),
-              Group("b", [_flat(1.0), _flat(1.0), _flat(4.0)], 1, 0)]
+    groups = [
+        Group("a", [_flat(3.0), _flat(2.0)], 0, 0),
+        Group("b", [_flat(1.0), _flat(1.0), _flat(4.0)], 1, 0),
+    ]
     assert group_advantages(groups, "drgrpo") == [[0.5, -0.5], [-1.0, -1.0, 2.0]]
     assert group_advantages(groups)[0] == pytest.approx([1.0, -1.0], abs=1e-5)
     assert group_advantages(groups, "rloo")[1] == pytest.approx([-1.5, -1.5, 3.0])
     # [1, 1, 4] + virtual 4: mean 2.5, population std 1.5.
-    assert group_advantages(groups, "ngrpo", max_reward=4.0)[1] == pytest.approx([-1, -1, 1],
-                                                                                 abs=1e-5)
+    assert group_advantages(groups, "ngrpo", max_reward=4.0)[1] == pytest.approx([-1, -1, 1], abs=1e-5)
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         group_advantages(groups, "nope")
 
@@ -188,8 +201,9 @@ TURN_GROUP = ([0.0, 1.0], [1.0], [0.0, 0.0, 1.0])
 
 def _turn_adv(advantage: str, **kw) -> list[list[float]]:
     trajs = [traj(r, eid=f"t{i}") for i, r in enumerate(TURN_GROUP)]
-    (out,) = compute_advantages([group(*trajs)],
-                                cfg(advantage=advantage, reward_level="turn", gamma=0.5, **kw))
+    (out,) = compute_advantages(
+        [group(*trajs)], cfg(advantage=advantage, reward_level="turn", gamma=0.5, **kw)
+    )
     for t, adv in zip(trajs, out):
         assert_masked(t, adv)
     return [per_turn(t, adv) for t, adv in zip(trajs, out)]
@@ -211,8 +225,11 @@ def test_turn_level_grpo_and_rloo_by_hand():
     assert g[1] == pytest.approx([(1 - 7 / 12) / s0], abs=1e-5)
     assert g[2] == pytest.approx([(0.25 - 7 / 12) / s0, -1.0, 0.0], abs=1e-5)
     # RLOO: 0.5 - (1 + 0.25)/2, 1 - (0.5 + 0.25)/2, 0.25 - (0.5 + 1)/2; turn 1: 1 - 0.5, 0.5 - 1.
-    assert _turn_adv("rloo") == [pytest.approx([-0.125, 0.5]), pytest.approx([0.625]),
-                                 pytest.approx([-0.5, -0.5, 0.0])]
+    assert _turn_adv("rloo") == [
+        pytest.approx([-0.125, 0.5]),
+        pytest.approx([0.625]),
+        pytest.approx([-0.5, -0.5, 0.0]),
+    ]
 
 
 def test_turn_level_ngrpo_lone_turn_still_gets_a_value():
@@ -239,8 +256,7 @@ def test_gigpo_by_hand():
     t1 = traj([0.0, 0.0, 1.0], ["A", "B", "C"], eid="t1")
     t2 = traj([0.0, 0.0], ["A", "B"], eid="t2")
     t3 = traj([0.0, 0.0, 1.0], ["A", "D", "B"], eid="t3")
-    (out,) = compute_advantages([group(t1, t2, t3)],
-                                cfg(advantage="gigpo", gamma=0.5, gigpo_step_weight=0.5))
+    (out,) = compute_advantages([group(t1, t2, t3)], cfg(advantage="gigpo", gamma=0.5, gigpo_step_weight=0.5))
     # Episode level: R = 1, 0, 1; mean 2/3, population std sqrt(2)/3 -> 1/sqrt2, -sqrt2, 1/sqrt2.
     e_hi, e_lo = 1 / math.sqrt(2), -math.sqrt(2)
     # Step group A: returns 0.25, 0, 0.25; mean 1/6, std 1/sqrt(72) -> 1/sqrt2, -sqrt2, 1/sqrt2.
@@ -249,8 +265,7 @@ def test_gigpo_by_hand():
     a_hi, a_lo, b = 1 / math.sqrt(2), -math.sqrt(2), math.sqrt(1.5)
     assert per_turn(t1, out[0]) == pytest.approx([e_hi + 0.5 * a_hi, e_hi, e_hi], abs=1e-4)
     assert per_turn(t2, out[1]) == pytest.approx([e_lo + 0.5 * a_lo, e_lo - 0.5 * b], abs=1e-4)
-    assert per_turn(t3, out[2]) == pytest.approx([e_hi + 0.5 * a_hi, e_hi, e_hi + 0.5 * b],
-                                                 abs=1e-4)
+    assert per_turn(t3, out[2]) == pytest.approx([e_hi + 0.5 * a_hi, e_hi, e_hi + 0.5 * b], abs=1e-4)
     for t, adv in zip((t1, t2, t3), out):
         assert_masked(t, adv)
 
@@ -271,8 +286,7 @@ def test_inconsistent_turn_data_is_refused():
     with pytest.raises(ValueError, match="anchors"):
         compute_advantages([group(bad, good)], cfg(advantage="gigpo"))
     compute_advantages([group(bad, good)], cfg(advantage="grpo", reward_level="turn"))
-    nospan = Trajectory("e9", "g", 0, "t", [0, 1], [0, 1], [0.0, -1.0], [-1, 0], 1.0, [1.0], 1,
-                        2, 0.0)
+    nospan = Trajectory("e9", "g", 0, "t", [0, 1], [0, 1], [0.0, -1.0], [-1, 0], 1.0, [1.0], 1, 2, 0.0)
     with pytest.raises(ValueError, match="e9.*span"):
         compute_advantages([group(nospan, good)], cfg(reward_level="turn"))
     compute_advantages([group(nospan, good)], cfg())  # trajectory level needs no spans
@@ -299,8 +313,7 @@ def test_invariant_to_a_constant_shift(rewards, shift):
 @given(rewards=_rewards, scale=st.floats(0.5, 100.0))
 def test_scale_invariant_with_std_normalisation(rewards, scale):
     a = grpo_advantages(rewards, eps=0.0)
-    assert grpo_advantages([r * scale for r in rewards], eps=0.0) == pytest.approx(
-        a, rel=1e-9, abs=1e-9)
+    assert grpo_advantages([r * scale for r in rewards], eps=0.0) == pytest.approx(a, rel=1e-9, abs=1e-9)
     # With the default eps the invariance is approximate (std is at least 0.125 on this grid).
     c = grpo_advantages([r * scale for r in rewards])
     assert c == pytest.approx(a, rel=1e-4, abs=1e-4)
@@ -315,7 +328,8 @@ def test_sums_unit_scale_and_order(rewards):
     n = len(rewards)
     if n > 1:  # RLOO is Dr.GRPO scaled by n / (n - 1)
         assert rloo_advantages(rewards) == pytest.approx(
-            [n / (n - 1) * d for d in drgrpo_advantages(rewards)])
+            [n / (n - 1) * d for d in drgrpo_advantages(rewards)]
+        )
     if len(set(rewards)) > 1:
         # Normalised to (nearly) unit population variance, and monotone in the reward.
         assert math.fsum(x * x for x in a) / n == pytest.approx(1.0, rel=1e-4)
@@ -335,12 +349,16 @@ _traj = st.builds(
     lambda rs, an, resp, obs: traj(rs, an[: len(rs)], resp=resp, obs=obs),
     st.lists(_reward, min_size=1, max_size=4),
     st.lists(st.sampled_from(["a", "b", "c", ""]), min_size=4, max_size=4),
-    st.integers(1, 3), st.integers(0, 2))
+    st.integers(1, 3),
+    st.integers(0, 2),
+)
 
 
 @settings(max_examples=60, deadline=None)
-@given(groups=st.lists(st.lists(_traj, min_size=1, max_size=5), min_size=1, max_size=3),
-       gamma=st.sampled_from([0.0, 0.5, 1.0]))
+@given(
+    groups=st.lists(st.lists(_traj, min_size=1, max_size=5), min_size=1, max_size=3),
+    gamma=st.sampled_from([0.0, 0.5, 1.0]),
+)
 def test_shapes_and_masks_for_every_estimator_and_level(groups, gamma):
     gs = [group(*ts, gid=f"g{i}") for i, ts in enumerate(groups)]
     for est in ALL:

@@ -11,22 +11,27 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, steps_of
+
 from millstream.shared.metrics import read_jsonl
 from millstream.shared.rundir import checkpoint_step, find_checkpoint
 
 
 def rise(run_dir: Path, n: int = 4) -> float:
     steps = steps_of(run_dir)
-    return (statistics.fmean(r["reward/mean"] for r in steps[-n:])
-            - statistics.fmean(r["reward/mean"] for r in steps[:n]))
+    return statistics.fmean(r["reward/mean"] for r in steps[-n:]) - statistics.fmean(
+        r["reward/mean"] for r in steps[:n]
+    )
 
 
-@pytest.mark.parametrize("overrides", [
-    ["learner.advantage=drgrpo", "learner.loss_agg=seq_sum_norm"],
-    ["learner.advantage=gigpo", "learner.reward_level=turn", "envpool.env_args={turns=3}"],
-], ids=["drgrpo", "gigpo-multiturn"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["learner.advantage=drgrpo", "learner.loss_agg=seq_sum_norm"],
+        ["learner.advantage=gigpo", "learner.reward_level=turn", "envpool.env_args={turns=3}"],
+    ],
+    ids=["drgrpo", "gigpo-multiturn"],
+)
 def test_estimator_learns(actor, tmp_path, overrides):
     run_dir = tmp_path / "run"
     millstream_run(actor, run_dir, "train.steps=14", *overrides)
@@ -48,8 +53,15 @@ def test_two_rank_zero3_learner(actor, tmp_path):
 
 def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [*MILLSTREAM, "run", f"actor.connect={actor.address}", f"model.path={actor.model_dir}",
-           f"run.dir={run_dir}", "train.steps=12", "learner.checkpoint_every=2"]
+    cmd = [
+        *MILLSTREAM,
+        "run",
+        f"actor.connect={actor.address}",
+        f"model.path={actor.model_dir}",
+        f"run.dir={run_dir}",
+        "train.steps=12",
+        "learner.checkpoint_every=2",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 400
     assert proc.stdout is not None
@@ -68,9 +80,13 @@ def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path)
     assert sum(r["fate"] == "trained" for r in records) >= last["episodes/trained"]
 
     # A resume that changes the environment or the learning rate is refused before anything starts.
-    changed = subprocess.run([*cmd[:-2], "train.steps=8", f"run.resume={run_dir}",
-                              "learner.lr=0.1", "envpool.env=echo"],
-                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+    changed = subprocess.run(
+        [*cmd[:-2], "train.steps=8", f"run.resume={run_dir}", "learner.lr=0.1", "envpool.env=echo"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert changed.returncode == 2
     assert "envpool.env: 'evenchars' -> 'echo'" in changed.stderr
     assert "learner.lr: 0.004 -> 0.1" in changed.stderr
@@ -87,17 +103,26 @@ def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path)
     assert {r["step"] for r in rolled if "reward/mean" in r} == set(range(ckpt + 1, killed_at + 1))
     summary = check_accounting(run_dir)  # the whole run adds up, earlier session included
     assert summary["version"] == 8 and summary["episodes_from_earlier_sessions"] > 0
-    assert summary["episodes_started"] == (summary["episodes_from_earlier_sessions"]
-                                           + summary["episodes_started_this_session"])
+    assert summary["episodes_started"] == (
+        summary["episodes_from_earlier_sessions"] + summary["episodes_started_this_session"]
+    )
     assert "before the resume +" in resumed.stdout and "accounting ok" in resumed.stdout
-    trained = [r for r in read_jsonl(run_dir / "trajectories.jsonl")
-               if r["fate"] == "trained" and not r.get("rolled_back")]
+    trained = [
+        r
+        for r in read_jsonl(run_dir / "trajectories.jsonl")
+        if r["fate"] == "trained" and not r.get("rolled_back")
+    ]
     assert len({r["episode_id"] for r in trained}) == len(trained)  # nothing trained twice
 
     # A finished run says so and starts nothing.
     size = (run_dir / "metrics.jsonl").stat().st_size
-    again = subprocess.run([*MILLSTREAM, "run", f"run.resume={run_dir}", "train.steps=8"],
-                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+    again = subprocess.run(
+        [*MILLSTREAM, "run", f"run.resume={run_dir}", "train.steps=8"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert again.returncode == 0
     assert again.stdout.startswith(f"millstream run: {run_dir.resolve()} already finished")
     assert (run_dir / "metrics.jsonl").stat().st_size == size
@@ -107,15 +132,22 @@ def test_decoupled_policy_trains_stale_groups_with_capped_weights(actor, tmp_pat
     """staleness_policy=decoupled keeps groups beyond max_staleness (up to its own bound) and
     trains them with decoupled PPO; the run reports importance-weight statistics."""
     run_dir = tmp_path / "run"
-    millstream_run(actor, run_dir, "train.steps=5", "train.max_staleness=0",
-                   "envpool.admission_slack=2", "learner.staleness_policy=decoupled",
-                   "learner.decoupled_max_staleness=3", "train.groups_per_batch=2",
-                   "train.group_size=4")
+    millstream_run(
+        actor,
+        run_dir,
+        "train.steps=5",
+        "train.max_staleness=0",
+        "envpool.admission_slack=2",
+        "learner.staleness_policy=decoupled",
+        "learner.decoupled_max_staleness=3",
+        "train.groups_per_batch=2",
+        "train.group_size=4",
+    )
     summary = check_accounting(run_dir)
     assert "stale" not in summary["episodes_dropped"]
     steps = steps_of(run_dir)
     assert max(r["staleness/max"] for r in steps) >= 1  # stale groups were trained, not dropped
     assert all(r["staleness/max"] <= 3 for r in steps)
     for r in steps:
-        assert 0 < r["train/is_weight_mean"] and r["train/is_weight_max"] > 0
+        assert r["train/is_weight_mean"] > 0 and r["train/is_weight_max"] > 0
         assert 0 <= r["train/is_capped_frac"] <= 1

@@ -13,11 +13,11 @@ import random
 import numpy as np
 import pytest
 import torch
+from samples import random_samples
 from transformers import AutoModelForCausalLM
 
 from millstream.learner.checkpoint import STATE_FILE, find_checkpoint, load_checkpoint, save_checkpoint
 from millstream.learner.replay import ReplayBuffer
-from samples import random_samples
 from millstream.learner.trainer import Trainer, TrainSample
 from millstream.shared.config import LearnerConfig
 from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory
@@ -37,10 +37,21 @@ def samples(seed: int, n: int = 3) -> list[TrainSample]:
 
 
 def traj(group: str, member: int, reward: float = 1.0) -> Trajectory:
-    return Trajectory(episode_id=f"{group}-e{member}", group_id=group, seed=0, env="test",
-                      token_ids=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], logprobs=[0, 0, -0.5, -0.5],
-                      versions=[-1, -1, 1, 2], reward=reward, turn_rewards=[reward], num_turns=1,
-                      group_size=3, duration_s=0.1)
+    return Trajectory(
+        episode_id=f"{group}-e{member}",
+        group_id=group,
+        seed=0,
+        env="test",
+        token_ids=[1, 2, 3, 4],
+        loss_mask=[0, 0, 1, 1],
+        logprobs=[0, 0, -0.5, -0.5],
+        versions=[-1, -1, 1, 2],
+        reward=reward,
+        turn_rewards=[reward],
+        num_turns=1,
+        group_size=3,
+        duration_s=0.1,
+    )
 
 
 def fail(group: str, member: int) -> EpisodeFailed:

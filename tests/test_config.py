@@ -5,12 +5,27 @@ import tomllib
 import msgspec
 import pytest
 
-from millstream.shared.config import Config, ConfigError, describe_config, dump_config, load_config, parse_overrides
+from millstream.shared.config import (
+    Config,
+    ConfigError,
+    describe_config,
+    dump_config,
+    load_config,
+    parse_overrides,
+)
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(None, ["train.steps=5", "envpool.env=bandit", "learner.lr=0.01",
-                             "envpool.env_args={swap_names=true}", 'run.name="x y"'])
+    cfg = load_config(
+        None,
+        [
+            "train.steps=5",
+            "envpool.env=bandit",
+            "learner.lr=0.01",
+            "envpool.env_args={swap_names=true}",
+            'run.name="x y"',
+        ],
+    )
     assert cfg.train.steps == 5 and cfg.envpool.env == "bandit" and cfg.learner.lr == 0.01
     assert cfg.envpool.env_args == {"swap_names": True}
     assert cfg.run.name == "x y"
@@ -23,41 +38,56 @@ def test_file_then_overrides(tmp_path):
     assert (cfg.train.steps, cfg.train.group_size) == (9, 4)
 
 
-@pytest.mark.parametrize("override, message", [
-    (["train.stepz=3"], "unknown key 'train.stepz'; did you mean 'train.steps'?"),
-    (["trian.steps=3"], "unknown key 'trian'; did you mean 'train'?"),
-    (["nosuch.key=1"], "unknown key 'nosuch'"),
-    (["train.group_size=1"], "train.group_size = 1: expected int >= 2"),
-    (["train.steps=many"], 'train.steps = "many": expected int, got str'),
-    (["learner.lr=-1"], "learner.lr = -1: expected float > 0.0"),
-    (["train"], "override 'train' needs '=': write train=VALUE"),
-    (["=3"], "override '=3': expected dotted.key=value"),
-    (["learner.advantage=ppo"], "learner.advantage = \"ppo\": expected one of 'grpo', 'drgrpo'"),
-    # Types are not coerced.
-    (['train.steps="8"'], 'train.steps = "8": expected int, got str (write numbers and booleans '
-                          'without quotes)'),
-    (["train.steps=8.0"], "train.steps = 8.0: expected int, got float"),
-    (['envpool.temperature="0.5"'], 'envpool.temperature = "0.5": expected float, got str'),
-    (["run.name=123"], "run.name = 123: expected str, got int (quote text"),
-    # Choices outside their set, with a did-you-mean where one is close.
-    (["actor.device=tpu"], "actor.device = \"tpu\": expected one of 'auto', 'cpu', 'cuda'; did you "
-                           "mean 'cpu'?"),
-    (["learner.sync_backend=carrier-pigeon"], "learner.sync_backend = \"carrier-pigeon\": expected "
-                                              "one of 'auto', 'gloo', 'nccl'"),
-    (["model.dtype=float64"], "model.dtype = \"float64\": expected one of 'float32', 'bfloat16', "
-                              "'float16'"),
-    (["run.log_level=LOUD"], "run.log_level = \"LOUD\": expected one of 'DEBUG', 'INFO'"),
-    # What the engine would refuse, and what spans keys.
-    (["envpool.temperature=2.5"], "envpool.temperature = 2.5: expected float <= 2.0"),
-    (["actor.address=localhost:5555"], 'actor.address = "localhost:5555": expected '
-                                       "tcp://HOST:PORT"),
-    (["actor.connect=tcp://127.0.0.1:99999"], "actor.connect = \"tcp://127.0.0.1:99999\": expected"),
-    (["learner.version_address=udp://x:1"], "learner.version_address = \"udp://x:1\": expected"),
-    (["envpool.max_tokens=1024"], "envpool.max_tokens = 1024: a turn's generation budget must "
-                                  "leave room for its prompt within actor.max_model_len = 1024"),
-    (["train.group_size=16", "envpool.max_concurrent_episodes=8"],
-     "train.group_size = 16: exceeds envpool.max_concurrent_episodes = 8"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (["train.stepz=3"], "unknown key 'train.stepz'; did you mean 'train.steps'?"),
+        (["trian.steps=3"], "unknown key 'trian'; did you mean 'train'?"),
+        (["nosuch.key=1"], "unknown key 'nosuch'"),
+        (["train.group_size=1"], "train.group_size = 1: expected int >= 2"),
+        (["train.steps=many"], 'train.steps = "many": expected int, got str'),
+        (["learner.lr=-1"], "learner.lr = -1: expected float > 0.0"),
+        (["train"], "override 'train' needs '=': write train=VALUE"),
+        (["=3"], "override '=3': expected dotted.key=value"),
+        (["learner.advantage=ppo"], "learner.advantage = \"ppo\": expected one of 'grpo', 'drgrpo'"),
+        # Types are not coerced.
+        (
+            ['train.steps="8"'],
+            'train.steps = "8": expected int, got str (write numbers and booleans without quotes)',
+        ),
+        (["train.steps=8.0"], "train.steps = 8.0: expected int, got float"),
+        (['envpool.temperature="0.5"'], 'envpool.temperature = "0.5": expected float, got str'),
+        (["run.name=123"], "run.name = 123: expected str, got int (quote text"),
+        # Choices outside their set, with a did-you-mean where one is close.
+        (
+            ["actor.device=tpu"],
+            "actor.device = \"tpu\": expected one of 'auto', 'cpu', 'cuda'; did you mean 'cpu'?",
+        ),
+        (
+            ["learner.sync_backend=carrier-pigeon"],
+            "learner.sync_backend = \"carrier-pigeon\": expected one of 'auto', 'gloo', 'nccl'",
+        ),
+        (
+            ["model.dtype=float64"],
+            "model.dtype = \"float64\": expected one of 'float32', 'bfloat16', 'float16'",
+        ),
+        (["run.log_level=LOUD"], "run.log_level = \"LOUD\": expected one of 'DEBUG', 'INFO'"),
+        # What the engine would refuse, and what spans keys.
+        (["envpool.temperature=2.5"], "envpool.temperature = 2.5: expected float <= 2.0"),
+        (["actor.address=localhost:5555"], 'actor.address = "localhost:5555": expected tcp://HOST:PORT'),
+        (["actor.connect=tcp://127.0.0.1:99999"], 'actor.connect = "tcp://127.0.0.1:99999": expected'),
+        (["learner.version_address=udp://x:1"], 'learner.version_address = "udp://x:1": expected'),
+        (
+            ["envpool.max_tokens=1024"],
+            "envpool.max_tokens = 1024: a turn's generation budget must "
+            "leave room for its prompt within actor.max_model_len = 1024",
+        ),
+        (
+            ["train.group_size=16", "envpool.max_concurrent_episodes=8"],
+            "train.group_size = 16: exceeds envpool.max_concurrent_episodes = 8",
+        ),
+    ],
+)
 def test_bad_keys_and_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as caught:
         load_config(None, override)
@@ -65,9 +95,15 @@ def test_bad_keys_and_values_name_the_key(override, message):
 
 
 def test_an_int_is_a_float_and_addresses_of_every_form_pass():
-    cfg = load_config(None, ["envpool.temperature=1", "actor.address=tcp://[::1]:0",
-                             "learner.experience_address=ipc:///tmp/x.sock",
-                             "actor.connect=tcp://gpu-host-3:5555"])
+    cfg = load_config(
+        None,
+        [
+            "envpool.temperature=1",
+            "actor.address=tcp://[::1]:0",
+            "learner.experience_address=ipc:///tmp/x.sock",
+            "actor.connect=tcp://gpu-host-3:5555",
+        ],
+    )
     assert cfg.envpool.temperature == 1.0 and isinstance(cfg.envpool.temperature, float)
 
 
@@ -88,7 +124,7 @@ def test_bad_file_is_a_clear_error(tmp_path):
 
 
 def test_dump_round_trips():
-    cfg = load_config(None, ["envpool.env_args={turns=3, prompt=\"hi\"}", "train.steps=2"])
+    cfg = load_config(None, ['envpool.env_args={turns=3, prompt="hi"}', "train.steps=2"])
     again = msgspec.convert(tomllib.loads(dump_config(cfg)), Config)
     assert again == cfg
 

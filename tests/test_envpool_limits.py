@@ -5,22 +5,19 @@ Where the test is about the client's retry logic, the other end is a ROUTER sock
 scripts by hand (`ScriptedPeer`): it answers what the test says, it is not an actor.
 """
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import anyio
+import helpers
 import pytest
 import zmq
 
-import helpers
 from millstream.envpool.chat import ChatFormat
-from millstream.envpool.client import ActorClient, ActorUnreachable, GenerationFailed
+from millstream.envpool.client import ActorUnreachable, GenerationFailed
 from millstream.envpool.envs import Observation, StepResult
 from millstream.envpool.episode import EpisodeSpec, run_episode
-from millstream.shared.config import EnvPoolConfig, TransportConfig
+from millstream.shared.config import EnvPoolConfig
 from millstream.shared.protocol import (
     Abort,
     Cause,
@@ -33,8 +30,6 @@ from millstream.shared.protocol import (
     TurnError,
 )
 from millstream.shared.runtime import free_port
-from millstream.shared.transport import open_channel
-
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,8 +89,9 @@ def test_handshake_names_an_absent_actor_after_bounded_tries():
 
 
 def test_overloaded_refusal_is_retried_with_the_same_request():
-    peer = ScriptedPeer(lambda n, r: GenerateError(r.request_id, TurnError.OVERLOADED, "full")
-                        if n == 0 else final(r))
+    peer = ScriptedPeer(
+        lambda n, r: GenerateError(r.request_id, TurnError.OVERLOADED, "full") if n == 0 else final(r)
+    )
 
     async def body(client, tg):
         tg.start_soon(peer.serve)
@@ -182,8 +178,13 @@ def test_environments_start_at_most_max_starting_envs_at_once(synthetic, tiny_mo
 
 def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tmp_path):
     address, proc = helpers.start_synthetic_actor(
-        tiny_model_dir, tmp_path, "actor.max_num_seqs=2", "actor.max_live_requests=4",
-        "actor.synthetic_step_s=0.05", "actor.synthetic_stop_prob=0")
+        tiny_model_dir,
+        tmp_path,
+        "actor.max_num_seqs=2",
+        "actor.max_live_requests=4",
+        "actor.synthetic_step_s=0.05",
+        "actor.synthetic_stop_prob=0",
+    )
     try:
         causes = []
 
@@ -205,8 +206,7 @@ def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tm
         helpers.stop_group(proc)
 
 
-def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handshake(tiny_model_dir,
-                                                                                    tmp_path):
+def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handshake(tiny_model_dir, tmp_path):
     """As under `millstream run`: vLLM takes a minute to load, the envpool starts at once.
 
     The worker greets the actor only after the learner's first version (which the learner sends
@@ -219,16 +219,28 @@ def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handsha
 
     learner = helpers.StandInLearner()
     address = f"tcp://127.0.0.1:{free_port()}"
-    cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", f"actor.connect={address}", "train.group_size=2",
-        *learner.config(), "envpool.env=noop", "envpool.actor_connect_timeout_s=0.5",
-        "envpool.actor_retries=1", "envpool.actor_retry_backoff_s=0.1"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            f"actor.connect={address}",
+            "train.group_size=2",
+            *learner.config(),
+            "envpool.env=noop",
+            "envpool.actor_connect_timeout_s=0.5",
+            "envpool.actor_retries=1",
+            "envpool.actor_retry_backoff_s=0.1",
+        ],
+    )
     procs = []
 
     async def learner_stand_in():
         await anyio.sleep(3)
-        procs.append(await anyio.to_thread.run_sync(
-            lambda: helpers.start_synthetic_actor(tiny_model_dir, tmp_path, address=address)[1]))
+        procs.append(
+            await anyio.to_thread.run_sync(
+                lambda: helpers.start_synthetic_actor(tiny_model_dir, tmp_path, address=address)[1]
+            )
+        )
         while not learner.done:
             learner.announce(0, 1, final=learner.outcomes["trajectory"] == 2)
             learner.drain()

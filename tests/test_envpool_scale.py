@@ -10,8 +10,8 @@ import time
 
 import anyio
 import pytest
-
 from helpers import StandInLearner
+
 from millstream.envpool.envs import Observation, StepResult
 from millstream.envpool.envs.base import REGISTRY
 from millstream.envpool.worker import run_worker
@@ -33,8 +33,12 @@ class AnyReply:
     async def step(self, action):
         self.turn += 1
         valid = "\x00" not in action
-        return StepResult(Observation("Again.", anchor=f"turn{self.turn}"), 0.5 if valid else -0.1,
-                          self.turn >= 2, {"valid": valid, "success": valid})  # 2,000 episodes, all admitted at once
+        return StepResult(
+            Observation("Again.", anchor=f"turn{self.turn}"),
+            0.5 if valid else -0.1,
+            self.turn >= 2,
+            {"valid": valid, "success": valid},
+        )  # 2,000 episodes, all admitted at once
 
 
 @pytest.fixture
@@ -46,16 +50,26 @@ def anyreply():
 
 
 @pytest.mark.parametrize("backend", ["trio"])
-def test_two_thousand_concurrent_episodes_with_faults_are_all_accounted(synthetic, tiny_model_dir,
-                                                                         anyreply, backend):
+def test_two_thousand_concurrent_episodes_with_faults_are_all_accounted(
+    synthetic, tiny_model_dir, anyreply, backend
+):
     learner = StandInLearner()
-    cfg = load_config(None, [
-        f"model.path={tiny_model_dir}", f"actor.connect={synthetic}", *learner.config(),
-        f"train.group_size={GROUP_SIZE}", "envpool.max_concurrent_episodes=2000",
-        "envpool.env=flaky",
-        'envpool.env_args={inner="anyreply", crash_prob=0.05, hang_prob=0.03, garbage_prob=0.1, hang_s=600}',
-        "envpool.step_timeout_s=3", "envpool.max_tokens=16", "envpool.max_consecutive_actor_failures=100000",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            f"actor.connect={synthetic}",
+            *learner.config(),
+            f"train.group_size={GROUP_SIZE}",
+            "envpool.max_concurrent_episodes=2000",
+            "envpool.env=flaky",
+            'envpool.env_args={inner="anyreply", crash_prob=0.05, hang_prob=0.03, '
+            "garbage_prob=0.1, hang_s=600}",
+            "envpool.step_timeout_s=3",
+            "envpool.max_tokens=16",
+            "envpool.max_consecutive_actor_failures=100000",
+        ],
+    )
     total = GROUPS * GROUP_SIZE
     peak_live = 0
 

@@ -19,12 +19,15 @@ def test_multi_turn_context_appends_tokens_like_the_template(chat):
     response = chat.encode("hello there") + [chat.eos_id]
     ids = chat.first_prompt("be brief", "first question")
     ids += response + chat.close_turn(response) + chat.next_prompt("second question")
-    rendered = chat.render([
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "first question"},
-        {"role": "assistant", "content": "hello there"},
-        {"role": "user", "content": "second question"},
-    ], add_generation_prompt=True)
+    rendered = chat.render(
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": "hello there"},
+            {"role": "user", "content": "second question"},
+        ],
+        add_generation_prompt=True,
+    )
     assert ids == chat.encode(rendered)
 
 
@@ -62,8 +65,14 @@ async def _admit_all(gate, limit=50):
 
 
 def limit(v, k=1, b=4, dropped=0, slack=0, base=0, carried=0):
-    return admit_limit(group_base=base, consumed=v * b + dropped, carried=carried,
-                       groups_per_batch=b, max_staleness=k, slack=slack)
+    return admit_limit(
+        group_base=base,
+        consumed=v * b + dropped,
+        carried=carried,
+        groups_per_batch=b,
+        max_staleness=k,
+        slack=slack,
+    )
 
 
 def test_admit_limit_is_the_areal_rule():

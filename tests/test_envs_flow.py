@@ -33,12 +33,12 @@ def play(env, seed, actions):
 
 
 def test_registered_names():
-    for name, cls in [("markovian", Markovian), ("agentflow", AgentFlow), ("noop", Noop),
-                      ("echo", Echo)]:
+    for name, cls in [("markovian", Markovian), ("agentflow", AgentFlow), ("noop", Noop), ("echo", Echo)]:
         assert type(make_env(name)) is cls
 
 
 # -- noop --------------------------------------------------------------------------------------
+
 
 def test_noop_is_one_valid_turn_worth_nothing():
     first, [result] = play(make_env("noop"), 5, [GARBAGE])
@@ -55,6 +55,7 @@ def test_noop_rejects_bad_prompt():
 
 
 # -- echo --------------------------------------------------------------------------------------
+
 
 def test_echo_rewards_valid_turns_and_keeps_state_on_invalid():
     first, results = play(make_env("echo", {"turns": 3}), 0, ["hello", "\x00bad", "world"])
@@ -79,8 +80,12 @@ def test_echo_cuts_the_quote():
 @pytest.mark.parametrize("reply", ["", "a\ufffdb", "nul\x00", GARBAGE])
 def test_echo_invalid_replies(reply):
     _, [result, last] = play(make_env("echo", {"format_penalty": -0.5}), 0, [reply, "fine"])
-    assert (result.reward, result.done, result.info["valid"], result.info["success"]) == \
-        (-0.5, False, False, False)
+    assert (result.reward, result.done, result.info["valid"], result.info["success"]) == (
+        -0.5,
+        False,
+        False,
+        False,
+    )
     assert (last.reward, last.done, last.info["valid"]) == (0.5, True, True)
 
 
@@ -91,11 +96,18 @@ def test_echo_anchors_follow_the_turn_not_the_text():
     assert a[0].observation.text != b[0].observation.text
 
 
-@pytest.mark.parametrize("args, bad", [
-    ({"turns": 0}, "turns"), ({"turns": True}, "turns"), ({"turns": "2"}, "turns"),
-    ({"max_echo_chars": -1}, "max_echo_chars"), ({"format_penalty": 0.5}, "format_penalty"),
-    ({"format_penalty": "x"}, "format_penalty"), ({"prompt": None}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "args, bad",
+    [
+        ({"turns": 0}, "turns"),
+        ({"turns": True}, "turns"),
+        ({"turns": "2"}, "turns"),
+        ({"max_echo_chars": -1}, "max_echo_chars"),
+        ({"format_penalty": 0.5}, "format_penalty"),
+        ({"format_penalty": "x"}, "format_penalty"),
+        ({"prompt": None}, "prompt"),
+    ],
+)
 def test_echo_bad_args(args, bad):
     with pytest.raises(ValueError, match=bad):
         Echo(**args)
@@ -103,8 +115,10 @@ def test_echo_bad_args(args, bad):
 
 # -- markovian ---------------------------------------------------------------------------------
 
-SEED1_QUERY = ("Start at 5. Multiply by 2. Subtract 4. Subtract 15. Subtract 13. "
-               "What is the result?")  # 5*2 = 10, -4 = 6, -15 = -9, -13 = -22
+SEED1_QUERY = (
+    "Start at 5. Multiply by 2. Subtract 4. Subtract 15. Subtract 13. "
+    "What is the result?"
+)  # 5*2 = 10, -4 = 6, -15 = -9, -13 = -22
 
 
 def test_markovian_task_from_seed():
@@ -113,11 +127,14 @@ def test_markovian_task_from_seed():
     assert (first.new_context, first.carry_tokens, first.trained) == (False, 0, True)
 
 
-@pytest.mark.parametrize("reply, reward, success", [
-    ("<think>10, 6, -9</think><answer>-22</answer>", 1.0, True),
-    ("<answer> -022 </answer>", 1.0, True),
-    ("<answer>22</answer>", 0.0, False),
-])
+@pytest.mark.parametrize(
+    "reply, reward, success",
+    [
+        ("<think>10, 6, -9</think><answer>-22</answer>", 1.0, True),
+        ("<answer> -022 </answer>", 1.0, True),
+        ("<answer>22</answer>", 0.0, False),
+    ],
+)
 def test_markovian_answer_ends_the_episode(reply, reward, success):
     _, [result] = play(make_env("markovian"), 1, [reply])
     assert result.done and result.observation.text == ""
@@ -131,8 +148,9 @@ def test_markovian_unfinished_chunks_continue_in_a_fresh_context():
         obs = result.observation
         assert (result.reward, result.done, result.info["valid"]) == (0.0, False, True)
         assert (obs.new_context, obs.carry_tokens, obs.trained, obs.anchor) == (True, 5, True, f"chunk{k}")
-        assert obs.text == (f"{SEED1_QUERY}\nContinue your reasoning from where it stopped "
-                            f"(chunk {k + 1} of 3).")
+        assert obs.text == (
+            f"{SEED1_QUERY}\nContinue your reasoning from where it stopped (chunk {k + 1} of 3)."
+        )
         assert thinking[k - 1] not in obs.text  # the carry-over travels as tokens, not text
     last = results[2]
     assert (last.reward, last.done, last.info["success"], last.info["truncated"]) == (0.0, True, False, True)
@@ -147,8 +165,12 @@ def test_markovian_answer_in_a_later_chunk():
 @pytest.mark.parametrize("content", ["", "about 20", "1.5", "+-22", "1 || 2", "1" * 31, "٣"])
 def test_markovian_malformed_answer_is_penalised_and_ends(content):
     _, [result] = play(make_env("markovian"), 1, [f"<answer>{content}</answer>"])
-    assert (result.reward, result.done, result.info["valid"], result.info["success"]) == \
-        (-0.1, True, False, False)
+    assert (result.reward, result.done, result.info["valid"], result.info["success"]) == (
+        -0.1,
+        True,
+        False,
+        False,
+    )
 
 
 def test_markovian_nul_chunk_is_invalid_but_goes_on():
@@ -182,16 +204,26 @@ def test_markovian_chains_are_solvable_and_short(seed, steps):
     assert len(ops) == steps + 1
     value = 0
     for op, n in ops:
-        value = {"Start at": lambda v, n: n, "Add": lambda v, n: v + n,
-                 "Subtract": lambda v, n: v - n, "Multiply by": lambda v, n: v * n}[op](value, int(n))
+        value = {
+            "Start at": lambda v, n: n,
+            "Add": lambda v, n: v + n,
+            "Subtract": lambda v, n: v - n,
+            "Multiply by": lambda v, n: v * n,
+        }[op](value, int(n))
     assert value == answer
 
 
-@pytest.mark.parametrize("args, bad", [
-    ({"steps": 0}, "steps"), ({"steps": MAX_STEPS + 1}, "steps"), ({"max_chunks": 0}, "max_chunks"),
-    ({"carry_tokens": -1}, "carry_tokens"), ({"carry_tokens": 2.5}, "carry_tokens"),
-    ({"format_penalty": 1}, "format_penalty"),
-])
+@pytest.mark.parametrize(
+    "args, bad",
+    [
+        ({"steps": 0}, "steps"),
+        ({"steps": MAX_STEPS + 1}, "steps"),
+        ({"max_chunks": 0}, "max_chunks"),
+        ({"carry_tokens": -1}, "carry_tokens"),
+        ({"carry_tokens": 2.5}, "carry_tokens"),
+        ({"format_penalty": 1}, "format_penalty"),
+    ],
+)
 def test_markovian_bad_args(args, bad):
     with pytest.raises(ValueError, match=bad):
         Markovian(**args)
@@ -205,8 +237,11 @@ CALL = "<answer>calculator: 29*84+99</answer>"
 
 def test_agentflow_full_flow_trains_only_the_planner():
     env = make_env("agentflow")
-    first, results = play(env, 1, [CALL, "<answer>29 * 84 + 99</answer>", "<answer>stop</answer>",
-                                   "<answer>final: 2535</answer>"])
+    first, results = play(
+        env,
+        1,
+        [CALL, "<answer>29 * 84 + 99</answer>", "<answer>stop</answer>", "<answer>final: 2535</answer>"],
+    )
     assert SEED1_QUESTION in first.text and env.answer == 2535
     assert (first.trained, first.new_context) == (True, False)
     executor, verifier, final, end = (r.observation for r in results)
@@ -222,18 +257,29 @@ def test_agentflow_full_flow_trains_only_the_planner():
 
 
 def test_agentflow_wrong_final_and_direct_final():
-    _, results = play(make_env("agentflow"), 1, [CALL, "<answer>29*84</answer>",
-                                                 "<answer>stop</answer>", "<answer>final: 2436</answer>"])
+    _, results = play(
+        make_env("agentflow"),
+        1,
+        [CALL, "<answer>29*84</answer>", "<answer>stop</answer>", "<answer>final: 2436</answer>"],
+    )
     assert "calculator(29 * 84) = 2436" in results[1].observation.text
     assert (results[3].reward, results[3].done, results[3].info["success"]) == (0.0, True, False)
     _, [direct] = play(make_env("agentflow"), 1, ["<answer>final: 2535</answer>"])
     assert (direct.reward, direct.done, direct.info["tool_calls"]) == (1.0, True, 0)
 
 
-@pytest.mark.parametrize("reply", ["I think 2535", "<answer>final: about 2500</answer>",
-                                   "<answer>search: 29*84</answer>", "<answer>calculator:</answer>",
-                                   "<answer>final: 1 || final: 2</answer>", GARBAGE,
-                                   "<answer>final: 2535</answer>\x00"])
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "I think 2535",
+        "<answer>final: about 2500</answer>",
+        "<answer>search: 29*84</answer>",
+        "<answer>calculator:</answer>",
+        "<answer>final: 1 || final: 2</answer>",
+        GARBAGE,
+        "<answer>final: 2535</answer>\x00",
+    ],
+)
 def test_agentflow_bad_planner_reply_is_penalised_and_asked_again(reply):
     first, [result] = play(make_env("agentflow", {"format_penalty": -0.3}), 1, [reply])
     assert (result.reward, result.done, result.info["valid"]) == (-0.3, False, False)
@@ -242,16 +288,22 @@ def test_agentflow_bad_planner_reply_is_penalised_and_asked_again(reply):
 
 
 def test_agentflow_final_planner_may_not_call_the_tool():
-    _, results = play(make_env("agentflow"), 1, [CALL, "<answer>1+1</answer>", "<answer>stop</answer>",
-                                                 CALL, "<answer>final: 2535</answer>"])
+    _, results = play(
+        make_env("agentflow"),
+        1,
+        [CALL, "<answer>1+1</answer>", "<answer>stop</answer>", CALL, "<answer>final: 2535</answer>"],
+    )
     assert (results[3].reward, results[3].info["valid"], results[3].done) == (-0.1, False, False)
     assert results[3].observation.anchor == results[2].observation.anchor
     assert (results[4].reward, results[4].done) == (1.0, True)
 
 
 def test_agentflow_untrained_modules_are_never_scored():
-    _, results = play(make_env("agentflow", {"max_rounds": 2}), 1,
-                      [CALL, GARBAGE, "hmm", CALL, "<answer>1/0</answer>", "<answer>continue</answer>"])
+    _, results = play(
+        make_env("agentflow", {"max_rounds": 2}),
+        1,
+        [CALL, GARBAGE, "hmm", CALL, "<answer>1/0</answer>", "<answer>continue</answer>"],
+    )
     executor, verifier = results[1], results[2]
     assert (executor.reward, executor.info["valid"], executor.info["tool"]) == (0.0, False, "no tool result")
     assert (verifier.reward, verifier.info["valid"]) == (0.0, False)
@@ -269,8 +321,11 @@ def test_agentflow_anchors_are_canonical_flow_states():
         first, results = play(make_env("agentflow"), seed, [CALL, executor_reply])
         return [first.anchor] + [r.observation.anchor for r in results]
 
-    spaced, tight, other = anchors("<answer>29 * 84 + 99</answer>"), anchors("<answer>29*84+99</answer>"), \
-        anchors("<answer>29*84</answer>")
+    spaced, tight, other = (
+        anchors("<answer>29 * 84 + 99</answer>"),
+        anchors("<answer>29*84+99</answer>"),
+        anchors("<answer>29*84</answer>"),
+    )
     assert spaced == tight  # "29*84+99" and "29 * 84 + 99" are one state
     assert spaced[:2] == other[:2] and spaced[2] != other[2]
     assert len(set(spaced)) == 3  # planner, executor, verifier differ
@@ -294,16 +349,40 @@ def test_agentflow_step_after_the_end_is_a_bug():
         play(env, 1, ["<answer>final: 1</answer>", "<answer>final: 1</answer>"])
 
 
-@pytest.mark.parametrize("expr, value", [
-    ("7/2", "3.5"), ("2*(3+4)", "14"), ("-3 + +1", "-2"), ("0.1+0.2", "0.3"), ("1/3", "0.333333"),
-    ("(12 + 30) * 2 - 4 / 4", "83"), ("6/3", "2"),
-])
+@pytest.mark.parametrize(
+    "expr, value",
+    [
+        ("7/2", "3.5"),
+        ("2*(3+4)", "14"),
+        ("-3 + +1", "-2"),
+        ("0.1+0.2", "0.3"),
+        ("1/3", "0.333333"),
+        ("(12 + 30) * 2 - 4 / 4", "83"),
+        ("6/3", "2"),
+    ],
+)
 def test_calculator_values(expr, value):
     assert calculator(expr) == value
 
 
-@pytest.mark.parametrize("expr", ["2**10", "__import__('os').system('true')", "x", "1/0", "1e999",
-                                  "1" * 101, "\x00", "", "1,2", "3 % 2", "[1]", "True + 1", "1 <= 2"])
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "2**10",
+        "__import__('os').system('true')",
+        "x",
+        "1/0",
+        "1e999",
+        "1" * 101,
+        "\x00",
+        "",
+        "1,2",
+        "3 % 2",
+        "[1]",
+        "True + 1",
+        "1 <= 2",
+    ],
+)
 def test_calculator_refuses(expr):
     with pytest.raises(CalculatorError):
         calculator(expr)
@@ -318,10 +397,15 @@ def test_agentflow_questions_are_solvable_by_the_tool(seed):
     assert len(first.text) < 800
 
 
-@pytest.mark.parametrize("args, bad", [
-    ({"max_rounds": 0}, "max_rounds"), ({"max_rounds": 1.0}, "max_rounds"),
-    ({"format_penalty": 0.1}, "format_penalty"), ({"fresh_context": 1}, "fresh_context"),
-])
+@pytest.mark.parametrize(
+    "args, bad",
+    [
+        ({"max_rounds": 0}, "max_rounds"),
+        ({"max_rounds": 1.0}, "max_rounds"),
+        ({"format_penalty": 0.1}, "format_penalty"),
+        ({"fresh_context": 1}, "fresh_context"),
+    ],
+)
 def test_agentflow_bad_args(args, bad):
     with pytest.raises(ValueError, match=bad):
         AgentFlow(**args)

@@ -55,30 +55,34 @@ def test_the_four_games_are_registered_and_built_by_name():
     assert isinstance(make_env("frozenlake", {"slippery": True}), FrozenLake)
 
 
-@pytest.mark.parametrize("name, args, bad", [
-    ("frozenlake", {"size": 1}, "size"),
-    ("frozenlake", {"hole_prob": 0.9}, "hole_prob"),
-    ("frozenlake", {"max_actions_per_turn": 0}, "max_actions_per_turn"),
-    ("sokoban", {"dim_room": (3, 6)}, "dim_room"),
-    ("sokoban", {"dim_room": 6}, "dim_room"),
-    ("sokoban", {"num_boxes": 0}, "num_boxes"),
-    ("sokoban", {"num_steps": 0}, "num_steps"),
-    ("sokoban", {"num_steps": 21}, "num_steps"),
-    ("sokoban", {"dim_room": (5, 5), "num_boxes": 3, "num_steps": 1}, "dim_room"),  # no such level
-    ("sokoban", {"max_actions_per_turn": 0}, "max_actions_per_turn"),
-    ("countdown", {"min_numbers": 1}, "min_numbers"),
-    ("countdown", {"min_numbers": 4, "max_numbers": 3}, "max_numbers"),
-    ("countdown", {"max_number": 1}, "max_number"),
-    ("countdown", {"max_target": 0}, "max_target"),
-    ("guessnumber", {"high": 1}, "high"),
-    ("guessnumber", {"max_guesses": 0}, "max_guesses"),
-])
+@pytest.mark.parametrize(
+    "name, args, bad",
+    [
+        ("frozenlake", {"size": 1}, "size"),
+        ("frozenlake", {"hole_prob": 0.9}, "hole_prob"),
+        ("frozenlake", {"max_actions_per_turn": 0}, "max_actions_per_turn"),
+        ("sokoban", {"dim_room": (3, 6)}, "dim_room"),
+        ("sokoban", {"dim_room": 6}, "dim_room"),
+        ("sokoban", {"num_boxes": 0}, "num_boxes"),
+        ("sokoban", {"num_steps": 0}, "num_steps"),
+        ("sokoban", {"num_steps": 21}, "num_steps"),
+        ("sokoban", {"dim_room": (5, 5), "num_boxes": 3, "num_steps": 1}, "dim_room"),  # no such level
+        ("sokoban", {"max_actions_per_turn": 0}, "max_actions_per_turn"),
+        ("countdown", {"min_numbers": 1}, "min_numbers"),
+        ("countdown", {"min_numbers": 4, "max_numbers": 3}, "max_numbers"),
+        ("countdown", {"max_number": 1}, "max_number"),
+        ("countdown", {"max_target": 0}, "max_target"),
+        ("guessnumber", {"high": 1}, "high"),
+        ("guessnumber", {"max_guesses": 0}, "max_guesses"),
+    ],
+)
 def test_bad_arguments_are_named(name, args, bad):
     with pytest.raises(ValueError, match=bad):
         make_env(name, args)
 
 
 # ---------------------------------------------------------------- frozenlake
+
 
 def lake(holes=(), goal=(3, 3), player=(0, 0), **kwargs):
     """A 4x4 FrozenLake set to a hand-made lake."""
@@ -120,8 +124,17 @@ def test_frozenlake_moves_off_the_grid_stay_put():
     assert result.observation.anchor == "1,0"
 
 
-@pytest.mark.parametrize("action", ["no tags at all", ans("Jump"), ans("Down", "Down", "Down", "Down"),
-                                    ans("Down", "sideways"), "<answer></answer>", GARBAGE])
+@pytest.mark.parametrize(
+    "action",
+    [
+        "no tags at all",
+        ans("Jump"),
+        ans("Down", "Down", "Down", "Down"),
+        ans("Down", "sideways"),
+        "<answer></answer>",
+        GARBAGE,
+    ],
+)
 def test_frozenlake_invalid_answer_costs_the_penalty_and_changes_nothing(action):
     env = lake(player=(1, 2))
     result = step(env, action)
@@ -191,6 +204,7 @@ def test_frozenlake_every_lake_has_a_path(seed, size, hole_prob):
 
 # ---------------------------------------------------------------- sokoban
 
+
 def room(rows):
     """A Sokoban env set to a hand-drawn level (same symbols as the rendering, no spaces)."""
     floor, targets, boxes, player = set(), set(), set(), None
@@ -211,18 +225,11 @@ def room(rows):
     return env
 
 
-CORRIDOR = ["#######",
-            "#_____#",
-            "#P_X_O#",
-            "#_____#",
-            "#######"]
+CORRIDOR = ["#######", "#_____#", "#P_X_O#", "#_____#", "#######"]
 
 
 def test_sokoban_renders_every_symbol():
-    env = room(["######",
-                "#S_X_#",
-                "#√O__#",
-                "######"])
+    env = room(["######", "#S_X_#", "#√O__#", "######"])
     assert env.render() == "# # # # # #\n# S _ X _ #\n# √ O _ _ #\n# # # # # #"
     assert env.anchor() == "1,1|1,3;2,1"
 
@@ -241,11 +248,7 @@ def test_sokoban_pushing_the_last_box_home_pays_gym_sokoban_rewards():
 
 
 def test_sokoban_box_on_and_off_a_target():
-    env = room(["#######",
-                "#O____#",
-                "#_PXO_#",
-                "#_X___#",
-                "#######"])
+    env = room(["#######", "#O____#", "#_PXO_#", "#_X___#", "#######"])
     on = step(env, ans("Right"))
     assert (on.reward, on.done, on.info["boxes_on_target"]) == (0.9, False, 1)
     off = step(env, ans("Right"))
@@ -255,16 +258,14 @@ def test_sokoban_box_on_and_off_a_target():
 
 
 def test_sokoban_walls_and_box_rows_block():
-    env = room(["######",
-                "#PXX_#",
-                "#__OO#",
-                "######"])
+    env = room(["######", "#PXX_#", "#__OO#", "######"])
     result = step(env, ans("Right", "Up", "Left"))  # two boxes in a row, a wall, a wall
     assert (result.reward, result.observation.anchor) == (-0.3, "1,1|1,2;1,3")
 
 
-@pytest.mark.parametrize("action", ["Right", ans("Push"), ans("Right", "Right", "Right", "Right"),
-                                    "<answer>||</answer>", GARBAGE])
+@pytest.mark.parametrize(
+    "action", ["Right", ans("Push"), ans("Right", "Right", "Right", "Right"), "<answer>||</answer>", GARBAGE]
+)
 def test_sokoban_invalid_answer_costs_the_penalty_and_changes_nothing(action):
     env = room(CORRIDOR)
     result = step(env, action)
@@ -332,6 +333,7 @@ def test_sokoban_default_levels_fit_the_default_turns_and_vary():
 
 # ---------------------------------------------------------------- countdown
 
+
 def task(numbers, target, **kwargs):
     env = Countdown(**kwargs)
     play(env, 0, [])
@@ -339,16 +341,19 @@ def task(numbers, target, **kwargs):
     return env
 
 
-@pytest.mark.parametrize("numbers, target, answer, reward, success, numbers_ok", [
-    ([3, 5, 7], 36, "(7 + 5) * 3", 1.0, True, True),
-    ([3, 5, 7], 36, " 3*(5+7) ", 1.0, True, True),
-    ([3, 5, 7], 36, "(7 - 5) * 3", 0.1, False, True),  # wrong value
-    ([3, 5, 7], 36, "(7 + 5) * 3 * 3", 0.1, False, False),  # 3 used twice
-    ([3, 5, 7], 36, "(7 + 5)", 0.1, False, False),  # 3 unused
-    ([3, 5, 7], 36, "12 * 3", 0.1, False, False),  # a number not given
-    ([2, 2, 9], 4, "9 / (2 - 2)", 0.1, False, True),  # division by zero
-    ([1, 49, 49], 1, "1 / 49 * 49", 1.0, True, True),  # exact: 0.999... in floats
-])
+@pytest.mark.parametrize(
+    "numbers, target, answer, reward, success, numbers_ok",
+    [
+        ([3, 5, 7], 36, "(7 + 5) * 3", 1.0, True, True),
+        ([3, 5, 7], 36, " 3*(5+7) ", 1.0, True, True),
+        ([3, 5, 7], 36, "(7 - 5) * 3", 0.1, False, True),  # wrong value
+        ([3, 5, 7], 36, "(7 + 5) * 3 * 3", 0.1, False, False),  # 3 used twice
+        ([3, 5, 7], 36, "(7 + 5)", 0.1, False, False),  # 3 unused
+        ([3, 5, 7], 36, "12 * 3", 0.1, False, False),  # a number not given
+        ([2, 2, 9], 4, "9 / (2 - 2)", 0.1, False, True),  # division by zero
+        ([1, 49, 49], 1, "1 / 49 * 49", 1.0, True, True),  # exact: 0.999... in floats
+    ],
+)
 def test_countdown_scores_like_tinyzero(numbers, target, answer, reward, success, numbers_ok):
     result = step(task(numbers, target), f"<think>hm</think><answer>{answer}</answer>")
     assert (result.reward, result.done) == (reward, True)
@@ -356,13 +361,24 @@ def test_countdown_scores_like_tinyzero(numbers, target, answer, reward, success
     assert result.observation.anchor == "done"
 
 
-@pytest.mark.parametrize("answer", [
-    "(7 + 5) * 3", "<answer>(7 + 5) * 3", "<answer>7 + 5 +</answer>", "<answer>-3 + 7 * 5</answer>",
-    "<answer>(7 + 5) ** 3</answer>", "<answer>7 // 5 * 3</answer>", "<answer>0x7 + 5 * 3</answer>",
-    "<answer>__import__('os').system('true')</answer>", "<answer>7.0 + 5 * 3</answer>",
-    "<answer></answer>", "<answer>" + "(" * 150 + "3" + ")" * 150 + "</answer>", GARBAGE,
-    "<answer>(7 + 5) *\x00 3</answer>",
-])
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "(7 + 5) * 3",
+        "<answer>(7 + 5) * 3",
+        "<answer>7 + 5 +</answer>",
+        "<answer>-3 + 7 * 5</answer>",
+        "<answer>(7 + 5) ** 3</answer>",
+        "<answer>7 // 5 * 3</answer>",
+        "<answer>0x7 + 5 * 3</answer>",
+        "<answer>__import__('os').system('true')</answer>",
+        "<answer>7.0 + 5 * 3</answer>",
+        "<answer></answer>",
+        "<answer>" + "(" * 150 + "3" + ")" * 150 + "</answer>",
+        GARBAGE,
+        "<answer>(7 + 5) *\x00 3</answer>",
+    ],
+)
 def test_countdown_unparseable_answers_get_the_format_penalty(answer):
     result = step(task([3, 5, 7], 36), answer)
     assert (result.reward, result.done, result.info) == (0.0, True, {"valid": False, "success": False})
@@ -414,6 +430,7 @@ def test_countdown_generated_solution_wins_the_episode():
 
 # ---------------------------------------------------------------- guessnumber
 
+
 def secret(value, **kwargs):
     env = GuessNumber(**kwargs)
     play(env, 0, [])
@@ -446,8 +463,20 @@ def test_guessnumber_out_of_guesses_ends_with_zero():
         step(env, guess(1))
 
 
-@pytest.mark.parametrize("action", [guess(0), guess(16), guess(-3), guess("eight"), guess("8 || 9"),
-                                    guess("7.5"), "8", GARBAGE, guess("9" * 5000)])
+@pytest.mark.parametrize(
+    "action",
+    [
+        guess(0),
+        guess(16),
+        guess(-3),
+        guess("eight"),
+        guess("8 || 9"),
+        guess("7.5"),
+        "8",
+        GARBAGE,
+        guess("9" * 5000),
+    ],
+)
 def test_guessnumber_invalid_guess_costs_the_penalty_and_no_guess(action):
     env = secret(6)
     result = step(env, action)

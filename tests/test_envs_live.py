@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 from millstream.envpool.chat import ChatFormat
-from millstream.envpool.client import ActorClient
-from millstream.envpool.envs import env_names, make_env, parse_answer
+from millstream.envpool.client import ActorClient, Generation
+from millstream.envpool.envs import Observation, StepResult, env_names, make_env, parse_answer
 from millstream.envpool.envs.echo import is_clean_reply
 from millstream.envpool.envs.evenchars import even_share
 from millstream.envpool.episode import EpisodeSpec, run_episode
@@ -41,9 +41,19 @@ ENV_ARGS = {
 
 #: The format penalty of each environment of the suite with its default arguments (an invalid
 #: trained action gets exactly this reward).
-PENALTY = {"bandit": -0.1, "countdown": 0.0, "echo": -0.1, "flaky": -0.1, "frozenlake": -0.1,
-           "guessnumber": -0.1, "markovian": -0.1, "pytool": -0.1, "search": -0.1,
-           "sokoban": -0.1, "agentflow": -0.1}
+PENALTY = {
+    "bandit": -0.1,
+    "countdown": 0.0,
+    "echo": -0.1,
+    "flaky": -0.1,
+    "frozenlake": -0.1,
+    "guessnumber": -0.1,
+    "markovian": -0.1,
+    "pytool": -0.1,
+    "search": -0.1,
+    "sokoban": -0.1,
+    "agentflow": -0.1,
+}
 
 #: Environments that always end after one turn.
 ONE_TURN = {"bandit", "countdown", "noop"}
@@ -55,9 +65,9 @@ class RecordingEnv:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.system_prompt = getattr(inner, "system_prompt", "")
-        self.observations = []  # reset's observation, then each step's
+        self.observations: list[Observation] = []  # reset's observation, then each step's
         self.actions: list[str] = []
-        self.results = []
+        self.results: list[StepResult] = []
 
     async def reset(self, seed):
         obs = await self.inner.reset(seed)
@@ -78,7 +88,7 @@ class RecordingClient:
     def __init__(self, client: ActorClient) -> None:
         self.client = client
         self.prompts: list[list[int]] = []
-        self.generations = []
+        self.generations: list[Generation] = []
 
     async def generate(self, prompt_token_ids, **kwargs):
         self.prompts.append(list(prompt_token_ids))
@@ -100,8 +110,7 @@ def play_live(actor, env, seed=11, **cfg):
         async with anyio.create_task_group() as tg:
             tg.start_soon(channel.run)
             tg.start_soon(client.client.run)
-            result = await run_episode(spec, recorder, chat, client, EnvPoolConfig(**cfg),
-                                       MAX_MODEL_LEN)
+            result = await run_episode(spec, recorder, chat, client, EnvPoolConfig(**cfg), MAX_MODEL_LEN)
             tg.cancel_scope.cancel()
         return result
 
@@ -109,16 +118,25 @@ def play_live(actor, env, seed=11, **cfg):
     return result, chat, recorder, box["client"]
 
 
-def check_consistent(traj: Trajectory, chat: ChatFormat, env: RecordingEnv,
-                     client: RecordingClient, max_turns: int) -> None:
+def check_consistent(
+    traj: Trajectory, chat: ChatFormat, env: RecordingEnv, client: RecordingClient, max_turns: int
+) -> None:
     """Everything a trajectory must satisfy whatever the model wrote."""
     n = len(traj.token_ids)
     assert n > 0
     assert len(traj.loss_mask) == len(traj.logprobs) == len(traj.versions) == n
     turns = traj.num_turns
     assert 1 <= turns <= max_turns
-    assert turns == len(traj.turn_rewards) == len(traj.anchors) == len(traj.turn_starts) \
-        == len(traj.turn_ends) == len(env.results) == len(env.actions) == len(client.generations)
+    assert (
+        turns
+        == len(traj.turn_rewards)
+        == len(traj.anchors)
+        == len(traj.turn_starts)
+        == len(traj.turn_ends)
+        == len(env.results)
+        == len(env.actions)
+        == len(client.generations)
+    )
     # The episode ended by the environment or by the turn limit (the context is far from full).
     assert env.results[-1].done or turns == max_turns
     assert all(not r.done for r in env.results[:-1])
@@ -135,7 +153,7 @@ def check_consistent(traj: Trajectory, chat: ChatFormat, env: RecordingEnv,
     assert traj.texts == expected_texts
 
     # Generated ranges hold exactly the actor's tokens, logprobs and versions.
-    generated = set()
+    generated: set[int] = set()
     for t, (s, e) in enumerate(zip(traj.turn_starts, traj.turn_ends)):
         gen = client.generations[t]
         assert 0 < s < e <= n
@@ -163,7 +181,8 @@ def check_consistent(traj: Trajectory, chat: ChatFormat, env: RecordingEnv,
     system = env.system_prompt
     first = chat.first_prompt(system, acting[0].text)
     assert traj.token_ids[: traj.turn_starts[0]] == first
-    segment_start, carried, k = 0, [], 0
+    segment_start, k = 0, 0
+    carried: list[int] = []
     # An episode cut by max_turns: the runner currently appends the prompt of the turn that is
     # never played (see test_episode.py::test_nothing_follows_the_last_reply). Accept exactly
     # that prompt, or nothing.
@@ -175,17 +194,15 @@ def check_consistent(traj: Trajectory, chat: ChatFormat, env: RecordingEnv,
             segment_start = seg[k]
             k += 1
             assert segment_start == traj.turn_ends[t - 1]
-            reply = [i for i in carried + client.generations[t - 1].token_ids
-                     if i not in chat.stop_token_ids]
-            carry = reply[len(reply) - obs.carry_tokens:] if obs.carry_tokens else []
+            reply = [i for i in carried + client.generations[t - 1].token_ids if i not in chat.stop_token_ids]
+            carry = reply[len(reply) - obs.carry_tokens :] if obs.carry_tokens else []
             opening = chat.first_prompt(system, obs.text)
             assert traj.token_ids[segment_start:end] == opening + carry
             assert traj.loss_mask[segment_start] == 0
             carried = carry
         elif t:
-            bridge = chat.close_turn(client.generations[t - 1].token_ids) \
-                + chat.next_prompt(obs.text)
-            assert traj.token_ids[traj.turn_ends[t - 1]:end] == bridge
+            bridge = chat.close_turn(client.generations[t - 1].token_ids) + chat.next_prompt(obs.text)
+            assert traj.token_ids[traj.turn_ends[t - 1] : end] == bridge
             carried = []
         if t < turns:
             assert client.prompts[t] == traj.token_ids[segment_start:end]
@@ -238,9 +255,14 @@ def check_rules(name: str, traj: Trajectory, env: RecordingEnv) -> None:
 def test_env_plays_consistent_episodes_on_the_real_actor(actor, name):
     args = ENV_ARGS.get(name, {})
     for seed in (11, 12):
-        traj, chat, env, client = play_live(actor, make_env(name, args), seed=seed,
-                                            max_turns=MAX_TURNS, max_tokens=MAX_TOKENS,
-                                            step_timeout_s=30.0)
+        traj, chat, env, client = play_live(
+            actor,
+            make_env(name, args),
+            seed=seed,
+            max_turns=MAX_TURNS,
+            max_tokens=MAX_TOKENS,
+            step_timeout_s=30.0,
+        )
         assert isinstance(traj, Trajectory), traj
         assert traj.env == "live" and traj.seed == seed and traj.group_size == 1
         check_consistent(traj, chat, env, client, MAX_TURNS)

@@ -12,27 +12,52 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.pytool import (TEMPLATES, Task, _collatz_steps, _count_primes_below, _divisor_sum,
-                                 _fibonacci_mod, _limiter, make_task, parse_integer, run_python)
-from millstream.envpool.envs.search import (BM25, DEFAULT_CORPUS, DEFAULT_QUESTIONS, Passage, load_corpus,
-                                 load_questions, normalize_answer)
+from millstream.envpool.envs.pytool import (
+    TEMPLATES,
+    Task,
+    _collatz_steps,
+    _count_primes_below,
+    _divisor_sum,
+    _fibonacci_mod,
+    _limiter,
+    make_task,
+    parse_integer,
+    run_python,
+)
+from millstream.envpool.envs.search import (
+    BM25,
+    DEFAULT_CORPUS,
+    DEFAULT_QUESTIONS,
+    Passage,
+    load_corpus,
+    load_questions,
+    normalize_answer,
+)
 
 STORM_CLOCK_SEED = 336  # random.Random(336).randrange(260) == 3: the storm-clock two-hop question
 
 
 def play(env, seed, actions):
     """Reset with `seed`, then step through `actions`; returns (first observation, results)."""
+
     async def go():
         first = await env.reset(seed)
         return first, [await env.step(a) for a in actions]
+
     return anyio.run(go, backend="trio")  # the project's default backend
 
 
 # ---------------------------------------------------------------- search: retrieval and data
 
+
 def _toy_index():
-    return BM25([Passage("a", "Apple", "red apple"), Passage("b", "Pear", "green pear"),
-                 Passage("c", "Mix", "red pear and green apple")])
+    return BM25(
+        [
+            Passage("a", "Apple", "red apple"),
+            Passage("b", "Pear", "green pear"),
+            Passage("c", "Mix", "red pear and green apple"),
+        ]
+    )
 
 
 def test_bm25_scores_are_okapi_by_hand():
@@ -79,15 +104,23 @@ def test_squad_normalisation():
 
 # ---------------------------------------------------------------- search: the game
 
+
 def test_two_hop_episode_reads_both_passages_and_wins():
-    first, (s1, s2, done) = play(make_env("search"), STORM_CLOCK_SEED, [
-        "<think>look up</think><search>storm clock</search>",
-        "<search>Haesko Quyhubia</search>",
-        "<answer> byzund. </answer>"])
+    first, (s1, s2, done) = play(
+        make_env("search"),
+        STORM_CLOCK_SEED,
+        [
+            "<think>look up</think><search>storm clock</search>",
+            "<search>Haesko Quyhubia</search>",
+            "<answer> byzund. </answer>",
+        ],
+    )
     assert first.text == "Question: In which town was the inventor of the storm clock born?"
     assert first.anchor == "q3|s0|"
-    assert s1.observation.text.startswith("<information>Doc 1(Title: Storm clock) The storm clock is a "
-                                          "wooden device invented by Haesko Quyhubia in 1951")
+    assert s1.observation.text.startswith(
+        "<information>Doc 1(Title: Storm clock) The storm clock is a "
+        "wooden device invented by Haesko Quyhubia in 1951"
+    )
     assert "\nDoc 3(Title: " in s1.observation.text and s1.observation.text.endswith("</information>")
     assert (s1.reward, s1.done, s1.info["valid"], s1.info["gold_found"]) == (0.0, False, True, 1)
     assert s1.observation.anchor == "q3|s1|i13,i15,i17"
@@ -99,18 +132,29 @@ def test_two_hop_episode_reads_both_passages_and_wins():
 
 def test_wrong_answer_ends_with_zero():
     _, [result] = play(make_env("search"), STORM_CLOCK_SEED, ["<answer>Kriarovir</answer>"])
-    assert (result.reward, result.done, result.info["valid"], result.info["success"]) == (0.0, True, True, False)
+    assert (result.reward, result.done, result.info["valid"], result.info["success"]) == (
+        0.0,
+        True,
+        True,
+        False,
+    )
 
 
-@pytest.mark.parametrize("action, reason", [
-    ("I think it is Byzund.", "no_tag"),
-    ("\x00\ufffd<garbage>", "no_tag"),
-    ("<search>storm clock", "no_tag"),
-    ("<search> ?! </search>", "empty_query"),
-])
+@pytest.mark.parametrize(
+    "action, reason",
+    [
+        ("I think it is Byzund.", "no_tag"),
+        ("\x00\ufffd<garbage>", "no_tag"),
+        ("<search>storm clock", "no_tag"),
+        ("<search> ?! </search>", "empty_query"),
+    ],
+)
 def test_invalid_replies_are_penalised_and_change_nothing(action, reason):
-    first, [bad, good] = play(make_env("search", {"format_penalty": -0.25}), STORM_CLOCK_SEED,
-                              [action, "<search>storm clock</search>"])
+    first, [bad, good] = play(
+        make_env("search", {"format_penalty": -0.25}),
+        STORM_CLOCK_SEED,
+        [action, "<search>storm clock</search>"],
+    )
     assert (bad.reward, bad.done, bad.info["valid"], bad.info["reason"]) == (-0.25, False, False, reason)
     assert bad.observation.anchor == first.anchor == "q3|s0|"
     assert "<search>" in bad.observation.text and "<answer>" in bad.observation.text
@@ -118,9 +162,11 @@ def test_invalid_replies_are_penalised_and_change_nothing(action, reason):
 
 
 def test_search_limit_then_answer():
-    _, (s1, s2, s3) = play(make_env("search", {"max_searches": 1}), STORM_CLOCK_SEED,
-                           ["<search>storm clock</search>", "<search>Haesko Quyhubia</search>",
-                            "<answer>Byzund</answer>"])
+    _, (s1, s2, s3) = play(
+        make_env("search", {"max_searches": 1}),
+        STORM_CLOCK_SEED,
+        ["<search>storm clock</search>", "<search>Haesko Quyhubia</search>", "<answer>Byzund</answer>"],
+    )
     assert s2.info == {"valid": False, "success": False, "reason": "search_limit"}
     assert s2.reward == -0.1 and "used all 1 searches" in s2.observation.text
     assert s2.observation.anchor == s1.observation.anchor == "q3|s1|i13,i15,i17"
@@ -128,11 +174,13 @@ def test_search_limit_then_answer():
 
 
 def test_first_tag_decides_and_topk_is_honoured():
-    _, [answered] = play(make_env("search"), STORM_CLOCK_SEED,
-                         ["<answer>Byzund</answer><search>storm clock</search>"])
+    _, [answered] = play(
+        make_env("search"), STORM_CLOCK_SEED, ["<answer>Byzund</answer><search>storm clock</search>"]
+    )
     assert answered.done and answered.reward == 1.0
-    _, [one] = play(make_env("search", {"topk": 1}), STORM_CLOCK_SEED,
-                    ["<search>storm clock</search><answer>x</answer>"])
+    _, [one] = play(
+        make_env("search", {"topk": 1}), STORM_CLOCK_SEED, ["<search>storm clock</search><answer>x</answer>"]
+    )
     assert one.observation.anchor == "q3|s1|i15" and "Doc 2" not in one.observation.text
 
 
@@ -161,9 +209,12 @@ def test_any_query_gives_a_short_observation(query):
 
 
 def test_search_rejects_bad_arguments(tmp_path):
-    for args, name in [({"topk": 0}, "topk"), ({"max_searches": -1}, "max_searches"),
-                       ({"passage_chars": 5}, "passage_chars"),
-                       ({"corpus_path": str(tmp_path / "none.jsonl")}, "corpus_path")]:
+    for args, name in [
+        ({"topk": 0}, "topk"),
+        ({"max_searches": -1}, "max_searches"),
+        ({"passage_chars": 5}, "passage_chars"),
+        ({"corpus_path": str(tmp_path / "none.jsonl")}, "corpus_path"),
+    ]:
         with pytest.raises(ValueError, match=name):
             make_env("search", args)
     bad = tmp_path / "q.jsonl"
@@ -176,6 +227,7 @@ def test_search_rejects_bad_arguments(tmp_path):
 
 
 # ---------------------------------------------------------------- pytool: tasks and grading
+
 
 def test_ground_truth_helpers_match_known_values():
     assert _count_primes_below(1000) == 168 and _count_primes_below(2000) == 303
@@ -202,12 +254,19 @@ def test_every_task_is_well_formed(seed, template):
 
 
 def test_parse_integer():
-    assert [parse_integer(s) for s in ["1,234", " 1234. ", "\\boxed{1234}", "1234.0", "1 234", "-5"]] == \
-        [1234, 1234, 1234, 1234, 1234, -5]
+    assert [parse_integer(s) for s in ["1,234", " 1234. ", "\\boxed{1234}", "1234.0", "1 234", "-5"]] == [
+        1234,
+        1234,
+        1234,
+        1234,
+        1234,
+        -5,
+    ]
     assert [parse_integer(s) for s in ["12.5", "about 12", "", "0x10", "1e3"]] == [None] * 5
 
 
 # ---------------------------------------------------------------- pytool: the sandbox
+
 
 def sandbox(code, backend="trio", **limits):
     return anyio.run(lambda: run_python(code, **limits), backend=backend)
@@ -233,22 +292,27 @@ def test_sandbox_captures_output_and_errors_in_order(backend):
     assert sandbox("print(sum(map(int, str(37**11))))", backend).output == "82\n"
     mixed = sandbox("import sys\nprint('out')\nprint('err', file=sys.stderr)\nx = 1 / 0")
     assert (mixed.output, mixed.status, mixed.returncode) == (
-        "out\nerr\nline 4: ZeroDivisionError: division by zero\n", "error", 1)
+        "out\nerr\nline 4: ZeroDivisionError: division by zero\n",
+        "error",
+        1,
+    )
     assert sandbox("def (").output == "line 1: SyntaxError: invalid syntax\n"
     assert sandbox("print(1)\x00").output == "SyntaxError: source code string cannot contain null bytes\n"
     assert sandbox("print(input())").output == "line 1: EOFError: EOF when reading a line\n"
 
 
 def test_sandbox_has_no_environment_and_a_fresh_directory():
-    result = sandbox("import os\n"
-                     "print(os.environ.get('HOME'), os.listdir('.'), os.path.basename(os.getcwd())[:7])")
+    result = sandbox(
+        "import os\nprint(os.environ.get('HOME'), os.listdir('.'), os.path.basename(os.getcwd())[:7])"
+    )
     assert result.output == "None [] pytool-\n"
 
 
 def test_wall_clock_timeout_kills_an_infinite_loop():
     start = time.monotonic()
-    result = sandbox("import os, time\nprint(os.getpid(), flush=True)\nwhile True: time.sleep(0.01)",
-                     timeout_s=0.5)
+    result = sandbox(
+        "import os, time\nprint(os.getpid(), flush=True)\nwhile True: time.sleep(0.01)", timeout_s=0.5
+    )
     assert result.status == "timeout" and result.returncode == -9
     assert time.monotonic() - start < 3
     with pytest.raises(ProcessLookupError):  # killed and reaped
@@ -276,9 +340,14 @@ def test_memory_limit_stops_a_big_allocation():
     assert sandbox("x = bytearray(16 * 2**20)\nprint('allocated')", memory_mb=128).output == "allocated\n"
 
 
-@pytest.mark.parametrize("code", ["import socket\nsocket.socket()",
-                                  "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)",
-                                  "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9')"])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import socket\nsocket.socket()",
+        "import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)",
+        "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:9')",
+    ],
+)
 def test_network_is_refused_with_a_clear_message(code):
     # urllib wraps the PermissionError in a URLError; the reason reaches the model either way
     assert "network access is disabled in this sandbox" in sandbox(code).output
@@ -311,9 +380,10 @@ def test_concurrent_sandboxes_are_capped_per_event_loop():
 
 # ---------------------------------------------------------------- pytool: the game
 
+
 def test_compute_then_answer_wins():
     env = make_env("pytool", {"templates": ["prime_count"]})
-    code = ("n = 19651\nprint(sum(all(k % d for d in range(2, math.isqrt(k) + 1)) for k in range(2, n)))")
+    code = "n = 19651\nprint(sum(all(k % d for d in range(2, math.isqrt(k) + 1)) for k in range(2, n)))"
     first, (ran, done) = play(env, 1, [f"<python>import math\n{code}</python>", "<answer>2,225</answer>"])
     assert first.text == "Question: How many primes are there below 19651?"
     assert first.anchor == "prime_count:19651|r0|-"
@@ -325,7 +395,9 @@ def test_compute_then_answer_wins():
 
 
 def test_wrong_answer_and_tool_errors():
-    _, (err, wrong) = play(make_env("pytool"), 2, ["<python>print(undefined)</python>", "<answer>78</answer>"])
+    _, (err, wrong) = play(
+        make_env("pytool"), 2, ["<python>print(undefined)</python>", "<answer>78</answer>"]
+    )
     assert err.observation.text == "<output>line 1: NameError: name 'undefined' is not defined</output>"
     assert err.info["valid"] and err.info["tool_status"] == "error"
     assert (wrong.reward, wrong.done, wrong.info["success"]) == (0.0, True, False)
@@ -335,9 +407,15 @@ def test_wrong_answer_and_tool_errors():
     assert slow.observation.text == "<output>TimeoutError: stopped after 0.3 s</output>"
 
 
-@pytest.mark.parametrize("action, reason", [
-    ("The answer is 77.", "no_tag"), ("\x00\ufffd<garbage>", "no_tag"),
-    ("<python>  </python>", "empty_code"), ("<python>print(1)", "no_tag")])
+@pytest.mark.parametrize(
+    "action, reason",
+    [
+        ("The answer is 77.", "no_tag"),
+        ("\x00\ufffd<garbage>", "no_tag"),
+        ("<python>  </python>", "empty_code"),
+        ("<python>print(1)", "no_tag"),
+    ],
+)
 def test_pytool_invalid_replies_are_penalised_and_change_nothing(action, reason):
     first, [bad, answer] = play(make_env("pytool"), 2, [action, "<answer>77</answer>"])
     assert (bad.reward, bad.done, bad.info["valid"], bad.info["reason"]) == (-0.1, False, False, reason)
@@ -347,26 +425,36 @@ def test_pytool_invalid_replies_are_penalised_and_change_nothing(action, reason)
 
 def test_run_limit_fenced_code_and_long_output():
     env = make_env("pytool", {"max_runs": 1, "max_output_chars": 40})
-    _, (long, limited) = play(env, 2, ["<python>```python\nprint('a' * 30)\nprint('b' * 30)\n```</python>",
-                                       "<python>print(1)</python>"])
+    _, (long, limited) = play(
+        env,
+        2,
+        ["<python>```python\nprint('a' * 30)\nprint('b' * 30)\n```</python>", "<python>print(1)</python>"],
+    )
     assert long.observation.text == f"<output>{'a' * 13}\n...\n{'b' * 22}</output>"
     assert (limited.reward, limited.info["reason"]) == (-0.1, "run_limit")
     assert limited.observation.anchor == long.observation.anchor
 
 
 def test_pytool_anchors_follow_the_outputs_seen():
-    runs = {code: play(make_env("pytool"), 2, [f"<python>{code}</python>"])[1][0].observation.anchor
-            for code in ["print(77)", "print(70 + 7)", "print(76)"]}
+    runs = {
+        code: play(make_env("pytool"), 2, [f"<python>{code}</python>"])[1][0].observation.anchor
+        for code in ["print(77)", "print(70 + 7)", "print(76)"]
+    }
     assert runs["print(77)"] == runs["print(70 + 7)"] != runs["print(76)"]
     assert play(make_env("pytool"), 5, [])[0] == play(make_env("pytool"), 5, [])[0]
     assert len({play(make_env("pytool"), s, [])[0].anchor for s in range(20)}) == 20
 
 
 def test_pytool_rejects_bad_arguments():
-    for args, name in [({"templates": ["nope"]}, "templates"), ({"templates": []}, "templates"),
-                       ({"max_runs": -1}, "max_runs"), ({"timeout_s": 0}, "timeout_s"),
-                       ({"memory_mb": 1}, "memory_mb"), ({"max_concurrent": 0}, "max_concurrent"),
-                       ({"cpu_s": 1.5}, "cpu_s")]:
+    for args, name in [
+        ({"templates": ["nope"]}, "templates"),
+        ({"templates": []}, "templates"),
+        ({"max_runs": -1}, "max_runs"),
+        ({"timeout_s": 0}, "timeout_s"),
+        ({"memory_mb": 1}, "memory_mb"),
+        ({"max_concurrent": 0}, "max_concurrent"),
+        ({"cpu_s": 1.5}, "cpu_s"),
+    ]:
         with pytest.raises(ValueError, match=name):
             make_env("pytool", args)
 

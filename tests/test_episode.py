@@ -129,8 +129,12 @@ class ScriptedClient:
     async def generate(self, prompt_token_ids, *, max_tokens, stop_token_ids, **_):
         ids = self.replies[len(self.prompts)][:max_tokens]
         self.prompts.append(list(prompt_token_ids))
-        gen = Generation(list(ids), [-0.5] * len(ids), [3] * len(ids),
-                         "stop" if ids and ids[-1] in stop_token_ids else "length")
+        gen = Generation(
+            list(ids),
+            [-0.5] * len(ids),
+            [3] * len(ids),
+            "stop" if ids and ids[-1] in stop_token_ids else "length",
+        )
         self.generations.append(gen)
         return gen
 
@@ -150,8 +154,9 @@ def play_scripted(model_dir, env, replies, max_model_len=1024, **cfg):
     chat = ChatFormat.from_model_dir(model_dir)
     client = ScriptedClient(replies)
     spec = EpisodeSpec("e0", "g0", seed=11, member=0, group_size=1, env_name="test")
-    result = anyio.run(run_episode, spec, env, chat, client, EnvPoolConfig(**cfg), max_model_len,
-                       backend="trio")
+    result = anyio.run(
+        run_episode, spec, env, chat, client, EnvPoolConfig(**cfg), max_model_len, backend="trio"
+    )
     return result, chat, client
 
 
@@ -182,11 +187,14 @@ def ranges(traj):
 def test_untrained_turn_is_generated_but_masked(synthetic, tiny_model_dir, trained):
     # The observation each turn answers carries its `trained`; the last step ends the episode.
     first = Observation("one", "a0", trained=trained[0])
-    steps = [(Observation("two", "a1", trained=trained[1]), 0.0, False, {}),
-             (Observation("three", "a2", trained=trained[2]), 0.0, False, {}),
-             (Observation("", "end"), 1.0, True, {})]
-    traj, chat, client = play_recorded(synthetic, tiny_model_dir, Scripted(first, steps),
-                                       max_tokens=8, max_turns=4)
+    steps = [
+        (Observation("two", "a1", trained=trained[1]), 0.0, False, {}),
+        (Observation("three", "a2", trained=trained[2]), 0.0, False, {}),
+        (Observation("", "end"), 1.0, True, {}),
+    ]
+    traj, _, client = play_recorded(
+        synthetic, tiny_model_dir, Scripted(first, steps), max_tokens=8, max_turns=4
+    )
     assert isinstance(traj, Trajectory) and traj.num_turns == 3
     assert traj.anchors == ["a0", "a1", "a2"] and traj.turn_rewards == [0.0, 0.0, 1.0]
     for (s, e), gen, flag in zip(ranges(traj), client.generations, trained):
@@ -207,9 +215,11 @@ def test_fresh_contexts_open_with_the_prompt_and_the_carried_ids(tiny_model_dir)
     g1 = [201, 202, STOP]  # shorter than the next carry: the carry reaches into the last one
     g2 = list(range(301, 311))  # cut by max_tokens=8
     first = Observation("Query.", "c0")
-    steps = [(Observation("Query. Go on (2).", "c1", new_context=True, carry_tokens=4), 0.0, False, {}),
-             (Observation("Query. Go on (3).", "c2", new_context=True, carry_tokens=5), 0.0, False, {}),
-             (Observation("", "done"), 1.0, True, {})]
+    steps = [
+        (Observation("Query. Go on (2).", "c1", new_context=True, carry_tokens=4), 0.0, False, {}),
+        (Observation("Query. Go on (3).", "c2", new_context=True, carry_tokens=5), 0.0, False, {}),
+        (Observation("", "done"), 1.0, True, {}),
+    ]
     env = Scripted(first, steps, system_prompt="Think in chunks.")
     traj, chat, client = play_scripted(tiny_model_dir, env, [g0, g1, g2], max_tokens=8, max_turns=5)
     assert isinstance(traj, Trajectory) and traj.num_turns == 3
@@ -223,16 +233,22 @@ def test_fresh_contexts_open_with_the_prompt_and_the_carried_ids(tiny_model_dir)
     assert traj.token_ids == expected
     s1, s2 = len(p0 + g0), len(p0 + g0 + p1 + carry1 + g1)
     assert traj.segment_starts == [s1, s2]
-    assert ranges(traj) == [(len(p0), s1), (s1 + len(p1 + carry1), s2),
-                            (s2 + len(p2 + carry2), len(expected))]
+    assert ranges(traj) == [
+        (len(p0), s1),
+        (s1 + len(p1 + carry1), s2),
+        (s2 + len(p2 + carry2), len(expected)),
+    ]
     # Each request saw its own context only: the fresh prompt and the carry, nothing before.
     assert client.prompts == [p0, p1 + carry1, p2 + carry2]
     # Only generated ids carry loss; the carried ids are context (trained where generated).
-    assert traj.loss_mask == [0] * len(p0) + [1] * 7 + [0] * len(p1 + carry1) + [1] * 3 \
-        + [0] * len(p2 + carry2) + [1] * 8
+    assert (
+        traj.loss_mask
+        == [0] * len(p0) + [1] * 7 + [0] * len(p1 + carry1) + [1] * 3 + [0] * len(p2 + carry2) + [1] * 8
+    )
     assert [traj.versions[i] for i in range(len(expected)) if traj.loss_mask[i]] == [3] * 18
-    assert [traj.logprobs[i] for i in range(len(expected)) if not traj.loss_mask[i]] == \
-        [0.0] * (len(expected) - 18)
+    assert [traj.logprobs[i] for i in range(len(expected)) if not traj.loss_mask[i]] == [0.0] * (
+        len(expected) - 18
+    )
     # The environment saw each reply without the carry: the model's own continuation.
     assert env.actions == [chat.decode(g0), chat.decode(g1), chat.decode(g2c)]
 
@@ -241,27 +257,31 @@ def test_fresh_contexts_open_with_the_prompt_and_the_carried_ids(tiny_model_dir)
 def test_carry_length_zero_one_and_more_than_generated(tiny_model_dir, carry_tokens):
     g0, g1 = [111, 112, 113, STOP], [121, STOP]
     first = Observation("Ask.", "s0")
-    steps = [(Observation("Ask again.", "s1", new_context=True, carry_tokens=carry_tokens), 0.0, False, {}),
-             (Observation("", "done"), 0.0, True, {})]
-    traj, chat, client = play_scripted(tiny_model_dir, Scripted(first, steps), [g0, g1],
-                                       max_tokens=8)
+    steps = [
+        (Observation("Ask again.", "s1", new_context=True, carry_tokens=carry_tokens), 0.0, False, {}),
+        (Observation("", "done"), 0.0, True, {}),
+    ]
+    traj, chat, client = play_scripted(tiny_model_dir, Scripted(first, steps), [g0, g1], max_tokens=8)
     carry = {0: [], 1: [113], 50: [111, 112, 113]}[carry_tokens]
     fresh = chat.first_prompt("", "Ask again.")
     assert traj.segment_starts == [len(chat.first_prompt("", "Ask.")) + len(g0)]
     assert client.prompts[1] == fresh + carry
-    assert traj.token_ids[traj.segment_starts[0]:] == fresh + carry + g1
+    assert traj.token_ids[traj.segment_starts[0] :] == fresh + carry + g1
 
 
 def test_fresh_context_without_room_truncates(tiny_model_dir):
     chat = ChatFormat.from_model_dir(tiny_model_dir)
     first = Observation("Hi.", "s0")
     long_text = "word " * 200
-    steps = [(Observation(long_text, "s1", new_context=True, carry_tokens=2), 0.0, False, {}),
-             (Observation("", "done"), 0.0, True, {})]
+    steps = [
+        (Observation(long_text, "s1", new_context=True, carry_tokens=2), 0.0, False, {}),
+        (Observation("", "done"), 0.0, True, {}),
+    ]
     room = len(chat.first_prompt("", "Hi.")) + 20
     assert len(chat.first_prompt("", long_text)) > room  # the fresh context cannot fit
-    traj, _, client = play_scripted(tiny_model_dir, Scripted(first, steps), [[131, 132, 133], [141]],
-                                    max_model_len=room, max_tokens=8)
+    traj, _, client = play_scripted(
+        tiny_model_dir, Scripted(first, steps), [[131, 132, 133], [141]], max_model_len=room, max_tokens=8
+    )
     assert isinstance(traj, Trajectory) and traj.num_turns == 1 and len(client.prompts) == 1
     assert traj.segment_starts == [] and len(traj.token_ids) == traj.turn_ends[0]
 
@@ -273,9 +293,14 @@ def test_every_turn_gets_its_whole_budget_or_the_episode_ends_truncated(tiny_mod
     steps = [(Observation(f"Again {k}.", f"s{k + 1}"), 0.1, False, {}) for k in range(10)]
     first = len(chat.first_prompt("", "Hi."))
     room = first + 8 + 30  # the first turn fits; a few more do, then the context is full
-    traj, _, client = play_scripted(tiny_model_dir, Scripted(Observation("Hi.", "s0"), steps),
-                                    [[131, 132, 133, 134, 135, 136, 137, STOP]] * 10,
-                                    max_model_len=room, max_tokens=8, max_turns=10)
+    traj, _, client = play_scripted(
+        tiny_model_dir,
+        Scripted(Observation("Hi.", "s0"), steps),
+        [[131, 132, 133, 134, 135, 136, 137, STOP]] * 10,
+        max_model_len=room,
+        max_tokens=8,
+        max_turns=10,
+    )
     assert isinstance(traj, Trajectory) and traj.truncated == Truncation.CONTEXT_FULL
     assert 1 < traj.num_turns < 10 and len(client.prompts) == traj.num_turns
     assert all(len(p) + 8 <= room for p in client.prompts)  # every request had its 8 tokens
@@ -283,19 +308,30 @@ def test_every_turn_gets_its_whole_budget_or_the_episode_ends_truncated(tiny_mod
 
 def test_max_turns_and_done_are_told_apart(tiny_model_dir):
     steps = [(Observation("More.", "s1"), 0.5, False, {}), (Observation("", "s2"), 1.0, True, {})]
-    cut, _, _ = play_scripted(tiny_model_dir, Scripted(Observation("Hi.", "s0"), steps),
-                              [[131, STOP], [132, STOP]], max_tokens=4, max_turns=1)
+    cut, _, _ = play_scripted(
+        tiny_model_dir,
+        Scripted(Observation("Hi.", "s0"), steps),
+        [[131, STOP], [132, STOP]],
+        max_tokens=4,
+        max_turns=1,
+    )
     assert cut.truncated == Truncation.MAX_TURNS and cut.num_turns == 1
-    whole, _, _ = play_scripted(tiny_model_dir, Scripted(Observation("Hi.", "s0"), steps),
-                                [[131, STOP], [132, STOP]], max_tokens=4, max_turns=2)
+    whole, _, _ = play_scripted(
+        tiny_model_dir,
+        Scripted(Observation("Hi.", "s0"), steps),
+        [[131, STOP], [132, STOP]],
+        max_tokens=4,
+        max_turns=2,
+    )
     assert whole.truncated is None and whole.num_turns == 2
 
 
 def test_a_first_prompt_without_room_for_max_tokens_fails_before_any_request(tiny_model_dir):
     chat = ChatFormat.from_model_dir(tiny_model_dir)
     room = len(chat.first_prompt("", "Hi.")) + 7  # one token short of max_tokens
-    result, _, client = play_scripted(tiny_model_dir, Scripted(Observation("Hi.", "s0"), []), [],
-                                      max_model_len=room, max_tokens=8)
+    result, _, client = play_scripted(
+        tiny_model_dir, Scripted(Observation("Hi.", "s0"), []), [], max_model_len=room, max_tokens=8
+    )
     assert isinstance(result, EpisodeFailed) and result.cause is Cause.PROMPT_TOO_LONG
     assert "with max_tokens 8 that exceeds max_model_len" in result.message
     assert client.prompts == []
@@ -303,11 +339,14 @@ def test_a_first_prompt_without_room_for_max_tokens_fails_before_any_request(tin
 
 def test_fresh_contexts_against_the_synthetic_actor(synthetic, tiny_model_dir):
     first = Observation("Query.", "c0")
-    steps = [(Observation("Query, chunk 2.", "c1", new_context=True, carry_tokens=6), 0.0, False, {}),
-             (Observation("Query, chunk 3.", "c2", new_context=True, carry_tokens=10), 0.0, False, {}),
-             (Observation("", "done"), 0.0, True, {})]
-    traj, chat, client = play_recorded(synthetic, tiny_model_dir, Scripted(first, steps, "Sys."),
-                                       max_tokens=8, max_turns=3)
+    steps = [
+        (Observation("Query, chunk 2.", "c1", new_context=True, carry_tokens=6), 0.0, False, {}),
+        (Observation("Query, chunk 3.", "c2", new_context=True, carry_tokens=10), 0.0, False, {}),
+        (Observation("", "done"), 0.0, True, {}),
+    ]
+    traj, chat, client = play_recorded(
+        synthetic, tiny_model_dir, Scripted(first, steps, "Sys."), max_tokens=8, max_turns=3
+    )
     assert isinstance(traj, Trajectory) and traj.num_turns == 3
     gens = [g.token_ids for g in client.generations]
     stop = set(chat.stop_token_ids)
@@ -320,18 +359,18 @@ def test_fresh_contexts_against_the_synthetic_actor(synthetic, tiny_model_dir):
     assert traj.token_ids[s1:s2] == p1 + carry1 + gens[1]
     assert traj.token_ids[s2:] == p2 + carry2 + gens[2]
     assert traj.loss_mask[s1] == traj.loss_mask[s2] == 0
-    assert [i for i, m in enumerate(traj.loss_mask) if m] == \
-        [i for s, e in ranges(traj) for i in range(s, e)]
+    assert [i for i, m in enumerate(traj.loss_mask) if m] == [i for s, e in ranges(traj) for i in range(s, e)]
 
 
 def test_invalid_actions_are_counted(synthetic, tiny_model_dir):
     first = Observation("go", "t0")
-    steps = [(Observation("again", "t1"), -0.1, False, {"valid": False}),
-             (Observation("again", "t2"), 0.0, False, {}),  # no "valid": counts as valid
-             (Observation("again", "t3"), 0.5, False, {"valid": True}),
-             (Observation("", "t4"), -0.1, True, {"valid": False, "success": False})]
-    traj, _, _ = play_recorded(synthetic, tiny_model_dir, Scripted(first, steps),
-                               max_tokens=4, max_turns=4)
+    steps = [
+        (Observation("again", "t1"), -0.1, False, {"valid": False}),
+        (Observation("again", "t2"), 0.0, False, {}),  # no "valid": counts as valid
+        (Observation("again", "t3"), 0.5, False, {"valid": True}),
+        (Observation("", "t4"), -0.1, True, {"valid": False, "success": False}),
+    ]
+    traj, _, _ = play_recorded(synthetic, tiny_model_dir, Scripted(first, steps), max_tokens=4, max_turns=4)
     assert isinstance(traj, Trajectory) and traj.num_turns == 4
     assert traj.invalid_actions == 2
     assert traj.turn_rewards == [-0.1, 0.0, 0.5, -0.1] and traj.reward == pytest.approx(0.3)
@@ -342,8 +381,9 @@ def test_nothing_follows_the_last_reply(tiny_model_dir, fresh):
     first = Observation("Go.", "s0")
     more = Observation("More.", "s1", new_context=fresh, carry_tokens=2 if fresh else 0)
     steps = [(more, 0.0, False, {}), (more, 0.0, False, {}), (more, 0.0, False, {})]
-    traj, _, _ = play_scripted(tiny_model_dir, Scripted(first, steps), [[151, 152]] * 3,
-                               max_tokens=4, max_turns=2)
+    traj, _, _ = play_scripted(
+        tiny_model_dir, Scripted(first, steps), [[151, 152]] * 3, max_tokens=4, max_turns=2
+    )
     assert isinstance(traj, Trajectory) and traj.num_turns == 2
     # The trajectory is the context the model saw: it ends with its last reply, and every
     # segment holds a generated turn.

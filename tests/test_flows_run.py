@@ -7,8 +7,8 @@ checks that such trajectories reach the learner, train, and are all accounted fo
 """
 
 import pytest
-
 from helpers import check_accounting, millstream_run, steps_of
+
 from millstream.shared.metrics import read_jsonl
 
 

@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from helpers import MILLSTREAM, ROOT
+
 from millstream.shared.config import ConfigError
 from millstream.shared.launcher import prepare
 from millstream.shared.lifecycle import ENV_RUN
@@ -25,13 +25,23 @@ def refused(tmp_path: Path, *overrides: str) -> str:
     return str(caught.value)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("envpool.env=frozenlak", "envpool.env = 'frozenlak': unknown environment 'frozenlak'; did you "
-                              "mean 'frozenlake'?"),
-    ("envpool.env_args={no_such_arg=1}", "envpool.env_args: environment 'evenchars' rejected "
-                                         "envpool.env_args={'no_such_arg': 1}"),
-    ("envpool.max_tokens=1010", "envpool.max_tokens = 1010: the first prompt of 'evenchars' (seed 17) has 18 tokens"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "envpool.env=frozenlak",
+            "envpool.env = 'frozenlak': unknown environment 'frozenlak'; did you mean 'frozenlake'?",
+        ),
+        (
+            "envpool.env_args={no_such_arg=1}",
+            "envpool.env_args: environment 'evenchars' rejected envpool.env_args={'no_such_arg': 1}",
+        ),
+        (
+            "envpool.max_tokens=1010",
+            "envpool.max_tokens = 1010: the first prompt of 'evenchars' (seed 17) has 18 tokens",
+        ),
+    ],
+)
 def test_the_envpool_check_runs_before_anything_starts(tmp_path, tiny_model_dir, override, message):
     assert refused(tmp_path, f"model.path={tiny_model_dir}", override).startswith(message)
 
@@ -40,7 +50,8 @@ def test_a_model_path_that_is_not_a_model_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     assert refused(tmp_path, f"model.path={tmp_path / 'empty'}") == (
         f"model.path = '{tmp_path / 'empty'}': not a model directory (no config.json, "
-        "tokenizer.json, tokenizer_config.json)")
+        "tokenizer.json, tokenizer_config.json)"
+    )
     assert refused(tmp_path, f"model.path={tmp_path / 'nowhere'}").endswith("not a directory")
 
 
@@ -49,19 +60,30 @@ def test_a_resume_from_nowhere(tmp_path, tiny_model_dir):
     assert message.startswith(f"run.resume = '{tmp_path / 'gone'}': no checkpoint at")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["train.steps"], "override 'train.steps' needs '=': write train.steps=VALUE"),
-    (['train.steps="8"'], 'train.steps = "8": expected int, got str'),
-    (["actor.device=tpu"], "actor.device = \"tpu\": expected one of 'auto', 'cpu', 'cuda'; did you "
-                           "mean 'cpu'?"),
-    (["envpool.temperature=3"], "envpool.temperature = 3: expected float <= 2.0"),
-    (["envpool.env=frozenlak"], "envpool.env = 'frozenlak': unknown environment"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.steps"], "override 'train.steps' needs '=': write train.steps=VALUE"),
+        (['train.steps="8"'], 'train.steps = "8": expected int, got str'),
+        (
+            ["actor.device=tpu"],
+            "actor.device = \"tpu\": expected one of 'auto', 'cpu', 'cuda'; did you mean 'cpu'?",
+        ),
+        (["envpool.temperature=3"], "envpool.temperature = 3: expected float <= 2.0"),
+        (["envpool.env=frozenlak"], "envpool.env = 'frozenlak': unknown environment"),
+    ],
+)
 def test_the_command_says_one_line_and_starts_nothing(tmp_path, tiny_model_dir, args, message):
     root = tmp_path / "runs"
-    proc = subprocess.run([*MILLSTREAM, "run", f"run.root={root}", f"model.path={tiny_model_dir}",
-                           *args] if "=" in args[0] else [*MILLSTREAM, "run", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*MILLSTREAM, "run", f"run.root={root}", f"model.path={tiny_model_dir}", *args]
+        if "=" in args[0]
+        else [*MILLSTREAM, "run", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.startswith(f"millstream run: {message}"), proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
@@ -82,8 +104,9 @@ def _no_run_process(root: Path) -> bool:
 
 
 def test_help_prints_usage_and_every_key():
-    proc = subprocess.run([*MILLSTREAM, "run", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [*MILLSTREAM, "run", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0
     assert proc.stdout.startswith("usage: millstream run [CONFIG.toml]")
     for key in ("[train]", "  steps = 40", "  temperature = 1.0", "  start_timeout_s = 900.0"):

@@ -16,12 +16,21 @@ from millstream.shared.protocol import Trajectory
 def make_traj(mask: list[int], segment_starts: list[int]) -> Trajectory:
     n = len(mask)
     return Trajectory(
-        episode_id="e0", group_id="g0", seed=1, env="test",
-        token_ids=[100 + i for i in range(n)], loss_mask=mask,
+        episode_id="e0",
+        group_id="g0",
+        seed=1,
+        env="test",
+        token_ids=[100 + i for i in range(n)],
+        loss_mask=mask,
         logprobs=[-(i + 1) / 10 if m else 0.0 for i, m in enumerate(mask)],
         versions=[2 if m else -1 for m in mask],
-        reward=1.0, turn_rewards=[1.0], num_turns=1, group_size=1, duration_s=0.1,
-        segment_starts=segment_starts)
+        reward=1.0,
+        turn_rewards=[1.0],
+        num_turns=1,
+        group_size=1,
+        duration_s=0.1,
+        segment_starts=segment_starts,
+    )
 
 
 def advantages_for(n: int) -> list[float]:
@@ -45,13 +54,12 @@ def test_each_segment_is_its_own_sample():
     mask = [0, 0, 1, 1, 1] + [0, 0, 0, 0, 1, 1, 1] + [0, 0, 0, 1]
     traj, adv = make_traj(mask, [5, 12]), advantages_for(16)
     samples = train_samples(traj, adv)
-    assert samples == [slice_of(traj, adv, 0, 5), slice_of(traj, adv, 5, 12),
-                       slice_of(traj, adv, 12, 16)]
+    assert samples == [slice_of(traj, adv, 0, 5), slice_of(traj, adv, 5, 12), slice_of(traj, adv, 12, 16)]
     assert [s.token_ids[0] for s in samples] == [100, 105, 112]
     assert [len(s.token_ids) for s in samples] == [5, 7, 4]
     # Every token lands in exactly one sample, in order.
-    assert sum((s.token_ids for s in samples), []) == traj.token_ids
-    assert sum((s.advantages for s in samples), []) == adv
+    assert [t for s in samples for t in s.token_ids] == traj.token_ids
+    assert [a for s in samples for a in s.advantages] == adv
 
 
 def test_a_segment_without_trained_tokens_is_skipped():

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import MILLSTREAM, ROOT, stop_group, wait_for_file
+
 from millstream.shared.lifecycle import ENV_RUN, run_processes
 from millstream.shared.runtime import free_port
 
@@ -30,8 +30,13 @@ def wait_gone(run_dir: Path, timeout_s: float = 60) -> list[int]:
 
 def start_run(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, list[str]]:
     """`millstream run` in the background; returns it once the first step line appeared."""
-    proc = subprocess.Popen([*MILLSTREAM, "run", f"run.dir={run_dir}", *overrides], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*MILLSTREAM, "run", f"run.dir={run_dir}", *overrides],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines: list[str] = []
     deadline = time.monotonic() + 300
     assert proc.stdout is not None
@@ -45,19 +50,36 @@ def start_run(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, list[st
 
 
 def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str):
-    return start_run(run_dir, "actor.kind=synthetic", f"model.path={tiny_model_dir}",
-                     "train.steps=1000", "train.group_size=4", "train.groups_per_batch=2",
-                     *overrides)
+    return start_run(
+        run_dir,
+        "actor.kind=synthetic",
+        f"model.path={tiny_model_dir}",
+        "train.steps=1000",
+        "train.group_size=4",
+        "train.groups_per_batch=2",
+        *overrides,
+    )
 
 
 def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tiny_model_dir, tmp_path):
     marker = tmp_path / "actor-run"
     ready = tmp_path / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "millstream.actor", "--ready-file", str(ready),
-         f"model.path={tiny_model_dir}", f"actor.address=tcp://127.0.0.1:{free_port()}"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        env=dict(os.environ, **{ENV_RUN: str(marker.resolve())}))
+        [
+            sys.executable,
+            "-m",
+            "millstream.actor",
+            "--ready-file",
+            str(ready),
+            f"model.path={tiny_model_dir}",
+            f"actor.address=tcp://127.0.0.1:{free_port()}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        env=dict(os.environ, **{ENV_RUN: str(marker.resolve())}),
+    )
     try:
         wait_for_file(ready, proc, 600, "the vLLM actor")
         engine = [pid for pid in run_processes(marker) if pid != proc.pid]
@@ -101,9 +123,19 @@ def test_a_crashing_role_is_reported_by_its_cause_not_its_traceback(tiny_model_d
     blocker.bind(taken)
     try:
         proc = subprocess.run(
-            [*MILLSTREAM, "run", f"run.dir={tmp_path / 'run'}", "actor.kind=synthetic",
-             f"model.path={tiny_model_dir}", f"actor.address={taken}"],
-            cwd=ROOT, capture_output=True, text=True, timeout=300)
+            [
+                *MILLSTREAM,
+                "run",
+                f"run.dir={tmp_path / 'run'}",
+                "actor.kind=synthetic",
+                f"model.path={tiny_model_dir}",
+                f"actor.address={taken}",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         blocker.close(0)
     assert proc.returncode == 1

@@ -79,8 +79,14 @@ def test_gradient_step_moves_logp_with_the_advantage(sign):
 
 def _loss_and_grad(logp_value, behav_value, adv_value, **clip):
     logp = torch.tensor([[logp_value]], requires_grad=True)
-    loss, stats = ppo_clip_loss(logp, torch.tensor([[behav_value]]), torch.tensor([[adv_value]]),
-                                torch.ones(1, 1), normalizer=1.0, **clip)
+    loss, stats = ppo_clip_loss(
+        logp,
+        torch.tensor([[behav_value]]),
+        torch.tensor([[adv_value]]),
+        torch.ones(1, 1),
+        normalizer=1.0,
+        **clip,
+    )
     loss.backward()
     return loss.item(), logp.grad.item(), stats
 
@@ -139,8 +145,9 @@ def test_garbage_on_masked_tokens_does_not_leak():
 def _weights(mask, loss_agg, budget=8, totals_of=None):
     """Aggregation weights of `mask` with the step totals of `totals_of` (default: mask itself)."""
     on = (mask if totals_of is None else totals_of) > 0
-    return aggregation_weights(mask, loss_agg, tokens=float(on.sum()),
-                               sequences=float(on.any(1).sum()), generation_budget=budget)
+    return aggregation_weights(
+        mask, loss_agg, tokens=float(on.sum()), sequences=float(on.any(1).sum()), generation_budget=budget
+    )
 
 
 @pytest.mark.parametrize("decoupled", [False, True])
@@ -155,13 +162,15 @@ def test_micro_batches_add_up_to_the_full_batch(loss_agg, decoupled):
     adv = torch.randn(4, 1, generator=g).expand(4, 6).contiguous()
     mask = (torch.rand(4, 6, generator=g) > 0.3).float()
     mask[0, 3:] = 0  # rows of different lengths: the three aggregations really differ
-    terms = dict(clip_low=0.2, clip_high=0.28, is_cap=2.0 if decoupled else None,
-                 kl_coef=0.1, entropy_coef=0.01)
+    terms = dict(
+        clip_low=0.2, clip_high=0.28, is_cap=2.0 if decoupled else None, kl_coef=0.1, entropy_coef=0.01
+    )
     weights = _weights(mask, loss_agg)
 
     full_logp = base.clone().requires_grad_(True)
-    full, full_stats = rl_loss(full_logp, ent, behav, adv, mask, weights, prox_logp=prox,
-                               ref_logp=ref, **terms)
+    full, full_stats = rl_loss(
+        full_logp, ent, behav, adv, mask, weights, prox_logp=prox, ref_logp=ref, **terms
+    )
     full.backward()
 
     micro_logp = base.clone().requires_grad_(True)
@@ -170,9 +179,17 @@ def test_micro_batches_add_up_to_the_full_batch(loss_agg, decoupled):
     for rows in (slice(0, 1), slice(1, 4)):
         # Each micro-batch's weights from its own rows and the step's totals (as the trainer).
         w = _weights(mask[rows], loss_agg, totals_of=mask)
-        loss, stats = rl_loss(micro_logp[rows], ent[rows], behav[rows], adv[rows], mask[rows],
-                              w, prox_logp=None if prox is None else prox[rows],
-                              ref_logp=ref[rows], **terms)
+        loss, stats = rl_loss(
+            micro_logp[rows],
+            ent[rows],
+            behav[rows],
+            adv[rows],
+            mask[rows],
+            w,
+            prox_logp=None if prox is None else prox[rows],
+            ref_logp=ref[rows],
+            **terms,
+        )
         loss.backward()
         total = total + loss.detach()
         for k, v in stats.items():
@@ -203,8 +220,7 @@ def test_aggregations_by_hand():
     assert loss("seq_mean") == pytest.approx(-((1 + 2 + 6) / 3 + 4 / 1) / 2)
     assert loss("seq_sum_norm", budget=10) == pytest.approx(-(1 + 2 + 6 + 4) / (2 * 10))
     w = aggregation_weights(mask, "seq_mean", tokens=4, sequences=2)
-    assert w.flatten().tolist() == pytest.approx([0, 1 / 6, 1 / 6, 1 / 6, 0, 0, 1 / 2, 0, 0, 0]
-                                                + [0] * 5)
+    assert w.flatten().tolist() == pytest.approx([0, 1 / 6, 1 / 6, 1 / 6, 0, 0, 1 / 2, 0, 0, 0] + [0] * 5)
     # `normalizer` is shorthand for token_mean weights.
     by_normalizer = ppo_clip_loss(logp, logp, adv, mask, normalizer=4.0, **CLIP)[0].item()
     assert by_normalizer == loss("token_mean")
@@ -219,8 +235,8 @@ def test_aggregations_by_hand():
 def test_decoupled_ppo_by_hand():
     # Three loss tokens: (behav, prox, current) probabilities and advantages.
     behav = [0.5, 0.1, 0.4]
-    prox = [0.6, 0.8, 0.2]      # w = 1.2, 8.0 (> cap 5: dropped), 0.5
-    cur = [0.9, 0.4, 0.21]      # r = 1.5 (clipped at 1.28 for A > 0), 0.5, 1.05
+    prox = [0.6, 0.8, 0.2]  # w = 1.2, 8.0 (> cap 5: dropped), 0.5
+    cur = [0.9, 0.4, 0.21]  # r = 1.5 (clipped at 1.28 for A > 0), 0.5, 1.05
     adv = [2.0, 3.0, -1.0]
     A = torch.tensor([[0.0] + adv])
 
@@ -229,8 +245,9 @@ def test_decoupled_ppo_by_hand():
 
     logp = t(cur).requires_grad_(True)
     mask = torch.tensor([[0.0, 1, 1, 1]])
-    loss, stats = ppo_clip_loss(logp, t(behav), A, mask, normalizer=3.0, prox_logp=t(prox),
-                                is_cap=5.0, **CLIP)
+    loss, stats = ppo_clip_loss(
+        logp, t(behav), A, mask, normalizer=3.0, prox_logp=t(prox), is_cap=5.0, **CLIP
+    )
     loss.backward()
     expected = -(1.2 * 1.28 * 2.0 + 0.0 + 0.5 * (1.05 * -1.0)) / 3
     assert loss.item() == pytest.approx(expected, rel=1e-5)
@@ -243,8 +260,9 @@ def test_decoupled_ppo_by_hand():
     assert stats["clipped_tokens"].item() == 1  # token 1; token 2 has A > 0 and r < 1: kept
     # The cap is inclusive: AReaL keeps a token whose weight equals the cap.
     w_exact = float(torch.exp(t(prox) - t(behav))[0, 2])  # 8.0 up to float32 rounding
-    kept, kept_stats = ppo_clip_loss(logp.detach(), t(behav), A, mask, normalizer=3.0,
-                                     prox_logp=t(prox), is_cap=w_exact, **CLIP)
+    kept, kept_stats = ppo_clip_loss(
+        logp.detach(), t(behav), A, mask, normalizer=3.0, prox_logp=t(prox), is_cap=w_exact, **CLIP
+    )
     assert kept_stats["is_capped_tokens"].item() == 0
     assert kept.item() == pytest.approx(expected - 8.0 * 0.5 * 3.0 / 3, rel=1e-5)
 
@@ -256,10 +274,11 @@ def test_decoupled_with_proximal_equal_to_behaviour_is_plain_ppo():
     mask = (torch.rand(3, 7, generator=g) > 0.3).float()
     results = []
     for prox in (None, behav.clone()):
-        logp = (behav + 0.4 * torch.randn(3, 7, generator=torch.Generator().manual_seed(4)))
+        logp = behav + 0.4 * torch.randn(3, 7, generator=torch.Generator().manual_seed(4))
         logp.requires_grad_(True)
-        loss, stats = ppo_clip_loss(logp, behav, adv, mask, weights=_weights(mask, "seq_mean"),
-                                    prox_logp=prox, is_cap=5.0, **CLIP)
+        loss, stats = ppo_clip_loss(
+            logp, behav, adv, mask, weights=_weights(mask, "seq_mean"), prox_logp=prox, is_cap=5.0, **CLIP
+        )
         loss.backward()
         results.append((loss.item(), logp.grad.clone(), stats))
     (plain, g_plain, s_plain), (dec, g_dec, s_dec) = results
@@ -278,7 +297,8 @@ def test_k1_k3_values():
     # k1 = log(p / p_ref); k3 = p_ref / p - log(p_ref / p) - 1.
     assert k1[0].tolist() == pytest.approx([0.0, math.log(0.5), 0.0, math.log(2.0)], abs=1e-6)
     assert k3[0].tolist() == pytest.approx(
-        [0.0, 2.0 - math.log(2.0) - 1.0, 0.0, 0.5 - math.log(0.5) - 1.0], abs=1e-6)
+        [0.0, 2.0 - math.log(2.0) - 1.0, 0.0, 0.5 - math.log(0.5) - 1.0], abs=1e-6
+    )
     assert (k3 >= 0).all() and k1[0, 1] < 0  # k3 never negative per token; k1 can be
     with pytest.raises(ValueError, match="estimator"):
         kl_penalty(logp, ref, mask, "k2")
@@ -324,8 +344,17 @@ def test_k3_penalty_pulls_toward_the_reference():
     for _ in range(30):
         logp, ent = sequence_logprobs(logits, ids)
         zeros = torch.zeros(2, 6)
-        loss, _ = rl_loss(logp, ent, zeros, zeros, mask, _weights(mask, "token_mean"),
-                          ref_logp=gather_logprobs(ref_logits, ids), kl_coef=1.0, **CLIP)
+        loss, _ = rl_loss(
+            logp,
+            ent,
+            zeros,
+            zeros,
+            mask,
+            _weights(mask, "token_mean"),
+            ref_logp=gather_logprobs(ref_logits, ids),
+            kl_coef=1.0,
+            **CLIP,
+        )
         logits.grad = None
         loss.backward()
         with torch.no_grad():
@@ -348,8 +377,7 @@ def test_entropy_bonus_sign():
     assert bonus.item() == pytest.approx(expected, rel=1e-6)
     assert stats["entropy_sum"].item() == pytest.approx(float((ent * mask).sum()), rel=1e-6)
     # And a gradient step on the bonus alone raises the entropy of the loss positions.
-    only, _ = rl_loss(logp, ent, logp.detach(), torch.zeros(2, 5), mask, w, entropy_coef=1.0,
-                      **CLIP)
+    only, _ = rl_loss(logp, ent, logp.detach(), torch.zeros(2, 5), mask, w, entropy_coef=1.0, **CLIP)
     only.backward()
     with torch.no_grad():
         _, after = sequence_logprobs(logits - 0.5 * logits.grad, ids)
@@ -376,8 +404,20 @@ def test_all_terms_ignore_garbage_off_the_mask():
     adv = torch.tensor([[1.0, nan, 3.0, -2.0]])
     mask = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     w = torch.tensor([[1.0, nan, inf, 5.0]])  # even garbage weights off the mask are ignored
-    loss, stats = rl_loss(logp, ent, behav, adv, mask, w, prox_logp=prox, is_cap=5.0,
-                          ref_logp=ref, kl_coef=0.1, entropy_coef=0.01, **CLIP)
+    loss, stats = rl_loss(
+        logp,
+        ent,
+        behav,
+        adv,
+        mask,
+        w,
+        prox_logp=prox,
+        is_cap=5.0,
+        ref_logp=ref,
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        **CLIP,
+    )
     loss.backward()
     wt, r, d = math.exp(0.1), math.exp(0.1), 0.1  # w = e^(prox-behav), r = e^(logp-prox)
     expected = -wt * r * 1.0 + 0.1 * (math.exp(d) - d - 1) - 0.01 * 0.7

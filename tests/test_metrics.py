@@ -97,8 +97,7 @@ def test_merge_leaves_the_other_unchanged_and_empty_is_neutral():
 
 
 @settings(max_examples=100, deadline=None, database=None)
-@given(st.lists(durations, max_size=200),
-       st.sampled_from([(1e-4, 24), (1e-3, 20), (1e-6, 30)]))
+@given(st.lists(durations, max_size=200), st.sampled_from([(1e-4, 24), (1e-3, 20), (1e-6, 30)]))
 def test_to_dict_from_dict_roundtrip_through_json(samples, shape):
     low_s, doublings = shape
     hist = _hist(samples, low_s=low_s, doublings=doublings)
@@ -106,8 +105,12 @@ def test_to_dict_from_dict_roundtrip_through_json(samples, shape):
     assert data["low_s"] == low_s and data["n"] == doublings * 16
     assert all(c > 0 for c in data["buckets"].values())  # sparse: empty buckets are left out
     back = LatencyHistogram.from_dict(data)
-    assert (back.low_s, back.counts, back.total, back.sum_s) == \
-        (hist.low_s, hist.counts, hist.total, hist.sum_s)
+    assert (back.low_s, back.counts, back.total, back.sum_s) == (
+        hist.low_s,
+        hist.counts,
+        hist.total,
+        hist.sum_s,
+    )
     assert [back.percentile(q) for q in QS] == [hist.percentile(q) for q in QS]
     back.merge(hist)  # same buckets: mergeable
     assert back.total == 2 * len(samples)
@@ -124,11 +127,14 @@ def test_empty_histogram():
     assert back.total == 0 and back.percentile(99) is None
 
 
-@pytest.mark.parametrize("other", [
-    LatencyHistogram(low_s=1e-3),
-    LatencyHistogram(doublings=20),
-    LatencyHistogram(low_s=1e-3, doublings=20),
-])
+@pytest.mark.parametrize(
+    "other",
+    [
+        LatencyHistogram(low_s=1e-3),
+        LatencyHistogram(doublings=20),
+        LatencyHistogram(low_s=1e-3, doublings=20),
+    ],
+)
 def test_mismatched_buckets_raise(other):
     hist = _hist([0.1])
     other.add(0.1)
@@ -193,7 +199,7 @@ def test_writer_reopened_after_a_torn_line_keeps_its_records(tmp_path):
 
 def test_percentile_rank_is_nearest_rank():
     # 100 distinct well-separated values: percentile q is the ceil(q)-th smallest (rank >= 1).
-    values = [0.001 * 1.1 ** i for i in range(100)]  # 1 ms .. 12.5 s, 10% apart
+    values = [0.001 * 1.1**i for i in range(100)]  # 1 ms .. 12.5 s, 10% apart
     shuffled = values[:]
     random.Random(0).shuffle(shuffled)
     hist = _hist(shuffled)

@@ -57,8 +57,10 @@ any_message = st.one_of([struct_strategy(cls) for cls in MESSAGES])
 
 def test_a_peer_of_another_version_is_named_even_when_its_messages_do_not_decode():
     frame = msgspec.msgpack.encode([PROTOCOL_VERSION + 1, [["a_message_of_the_future", 1]]])
-    with pytest.raises(ProtocolError, match=f"peer speaks protocol {PROTOCOL_VERSION + 1}, this "
-                                            f"process speaks {PROTOCOL_VERSION}"):
+    with pytest.raises(
+        ProtocolError,
+        match=f"peer speaks protocol {PROTOCOL_VERSION + 1}, this process speaks {PROTOCOL_VERSION}",
+    ):
         Codec().decode(frame)
 
 
@@ -110,7 +112,9 @@ def test_truncated_frames_are_rejected(messages, data):
 
 
 def test_other_protocol_version_is_refused():
-    frame = msgspec.msgpack.encode(Packet(PROTOCOL_VERSION + 1, [ErrorReply(ReplyCause.MALFORMED_FRAME, "y")]))
+    frame = msgspec.msgpack.encode(
+        Packet(PROTOCOL_VERSION + 1, [ErrorReply(ReplyCause.MALFORMED_FRAME, "y")])
+    )
     codec = Codec()
     with pytest.raises(ProtocolError, match=f"peer speaks protocol {PROTOCOL_VERSION + 1}"):
         codec.decode(frame)

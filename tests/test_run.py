@@ -10,12 +10,11 @@ import signal
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import orjson
 import pytest
-
 from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, steps_of
+
 from millstream.shared.lifecycle import run_processes
 from millstream.shared.metrics import read_jsonl
 
@@ -58,18 +57,26 @@ def test_staleness_bound_and_failures_are_accounted(actor, tmp_path):
     and hanging environments end as counted failures, never as rewards."""
     run_dir = tmp_path / "run"
     millstream_run(
-        actor, run_dir, "train.steps=6", "train.max_staleness=0", "envpool.admission_slack=2",
-        "train.group_size=4", "train.groups_per_batch=2", "envpool.env=flaky",
-        "envpool.env_args={inner=\"evenchars\", crash_prob=0.08, hang_prob=0.04, hang_s=60}",
-        "envpool.step_timeout_s=1.5")
+        actor,
+        run_dir,
+        "train.steps=6",
+        "train.max_staleness=0",
+        "envpool.admission_slack=2",
+        "train.group_size=4",
+        "train.groups_per_batch=2",
+        "envpool.env=flaky",
+        'envpool.env_args={inner="evenchars", crash_prob=0.08, hang_prob=0.04, hang_s=60}',
+        "envpool.step_timeout_s=1.5",
+    )
     summary = check_accounting(run_dir)
     assert summary["episodes_dropped"].get("stale", 0) > 0
     assert summary["episodes_failed"].get("env_error", 0) > 0
     assert summary["episodes_failed"].get("env_timeout", 0) > 0
     for record in read_jsonl(run_dir / "trajectories.jsonl"):
         if record["fate"] == "trained":
-            lags = [record["trained_version"] - v
-                    for v, m in zip(record["versions"], record["loss_mask"]) if m]
+            lags = [
+                record["trained_version"] - v for v, m in zip(record["versions"], record["loss_mask"]) if m
+            ]
             assert lags and max(lags) <= 0 and min(lags) >= 0
             assert record["reward"] >= 0  # no failure was scored
     assert all(r["staleness/max"] == 0 for r in steps_of(run_dir))
@@ -78,8 +85,9 @@ def test_staleness_bound_and_failures_are_accounted(actor, tmp_path):
 def test_a_task_without_reward_spread_says_no_signal(actor, tmp_path):
     """`noop` pays 0 to every episode: no group has a spread, nothing can be learned."""
     run_dir = tmp_path / "run"
-    proc = millstream_run(actor, run_dir, "train.steps=4", "envpool.env=noop",
-                          "train.group_size=2", "train.groups_per_batch=2")
+    proc = millstream_run(
+        actor, run_dir, "train.steps=4", "envpool.env=noop", "train.group_size=2", "train.groups_per_batch=2"
+    )
     assert "NO SIGNAL: equal rewards in every group for 3 steps" in proc.stdout
     steps = steps_of(run_dir)
     assert [r["warning/no_signal_steps"] for r in steps] == [1, 2, 3, 4]
@@ -90,8 +98,14 @@ def test_a_task_without_reward_spread_says_no_signal(actor, tmp_path):
 
 def test_ctrl_c_stops_every_process(actor, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [*MILLSTREAM, "run", f"actor.connect={actor.address}",
-           f"model.path={actor.model_dir}", f"run.dir={run_dir}", "train.steps=1000"]
+    cmd = [
+        *MILLSTREAM,
+        "run",
+        f"actor.connect={actor.address}",
+        f"model.path={actor.model_dir}",
+        f"run.dir={run_dir}",
+        "train.steps=1000",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 300
     lines = []
@@ -99,7 +113,7 @@ def test_ctrl_c_stops_every_process(actor, tmp_path):
         lines.append(line)
         if line.startswith("step ") or time.monotonic() > deadline:
             break
-    assert any(l.startswith("step ") for l in lines), "".join(lines)
+    assert any(line.startswith("step ") for line in lines), "".join(lines)
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in rest

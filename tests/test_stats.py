@@ -24,9 +24,18 @@ def test_no_signal_counts_steps_whose_every_group_had_equal_rewards():
 
 
 def test_the_step_line_says_no_signal_after_enough_steps():
-    record = {"step": 7, "reward/mean": 0.0, "reward/std": 0.0, "staleness/min": 0,
-              "staleness/mean": 0.0, "staleness/max": 0, "perf/tokens_per_s": 10.0,
-              "sync/total_s": 0.1, "perf/elapsed_s": 9.0, "episodes/failed/env_error": 2}
+    record = {
+        "step": 7,
+        "reward/mean": 0.0,
+        "reward/std": 0.0,
+        "staleness/min": 0,
+        "staleness/mean": 0.0,
+        "staleness/max": 0,
+        "perf/tokens_per_s": 10.0,
+        "sync/total_s": 0.1,
+        "perf/elapsed_s": 9.0,
+        "episodes/failed/env_error": 2,
+    }
     assert "NO SIGNAL" not in progress_line({**record, "warning/no_signal_steps": 2}, 10)
     line = progress_line({**record, "warning/no_signal_steps": 3}, 10)
     assert line.endswith("| NO SIGNAL: equal rewards in every group for 3 steps")

@@ -32,8 +32,9 @@ FAULTS = "crash=0.05,hang=0.02,garbage=0.1"
 
 def _env(with_plugin: bool) -> dict[str, str]:
     """os.environ with tests/plugin first on PYTHONPATH, or removed from it."""
-    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
-             if p and Path(p).resolve() != PLUGIN]
+    parts = [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != PLUGIN
+    ]
     if with_plugin:
         parts.insert(0, str(PLUGIN))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -45,8 +46,14 @@ def _env(with_plugin: bool) -> dict[str, str]:
 
 
 def _stress(args: list[str], *, with_plugin: bool, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "millstream.bench.stress", *args], cwd=ROOT, env=_env(with_plugin),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "millstream.bench.stress", *args],
+        cwd=ROOT,
+        env=_env(with_plugin),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 # --- the plugin package itself ----------------------------------------------------------------
@@ -56,7 +63,8 @@ def _load_plugin_module():
     """The plugin module, loaded from its file: no sys.path change, so no entry point leaks into
     this test process (its REGISTRY stays as millstream alone makes it)."""
     spec = importlib.util.spec_from_file_location(
-        "_coinflip_under_test", PLUGIN / "millstream_demo_plugin" / "__init__.py")
+        "_coinflip_under_test", PLUGIN / "millstream_demo_plugin" / "__init__.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -64,13 +72,21 @@ def _load_plugin_module():
 
 def test_plugin_imports_only_the_documented_interface():
     tree = ast.parse((PLUGIN / "millstream_demo_plugin" / "__init__.py").read_text())
-    imported = {(node.module, alias.name) for node in ast.walk(tree)
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("millstream")
-                for alias in node.names}
+    imported = {
+        (node.module, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("millstream")
+        for alias in node.names
+    }
     plain = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert imported == {("millstream.envpool.envs.base", "Observation"), ("millstream.envpool.envs.base", "StepResult")}
-    assert not any(name.split(".")[0] in ("millstream", "envpool", "shared", "actor", "learner", "bench")
-                   for name in plain)
+    assert imported == {
+        ("millstream.envpool.envs.base", "Observation"),
+        ("millstream.envpool.envs.base", "StepResult"),
+    }
+    assert not any(
+        name.split(".")[0] in ("millstream", "envpool", "shared", "actor", "learner", "bench")
+        for name in plain
+    )
     entry = (PLUGIN / "millstream_demo_plugin-0.1.dist-info" / "entry_points.txt").read_text()
     assert "[millstream.envs]" in entry and "coinflip = millstream_demo_plugin:CoinFlip" in entry
 
@@ -81,11 +97,18 @@ def test_coinflip_rules_deterministic_anchors_and_format_penalty():
     async def play(seed: int, replies: list[str]):
         env = CoinFlip()
         obs = await env.reset(seed)
-        out = [(obs.anchor, None)]
+        out: list[tuple] = [(obs.anchor, None)]
         for reply in replies:
             result = await env.step(reply)
-            out.append((result.observation.anchor, result.reward, result.done, result.info.get("valid"),
-                        result.info.get("coin")))
+            out.append(
+                (
+                    result.observation.anchor,
+                    result.reward,
+                    result.done,
+                    result.info.get("valid"),
+                    result.info.get("coin"),
+                )
+            )
         return out
 
     # Same seed, same coins (GRPO groups share a seed); anchors name the state.
@@ -99,7 +122,9 @@ def test_coinflip_rules_deterministic_anchors_and_format_penalty():
     assert [step[3] for step in a[1:]] == [True, True]
     assert [step[1] for step in a[1:]] == [float(coins[0] == "heads"), float(coins[1] == "tails")]
     # Across seeds both faces occur (the seed really decides the coins).
-    faces = {step[4] for seed in range(20) for step in asyncio.run(play(seed, ["<answer>heads</answer>"]))[1:]}
+    faces = {
+        step[4] for seed in range(20) for step in asyncio.run(play(seed, ["<answer>heads</answer>"]))[1:]
+    }
     assert faces == {"heads", "tails"}
     # An unparseable reply: format penalty, valid=False, and the episode goes on.
     bad = asyncio.run(play(3, ["\x00\ufffd#!garbage!#\ufffd", "no tags here"]))
@@ -116,9 +141,11 @@ def test_entry_point_alone_registers_the_plugin():
         "assert 'coinflip' in names and 'echo' in names, names\n"
         "cls = REGISTRY['coinflip']\n"
         "assert (cls.__module__, cls.__name__) == ('millstream_demo_plugin', 'CoinFlip')\n"
-        "print('OK', type(e.make_env('coinflip', {'flips': 1})).__name__)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(True),
-                          capture_output=True, text=True, timeout=60)
+        "print('OK', type(e.make_env('coinflip', {'flips': 1})).__name__)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(True), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "OK CoinFlip"
 
@@ -140,10 +167,30 @@ def stress_run(tiny_model_dir, tmp_path_factory):
     pattern barely varies between runs anyway.
     """
     out = tmp_path_factory.mktemp("stress") / "coinflip"
-    proc = _stress(["--env", "coinflip", "--episodes", str(EPISODES), "--concurrency", "200",
-                    "--workers", "2", "--actor", "synthetic", "--faults", FAULTS, "--out", str(out),
-                    "--set", f"model.path={tiny_model_dir}", "--set", "envpool.step_timeout_s=1"],
-                   with_plugin=True, timeout=180)
+    proc = _stress(
+        [
+            "--env",
+            "coinflip",
+            "--episodes",
+            str(EPISODES),
+            "--concurrency",
+            "200",
+            "--workers",
+            "2",
+            "--actor",
+            "synthetic",
+            "--faults",
+            FAULTS,
+            "--out",
+            str(out),
+            "--set",
+            f"model.path={tiny_model_dir}",
+            "--set",
+            "envpool.step_timeout_s=1",
+        ],
+        with_plugin=True,
+        timeout=180,
+    )
     return proc, out
 
 
@@ -214,9 +261,28 @@ def test_unknown_env_without_the_plugin_fails_fast(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     # Through the `millstream stress` command itself (shared/cli.py execs bench.stress).
     proc = subprocess.run(
-        [sys.executable, "-m", "millstream.shared.cli", "stress", "--env", "coinflip", "--episodes", "16",
-         "--faults", FAULTS, "--out", str(out), "--set", f"model.path={tiny_model_dir}"],
-        cwd=ROOT, env=_env(False), capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "millstream.shared.cli",
+            "stress",
+            "--env",
+            "coinflip",
+            "--episodes",
+            "16",
+            "--faults",
+            FAULTS,
+            "--out",
+            str(out),
+            "--set",
+            f"model.path={tiny_model_dir}",
+        ],
+        cwd=ROOT,
+        env=_env(False),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "unknown environment 'coinflip'" in proc.stderr
     known = proc.stderr.split("known:", 1)[1]
@@ -226,16 +292,21 @@ def test_unknown_env_without_the_plugin_fails_fast(tiny_model_dir, tmp_path):
     assert not any(out.glob("*.log")) and not (out / "report.json").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--faults", "crash=2"], "crash=2.0 is not a probability in [0, 1]"),
-    (["--faults", "boom=0.1"], "'boom=0.1' is not NAME=P with NAME one of crash, hang, garbage"),
-    (["--episodes", "10", "--group-size", "8"], "--episodes 10 is not a multiple of --group-size 8"),
-    (["--concurrency", "4", "--group-size", "8", "--episodes", "16"], "fewer than one group of 8"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--faults", "crash=2"], "crash=2.0 is not a probability in [0, 1]"),
+        (["--faults", "boom=0.1"], "'boom=0.1' is not NAME=P with NAME one of crash, hang, garbage"),
+        (["--episodes", "10", "--group-size", "8"], "--episodes 10 is not a multiple of --group-size 8"),
+        (["--concurrency", "4", "--group-size", "8", "--episodes", "16"], "fewer than one group of 8"),
+    ],
+)
 def test_bad_flags_exit_2_with_a_clear_message(tiny_model_dir, tmp_path, args, message):
     out = tmp_path / "out"
-    proc = _stress(["--env", "echo", "--out", str(out), "--set", f"model.path={tiny_model_dir}", *args],
-                   with_plugin=False)
+    proc = _stress(
+        ["--env", "echo", "--out", str(out), "--set", f"model.path={tiny_model_dir}", *args],
+        with_plugin=False,
+    )
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     assert proc.stderr.startswith("millstream stress: ") and message in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -243,9 +314,21 @@ def test_bad_flags_exit_2_with_a_clear_message(tiny_model_dir, tmp_path, args, m
 
 
 def test_bad_env_args_exit_2_with_a_clear_message(tiny_model_dir, tmp_path):
-    proc = _stress(["--env", "echo", "--episodes", "16", "--out", str(tmp_path / "out"),
-                    "--set", f"model.path={tiny_model_dir}", "--set", "envpool.env_args={bogus = 1}"],
-                   with_plugin=False)
+    proc = _stress(
+        [
+            "--env",
+            "echo",
+            "--episodes",
+            "16",
+            "--out",
+            str(tmp_path / "out"),
+            "--set",
+            f"model.path={tiny_model_dir}",
+            "--set",
+            "envpool.env_args={bogus = 1}",
+        ],
+        with_plugin=False,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "rejected envpool.env_args" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -253,33 +336,39 @@ def test_bad_env_args_exit_2_with_a_clear_message(tiny_model_dir, tmp_path):
 # --- parse_faults -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("", {}),
-    ("crash=0.01", {"crash": 0.01}),
-    ("crash=0.01,hang=0.02,garbage=0.05", {"crash": 0.01, "hang": 0.02, "garbage": 0.05}),
-    (" crash=0.1 , garbage=0 ,", {"crash": 0.1, "garbage": 0.0}),
-    ("hang=1", {"hang": 1.0}),
-    ("crash=0.5,hang=0.5", {"crash": 0.5, "hang": 0.5}),
-    ("crash=1e-3", {"crash": 0.001}),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("", {}),
+        ("crash=0.01", {"crash": 0.01}),
+        ("crash=0.01,hang=0.02,garbage=0.05", {"crash": 0.01, "hang": 0.02, "garbage": 0.05}),
+        (" crash=0.1 , garbage=0 ,", {"crash": 0.1, "garbage": 0.0}),
+        ("hang=1", {"hang": 1.0}),
+        ("crash=0.5,hang=0.5", {"crash": 0.5, "hang": 0.5}),
+        ("crash=1e-3", {"crash": 0.001}),
+    ],
+)
 def test_parse_faults_accepts(text, expected):
     assert parse_faults(text) == expected
 
 
-@pytest.mark.parametrize("text, message", [
-    ("crash", "is not NAME=P"),
-    ("boom=0.1", "is not NAME=P with NAME one of crash, hang, garbage"),
-    ("Crash=0.1", "is not NAME=P"),
-    ("=0.1", "is not NAME=P"),
-    ("crash=abc", "crash='abc' is not a number"),
-    ("crash=", "is not a number"),
-    ("crash=2", "not a probability in [0, 1]"),
-    ("hang=-0.1", "not a probability in [0, 1]"),
-    ("garbage=nan", "not a probability in [0, 1]"),
-    ("crash=inf", "not a probability in [0, 1]"),
-    ("crash=0.6,hang=0.6", "sum to 1.2 > 1"),
-    ("crash=0.5,hang=0.3,garbage=0.3", "> 1"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("crash", "is not NAME=P"),
+        ("boom=0.1", "is not NAME=P with NAME one of crash, hang, garbage"),
+        ("Crash=0.1", "is not NAME=P"),
+        ("=0.1", "is not NAME=P"),
+        ("crash=abc", "crash='abc' is not a number"),
+        ("crash=", "is not a number"),
+        ("crash=2", "not a probability in [0, 1]"),
+        ("hang=-0.1", "not a probability in [0, 1]"),
+        ("garbage=nan", "not a probability in [0, 1]"),
+        ("crash=inf", "not a probability in [0, 1]"),
+        ("crash=0.6,hang=0.6", "sum to 1.2 > 1"),
+        ("crash=0.5,hang=0.3,garbage=0.3", "> 1"),
+    ],
+)
 def test_parse_faults_rejects(text, message):
     with pytest.raises(ValueError, match="^--faults: ") as info:
         parse_faults(text)

@@ -5,17 +5,16 @@ like the launcher does.
 """
 
 import subprocess
-import sys
 from pathlib import Path
 
 import anyio
 import pytest
 import torch
+from helpers import MILLSTREAM, check_accounting, steps_of, with_client
 
 from millstream.envpool.client import GenerationFailed
 from millstream.learner.weights import WeightSender
 from millstream.shared.config import LearnerConfig
-from helpers import MILLSTREAM, check_accounting, steps_of, with_client
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,8 +24,15 @@ def run_client(address, fn):
 
 
 def gen(client, seed, n=40, stop=(2,)):
-    return client.generate([1, 5, 9], max_tokens=n, temperature=1.0, top_p=1.0, seed=seed,
-                           stop_token_ids=list(stop), timeout_s=60)
+    return client.generate(
+        [1, 5, 9],
+        max_tokens=n,
+        temperature=1.0,
+        top_p=1.0,
+        seed=seed,
+        stop_token_ids=list(stop),
+        timeout_s=60,
+    )
 
 
 def test_many_concurrent_requests_stream_to_completion(synthetic):
@@ -58,8 +64,9 @@ def test_seeded_requests_are_reproducible_and_bad_ones_named(synthetic):
     assert a == b
 
     async def bad(client, _tg):
-        return await client.generate([], max_tokens=3, temperature=1.0, top_p=1.0, seed=None,
-                                     stop_token_ids=[], timeout_s=30)
+        return await client.generate(
+            [], max_tokens=3, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=[], timeout_s=30
+        )
 
     with pytest.raises(GenerationFailed, match="empty prompt"):
         run_client(synthetic, bad)
@@ -87,9 +94,19 @@ def test_whole_loop_runs_on_the_synthetic_actor(tiny_model_dir, tmp_path):
     """`millstream run actor.kind=synthetic`: envpool and learner unchanged, no vLLM at all."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [*MILLSTREAM, "run", "actor.kind=synthetic",
-         f"model.path={tiny_model_dir}", f"run.dir={run_dir}", "train.steps=3"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            *MILLSTREAM,
+            "run",
+            "actor.kind=synthetic",
+            f"model.path={tiny_model_dir}",
+            f"run.dir={run_dir}",
+            "train.steps=3",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     check_accounting(run_dir)
     assert [r["step"] for r in steps_of(run_dir)] == [1, 2, 3]

@@ -21,13 +21,13 @@ PROMPTS = ["Hello there, how are you?", "What is 12 + 7?", "Tell me a story abou
 
 
 def _hashes(d: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(d.iterdir()) if p.is_file()}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
 
 
 def _chat_ids(tok, content: str) -> list[int]:
-    out = tok.apply_chat_template([{"role": "user", "content": content}],
-                                  tokenize=True, add_generation_prompt=True)
+    out = tok.apply_chat_template(
+        [{"role": "user", "content": content}], tokenize=True, add_generation_prompt=True
+    )
     # transformers 5 returns a BatchEncoding here, 4.x a plain list.
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
@@ -73,8 +73,9 @@ def test_seed_changes_weights_and_tokenizer(model_dir, tmp_path):
     a, b = load_file(model_dir / "model.safetensors"), load_file(other / "model.safetensors")
     assert a.keys() == b.keys()
     assert not torch.equal(a["lm_head.weight"], b["lm_head.weight"])
-    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"],
-                           b["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        a["model.layers.0.self_attn.q_proj.weight"], b["model.layers.0.self_attn.q_proj.weight"]
+    )
     assert (model_dir / "tokenizer.json").read_bytes() != (other / "tokenizer.json").read_bytes()
 
 
@@ -98,8 +99,9 @@ def test_rebuild_happens_when_arguments_change(tmp_path):
 
 
 def test_cli_and_sizes(tmp_path, capsys):
-    out = main([str(tmp_path / "cli"), "--seed", "3", "--vocab-size", "384",
-                "--hidden-size", "64", "--layers", "1"])
+    out = main(
+        [str(tmp_path / "cli"), "--seed", "3", "--vocab-size", "384", "--hidden-size", "64", "--layers", "1"]
+    )
     assert capsys.readouterr().out.strip() == str(out)
     cfg = json.loads((out / "config.json").read_text())
     assert (cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]) == (384, 64, 1)
@@ -127,12 +129,15 @@ def test_tokenizer_vocab_and_special_tokens(tok, model):
     assert tok.eos_token_id == model.config.eos_token_id
 
 
-@pytest.mark.parametrize("text", [
-    "Hello, world! The answer is 42.",
-    "  two  spaces,\ttabs\nand new lines\n\n",
-    'JSON: {"ok": true, "n": [1, 2.5]}',
-    "Unicode: café, naïve, 日本語, emoji 🙂",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Hello, world! The answer is 42.",
+        "  two  spaces,\ttabs\nand new lines\n\n",
+        'JSON: {"ok": true, "n": [1, 2.5]}',
+        "Unicode: café, naïve, 日本語, emoji 🙂",
+    ],
+)
 def test_tokenizer_round_trip(tok, text):
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text
@@ -146,8 +151,9 @@ def test_tokenizer_round_trip(tok, text):
 def test_chat_template_layout(tok):
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n"
-                    "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     no_prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=False)
     assert no_prompt == text.removesuffix("<|im_start|>assistant\n")
     ids = _chat_ids(tok, "Hi")
@@ -161,9 +167,10 @@ def test_greedy_generation_is_not_degenerate(tok, model):
     for p in PROMPTS:
         ids = _chat_ids(tok, p)
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
-        new = out[0, len(ids):].tolist()
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=16, do_sample=False, pad_token_id=tok.pad_token_id
+            )
+        new = out[0, len(ids) :].tolist()
         assert len(new) >= 8
         assert len(set(new)) >= len(new) // 2, new  # not one token (or two) over and over
         outs.append(new)

@@ -18,10 +18,10 @@ import random
 import pytest
 import torch
 from safetensors import safe_open
+from samples import random_samples
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from millstream.learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
-from samples import random_samples
 from millstream.learner.trainer import PAD_ID, Trainer, TrainSample
 from millstream.shared.config import LearnerConfig
 
@@ -31,8 +31,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarnin
 STEP = LearnerConfig(clip_low=0.2, clip_high=0.28)  # the loss part of the config: plain PPO clip
 BUDGET = 32  # generation budget: more than any random_samples sequence's loss tokens
 # Every loss term at once: decoupled PPO, seq_mean, KL (needs a Trainer built with kl_coef > 0).
-EVERYTHING = dict(loss_agg="seq_mean", staleness_policy="decoupled", is_cap=2.0, kl_coef=0.5,
-                  entropy_coef=0.01)
+EVERYTHING = dict(
+    loss_agg="seq_mean", staleness_policy="decoupled", is_cap=2.0, kl_coef=0.5, entropy_coef=0.01
+)
 
 
 def step(trainer, samples, cfg=STEP, budget=BUDGET):
@@ -69,8 +70,9 @@ def logprobs(model, token_ids: list[int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sampled_sample(model, advantage: float, prompt_len: int = 6, gen_len: int = 10,
-                   seed: int = 0) -> TrainSample:
+def sampled_sample(
+    model, advantage: float, prompt_len: int = 6, gen_len: int = 10, seed: int = 0
+) -> TrainSample:
     """A sequence whose tail was sampled from `model`, with on-policy behaviour logprobs."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, model.config.vocab_size, (1, prompt_len), generator=g)
@@ -104,14 +106,26 @@ def reference_step(model_dir, samples, cfg: LearnerConfig, budget: int = BUDGET)
         before = gather_logprobs(frozen(input_ids=ids, attention_mask=attn).logits, ids)
     logp, ent = sequence_logprobs(model(input_ids=ids, attention_mask=attn).logits, ids)
     on = mask > 0
-    weights = aggregation_weights(mask, cfg.loss_agg, tokens=float(on.sum()),
-                                  sequences=float(on.any(1).sum()), generation_budget=budget)
+    weights = aggregation_weights(
+        mask, cfg.loss_agg, tokens=float(on.sum()), sequences=float(on.any(1).sum()), generation_budget=budget
+    )
     decoupled = cfg.staleness_policy == "decoupled"
-    loss, _ = rl_loss(logp, ent, behav, adv, mask, weights, clip_low=cfg.clip_low,
-                      clip_high=cfg.clip_high, prox_logp=before if decoupled else None,
-                      is_cap=cfg.is_cap if decoupled else None,
-                      ref_logp=before if cfg.kl_coef > 0 else None, kl_coef=cfg.kl_coef,
-                      kl_estimator=cfg.kl_estimator, entropy_coef=cfg.entropy_coef)
+    loss, _ = rl_loss(
+        logp,
+        ent,
+        behav,
+        adv,
+        mask,
+        weights,
+        clip_low=cfg.clip_low,
+        clip_high=cfg.clip_high,
+        prox_logp=before if decoupled else None,
+        is_cap=cfg.is_cap if decoupled else None,
+        ref_logp=before if cfg.kl_coef > 0 else None,
+        kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator,
+        entropy_coef=cfg.entropy_coef,
+    )
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay).step()
@@ -142,8 +156,7 @@ def test_update_direction_follows_advantage_sign(trainer, model_dir, advantage):
 @pytest.fixture(scope="module")
 def kl_trainer(model_dir):
     """A ZeRO-3 Trainer with a reference policy (kl_coef > 0 at construction)."""
-    return Trainer(model_dir, LearnerConfig(lr=1e-2, micro_batch_size=2, zero_stage=3,
-                                            kl_coef=0.5), seed=0)
+    return Trainer(model_dir, LearnerConfig(lr=1e-2, micro_batch_size=2, zero_stage=3, kl_coef=0.5), seed=0)
 
 
 @pytest.mark.parametrize("everything", [False, True])
@@ -153,13 +166,15 @@ def test_mask_zero_positions_do_not_count(trainer, kl_trainer, tmp_path, everyth
     noisy = []
     nan = float("nan")
     for s in base:
-        noisy.append(TrainSample(
-            # Tokens after the last loss token are context for nothing; earlier ones are context.
-            s.token_ids + [7, 8, 9],
-            s.loss_mask + [0, 0, 0],
-            [b if m else nan for b, m in zip(s.behav_logprobs, s.loss_mask)] + [5.0, nan, -1e9],
-            [a if m else 42.0 for a, m in zip(s.advantages, s.loss_mask)] + [-42.0, nan, 1e9],
-        ))
+        noisy.append(
+            TrainSample(
+                # Tokens after the last loss token are context for nothing; earlier ones are context.
+                s.token_ids + [7, 8, 9],
+                s.loss_mask + [0, 0, 0],
+                [b if m else nan for b, m in zip(s.behav_logprobs, s.loss_mask)] + [5.0, nan, -1e9],
+                [a if m else 42.0 for a, m in zip(s.advantages, s.loss_mask)] + [-42.0, nan, 1e9],
+            )
+        )
     # Same starting point for both steps: weights and optimizer state from a checkpoint.
     tr.engine.save_checkpoint(str(tmp_path), tag="start")
     m_base = step(tr, base, cfg)
@@ -193,8 +208,9 @@ def test_micro_batch_split_gives_the_same_step(model_dir, zero_stage, loss):
     ref_loss, ref_norm, ref_weights = reference_step(model_dir, samples, cfg)
     updated = []
     for mbs in (1, 4):
-        trainer = Trainer(model_dir, LearnerConfig(lr=1e-3, micro_batch_size=mbs,
-                                                   zero_stage=zero_stage, **terms), seed=0)
+        trainer = Trainer(
+            model_dir, LearnerConfig(lr=1e-3, micro_batch_size=mbs, zero_stage=zero_stage, **terms), seed=0
+        )
         metrics = step(trainer, samples, cfg)
         assert metrics["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
         assert metrics["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
@@ -223,8 +239,14 @@ def on_policy(samples, model, seed):
     for s in samples:
         adv = rng.uniform(-1.0, 1.0)
         lp = logprobs(model, s.token_ids).tolist()
-        out.append(TrainSample(s.token_ids, s.loss_mask, [x * m for x, m in zip(lp, s.loss_mask)],
-                               [adv * m for m in s.loss_mask]))
+        out.append(
+            TrainSample(
+                s.token_ids,
+                s.loss_mask,
+                [x * m for x, m in zip(lp, s.loss_mask)],
+                [adv * m for m in s.loss_mask],
+            )
+        )
     return out
 
 
@@ -245,8 +267,9 @@ def test_kl_penalty_pulls_toward_the_reference(model_dir):
     for kl_coef in (0.0, 1.0):
         # A small lr: Adam moves every weight by ~lr a step, and at 1e-3 the tiny model's
         # distributions are far apart (KL > 2 nats) after a few steps, penalty or not.
-        trainer = Trainer(model_dir, LearnerConfig(lr=1e-4, micro_batch_size=4, zero_stage=2,
-                                                   kl_coef=kl_coef), seed=0)
+        trainer = Trainer(
+            model_dir, LearnerConfig(lr=1e-4, micro_batch_size=4, zero_stage=2, kl_coef=kl_coef), seed=0
+        )
         cfg = LearnerConfig(kl_coef=kl_coef)  # k3, the default (k1 as a loss does not pull back)
         history = []
         for k in range(8):  # random advantages, on-policy: a random walk away from the start
@@ -304,7 +327,7 @@ def test_decoupled_with_stale_behaviour(trainer, model_dir):
 
 def test_named_weights_match_checkpoint_names(trainer, model_dir):
     with safe_open(f"{model_dir}/model.safetensors", "pt") as f:
-        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 (a safetensors handle, not a dict)
     names = [name for name, _ in trainer.named_weights()]
     assert names == [name for name, _ in trainer.named_weights()]  # deterministic order
     assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
@@ -333,15 +356,18 @@ def test_save_pretrained_round_trips(trainer, model_dir, tmp_path):
 GOOD = TrainSample([5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0], [0.0, 1.0, 1.0])
 
 
-@pytest.mark.parametrize("bad, cfg, budget, message", [
-    ([], STEP, BUDGET, "at least one"),
-    ([TrainSample([5, 6], [0, 1], [0.0], [0.0, 1.0])], STEP, BUDGET, "same length"),
-    ([TrainSample([5, 6], [1, 1], [-1.0, -1.0], [1.0, 1.0])], STEP, BUDGET, "loss_mask\\[0\\]"),
-    ([TrainSample([5, 6], [0, 0], [0.0, 0.0], [0.0, 0.0])], STEP, BUDGET, "no loss-carrying"),
-    ([GOOD], STEP, 0, "generation_budget"),
-    ([GOOD], LearnerConfig(loss_agg="seq_sum_norm"), 1, "exceed generation_budget"),
-    ([GOOD], LearnerConfig(kl_coef=0.1), BUDGET, "build the Trainer with"),
-])
+@pytest.mark.parametrize(
+    "bad, cfg, budget, message",
+    [
+        ([], STEP, BUDGET, "at least one"),
+        ([TrainSample([5, 6], [0, 1], [0.0], [0.0, 1.0])], STEP, BUDGET, "same length"),
+        ([TrainSample([5, 6], [1, 1], [-1.0, -1.0], [1.0, 1.0])], STEP, BUDGET, "loss_mask\\[0\\]"),
+        ([TrainSample([5, 6], [0, 0], [0.0, 0.0], [0.0, 0.0])], STEP, BUDGET, "no loss-carrying"),
+        ([GOOD], STEP, 0, "generation_budget"),
+        ([GOOD], LearnerConfig(loss_agg="seq_sum_norm"), 1, "exceed generation_budget"),
+        ([GOOD], LearnerConfig(kl_coef=0.1), BUDGET, "build the Trainer with"),
+    ],
+)
 def test_bad_samples_are_refused(trainer, bad, cfg, budget, message):
     version = trainer.version
     with pytest.raises(ValueError, match=message):

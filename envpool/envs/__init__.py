@@ -26,5 +26,15 @@ for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base" and not _module.name.startswith("_"):
         importlib.import_module(f"{__name__}.{_module.name}")  # registration side effects
 
-__all__ = ["Env", "Observation", "StepResult", "make_env", "env_names", "register", "parse_answer",
-           "parse_moves", "ENTRY_POINT_GROUP", "UnknownEnvironment"]
+__all__ = [
+    "Env",
+    "Observation",
+    "StepResult",
+    "make_env",
+    "env_names",
+    "register",
+    "parse_answer",
+    "parse_moves",
+    "ENTRY_POINT_GROUP",
+    "UnknownEnvironment",
+]

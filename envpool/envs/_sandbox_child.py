@@ -22,10 +22,20 @@ import resource
 import sys
 
 _BLOCKED_PREFIXES = ("socket.",)
-_BLOCKED_EVENTS = frozenset({
-    "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-    "subprocess.Popen", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
-})
+_BLOCKED_EVENTS = frozenset(
+    {
+        "os.system",
+        "os.exec",
+        "os.posix_spawn",
+        "os.spawn",
+        "os.fork",
+        "os.forkpty",
+        "subprocess.Popen",
+        "ctypes.dlopen",
+        "ctypes.dlsym",
+        "ctypes.cdata",
+    }
+)
 
 
 def _audit(event, args):
@@ -69,7 +79,7 @@ def main():
         exec(compiled, namespace)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
-    except BaseException as exc:  # noqa: BLE001 - report anything the code raised, in one line
+    except BaseException as exc:
         tb, line = exc.__traceback__, None
         while tb is not None:  # the innermost frame of the user's code
             if tb.tb_frame.f_code.co_filename == "<python>":

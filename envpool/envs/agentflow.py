@@ -66,8 +66,7 @@ __all__ = ["AgentFlow", "CalculatorError", "calculator", "make_question"]
 #: The calculator refuses longer expressions: bounds the work and the size of its numbers.
 MAX_EXPR_CHARS = 100
 _INTEGER = re.compile(r"[+-]?[0-9]{1,30}")  # capped: int() of a huge digit string raises
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
 class CalculatorError(ValueError):
@@ -75,7 +74,11 @@ class CalculatorError(ValueError):
 
 
 def _value(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, (int, float))
+        and not isinstance(node.value, bool)
+    ):
         if not math.isfinite(node.value):  # "1e999" parses to inf
             raise CalculatorError("number out of range")
         return Fraction(repr(node.value))  # "0.1" stays 1/10, not its binary approximation
@@ -156,16 +159,20 @@ def _read_plan(action: str) -> tuple[str, str] | None:
 
 @register("agentflow")
 class AgentFlow:
-    system_prompt = ("You take turns as the planner, the executor or the verifier of an agent; "
-                     "each message says which. Think briefly, then reply inside "
-                     "<answer>...</answer>.")
+    system_prompt = (
+        "You take turns as the planner, the executor or the verifier of an agent; "
+        "each message says which. Think briefly, then reply inside "
+        "<answer>...</answer>."
+    )
 
-    def __init__(self, max_rounds: int = 1, format_penalty: float = -0.1,
-                 fresh_context: bool = True) -> None:
+    def __init__(self, max_rounds: int = 1, format_penalty: float = -0.1, fresh_context: bool = True) -> None:
         if isinstance(max_rounds, bool) or not isinstance(max_rounds, int) or max_rounds < 1:
             raise ValueError(f"max_rounds must be an integer >= 1, got {max_rounds!r}")
-        if isinstance(format_penalty, bool) or not isinstance(format_penalty, (int, float)) \
-                or not format_penalty <= 0:
+        if (
+            isinstance(format_penalty, bool)
+            or not isinstance(format_penalty, (int, float))
+            or not format_penalty <= 0
+        ):
             raise ValueError(f"format_penalty must be a number <= 0, got {format_penalty!r}")
         if not isinstance(fresh_context, bool):
             raise ValueError(f"fresh_context must be true or false, got {fresh_context!r}")
@@ -196,15 +203,19 @@ class AgentFlow:
     def _planner_step(self, role: str, action: str) -> StepResult:
         plan = _read_plan(action)
         if plan is None or (role == "final" and plan[0] != "final"):
-            return StepResult(self._observe(), self.format_penalty, False,
-                              {"valid": False, "success": False, "role": role})
+            return StepResult(
+                self._observe(), self.format_penalty, False, {"valid": False, "success": False, "role": role}
+            )
         kind, body = plan
         if kind == "final":
             right = int(body) == self.answer
             self._role = "done"
-            return StepResult(Observation("", anchor="done"), 1.0 if right else 0.0, True,
-                              {"valid": True, "success": right, "role": role,
-                               "tool_calls": len(self._memory)})
+            return StepResult(
+                Observation("", anchor="done"),
+                1.0 if right else 0.0,
+                True,
+                {"valid": True, "success": right, "role": role, "tool_calls": len(self._memory)},
+            )
         self._plan, self._role = body, "executor"
         return StepResult(self._observe(), 0.0, False, {"valid": True, "success": False, "role": role})
 
@@ -219,9 +230,12 @@ class AgentFlow:
                 entry = f"calculator({_normalise(call)}) failed: {exc}"
         self._memory.append(entry)
         self._plan, self._role = "", "verifier"
-        return StepResult(self._observe(), 0.0, False,
-                          {"valid": call is not None, "success": False, "role": "executor",
-                           "tool": entry})
+        return StepResult(
+            self._observe(),
+            0.0,
+            False,
+            {"valid": call is not None, "success": False, "role": "executor", "tool": entry},
+        )
 
     def _verifier_step(self, action: str) -> StepResult:
         verdict = (_single_answer(action) or "").strip().lower()
@@ -229,28 +243,42 @@ class AgentFlow:
             self._role = "final"
         else:  # "continue", and anything unreadable: the verifier is not trained, never scored
             self._role, self._round = "planner", self._round + 1
-        return StepResult(self._observe(), 0.0, False,
-                          {"valid": verdict in ("stop", "continue"), "success": False,
-                           "role": "verifier"})
+        return StepResult(
+            self._observe(),
+            0.0,
+            False,
+            {"valid": verdict in ("stop", "continue"), "success": False, "role": "verifier"},
+        )
 
     def _observe(self, first: bool = False) -> Observation:
         memory = "\n".join(f"{i}. {entry}" for i, entry in enumerate(self._memory, 1)) or "(empty)"
         context = f"Question: {self.question}\nMemory:\n{memory}\n"
         if self._role == "planner":
-            text = (f"{context}You are the planner (round {self._round} of {self.max_rounds}). "
-                    "Reply <answer>calculator: EXPR</answer> to use the calculator, or "
-                    "<answer>final: N</answer> to give the integer answer.")
+            text = (
+                f"{context}You are the planner (round {self._round} of {self.max_rounds}). "
+                "Reply <answer>calculator: EXPR</answer> to use the calculator, or "
+                "<answer>final: N</answer> to give the integer answer."
+            )
         elif self._role == "executor":
-            text = (f"Question: {self.question}\nThe planner asked for: calculator: "
-                    f"{self._plan[:MAX_EXPR_CHARS]}\nYou are the executor. Write the exact "
-                    "calculator call (numbers, + - * / and parentheses) as <answer>EXPR</answer>.")
+            text = (
+                f"Question: {self.question}\nThe planner asked for: calculator: "
+                f"{self._plan[:MAX_EXPR_CHARS]}\nYou are the executor. Write the exact "
+                "calculator call (numbers, + - * / and parentheses) as <answer>EXPR</answer>."
+            )
         elif self._role == "verifier":
-            text = (f"{context}You are the verifier. Is the memory enough to answer the question? "
-                    "Reply <answer>stop</answer> or <answer>continue</answer>.")
+            text = (
+                f"{context}You are the verifier. Is the memory enough to answer the question? "
+                "Reply <answer>stop</answer> or <answer>continue</answer>."
+            )
         else:
             text = f"{context}You are the planner. Give the integer answer as <answer>final: N</answer>."
         plan = _normalise(self._plan) if self._plan else ""
-        anchor = json.dumps([self._role, self._round, plan, self._memory], separators=(",", ":"),
-                            ensure_ascii=False)
-        return Observation(text, anchor=anchor, trained=self._role in ("planner", "final"),
-                           new_context=self.fresh_context and not first)
+        anchor = json.dumps(
+            [self._role, self._round, plan, self._memory], separators=(",", ":"), ensure_ascii=False
+        )
+        return Observation(
+            text,
+            anchor=anchor,
+            trained=self._role in ("planner", "final"),
+            new_context=self.fresh_context and not first,
+        )

@@ -23,9 +23,16 @@ __all__ = ["Bandit"]
 class Bandit:
     system_prompt = "You are playing a bandit game. Think, then answer with <answer>ARM</answer>."
 
-    def __init__(self, low_name: str = "phoenix", high_name: str = "dragon", swap_names: bool = False,
-                 low_reward: float = 0.1, high_reward: float = 1.0, high_prob: float = 0.25,
-                 format_penalty: float = -0.1) -> None:
+    def __init__(
+        self,
+        low_name: str = "phoenix",
+        high_name: str = "dragon",
+        swap_names: bool = False,
+        low_reward: float = 0.1,
+        high_reward: float = 1.0,
+        high_prob: float = 0.25,
+        format_penalty: float = -0.1,
+    ) -> None:
         if swap_names:
             low_name, high_name = high_name, low_name
         if low_name == high_name:
@@ -41,8 +48,10 @@ class Bandit:
         self._payout = self.high_reward if rng.random() < self.high_prob else 0.0
         self._order = [self.low_name, self.high_name]
         rng.shuffle(self._order)
-        text = (f"There are two arms: {self._order[0]} and {self._order[1]}. "
-                "Each pull pays a reward. Which arm do you pull?")
+        text = (
+            f"There are two arms: {self._order[0]} and {self._order[1]}. "
+            "Each pull pays a reward. Which arm do you pull?"
+        )
         return Observation(text, anchor="start")
 
     async def step(self, action: str) -> StepResult:

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 __all__ = [
     "Observation",

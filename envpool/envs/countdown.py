@@ -36,8 +36,9 @@ _CHARS = re.compile(r"[\d+\-*/()\s]+", re.ASCII)
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
-def make_task(rng: random.Random, min_numbers: int, max_numbers: int, max_number: int,
-              max_target: int) -> tuple[list[int], int, str]:
+def make_task(
+    rng: random.Random, min_numbers: int, max_numbers: int, max_number: int, max_target: int
+) -> tuple[list[int], int, str]:
     """(numbers, target, one solution) with the target reachable from the numbers."""
     while True:
         numbers = [rng.randint(1, max_number) for _ in range(rng.randint(min_numbers, max_numbers))]
@@ -74,7 +75,7 @@ def parse_expression(text: str) -> ast.expr | None:
         if isinstance(node, ast.BinOp):
             return type(node.op) in _OPS and allowed(node.left) and allowed(node.right)
         # bool is an int subclass, and True/False are Constants: refuse them explicitly.
-        return (isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0)
+        return isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0
 
     return tree.body if allowed(tree.body) else None
 
@@ -82,13 +83,14 @@ def parse_expression(text: str) -> ast.expr | None:
 def used_numbers(node: ast.expr) -> list[int]:
     if isinstance(node, ast.BinOp):
         return used_numbers(node.left) + used_numbers(node.right)
-    assert isinstance(node, ast.Constant)
+    assert isinstance(node, ast.Constant) and isinstance(node.value, int)
     return [node.value]
 
 
 def evaluate(node: ast.expr) -> Fraction:
     """Exact value of a tree accepted by `parse_expression`; ZeroDivisionError on x / 0."""
     if isinstance(node, ast.Constant):
+        assert isinstance(node.value, int)  # parse_expression admits integer literals only
         return Fraction(node.value)
     assert isinstance(node, ast.BinOp)
     left, right = evaluate(node.left), evaluate(node.right)
@@ -104,12 +106,21 @@ def evaluate(node: ast.expr) -> Fraction:
 
 @register("countdown")
 class Countdown:
-    system_prompt = ("Combine the given numbers into an expression equal to the target. Use every "
-                     "number exactly once, with + - * / and parentheses. "
-                     "Answer like <answer>(1 + 2) * 3</answer>.")
+    system_prompt = (
+        "Combine the given numbers into an expression equal to the target. Use every "
+        "number exactly once, with + - * / and parentheses. "
+        "Answer like <answer>(1 + 2) * 3</answer>."
+    )
 
-    def __init__(self, min_numbers: int = 3, max_numbers: int = 4, max_number: int = 99,
-                 max_target: int = 100, format_score: float = 0.1, format_penalty: float = 0.0) -> None:
+    def __init__(
+        self,
+        min_numbers: int = 3,
+        max_numbers: int = 4,
+        max_number: int = 99,
+        max_target: int = 100,
+        format_score: float = 0.1,
+        format_penalty: float = 0.0,
+    ) -> None:
         if not isinstance(min_numbers, int) or not 2 <= min_numbers <= 6:
             raise ValueError(f"min_numbers must be an integer in [2, 6], got {min_numbers!r}")
         if not isinstance(max_numbers, int) or not min_numbers <= max_numbers <= 6:
@@ -129,7 +140,8 @@ class Countdown:
     async def reset(self, seed: int) -> Observation:
         rng = random.Random(seed)
         self.numbers, self.target, self.solution = make_task(
-            rng, self.min_numbers, self.max_numbers, self.max_number, self.max_target)
+            rng, self.min_numbers, self.max_numbers, self.max_number, self.max_target
+        )
         self._done = False
         listed = ", ".join(map(str, self.numbers))
         return Observation(f"Numbers: {listed}. Target: {self.target}.", anchor="start")
@@ -143,8 +155,9 @@ class Countdown:
         if tree is None:
             return StepResult(done, self.format_penalty, True, {"valid": False, "success": False})
         if sorted(used_numbers(tree)) != sorted(self.numbers):
-            return StepResult(done, self.format_score, True,
-                              {"valid": True, "success": False, "numbers_ok": False})
+            return StepResult(
+                done, self.format_score, True, {"valid": True, "success": False, "numbers_ok": False}
+            )
         try:
             value = evaluate(tree)
         except ZeroDivisionError:
@@ -162,4 +175,4 @@ class Countdown:
         end = action.find("</answer>", start)
         if end < 0:
             return None
-        return parse_expression(action[start + len("<answer>"):end])
+        return parse_expression(action[start + len("<answer>") : end])

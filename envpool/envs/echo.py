@@ -35,14 +35,22 @@ def is_clean_reply(text: str) -> bool:
 class Echo:
     system_prompt = ""
 
-    def __init__(self, turns: int = 2, max_echo_chars: int = 64, format_penalty: float = -0.1,
-                 prompt: str = "Say something short.") -> None:
+    def __init__(
+        self,
+        turns: int = 2,
+        max_echo_chars: int = 64,
+        format_penalty: float = -0.1,
+        prompt: str = "Say something short.",
+    ) -> None:
         if isinstance(turns, bool) or not isinstance(turns, int) or turns < 1:
             raise ValueError(f"turns must be an integer >= 1, got {turns!r}")
         if isinstance(max_echo_chars, bool) or not isinstance(max_echo_chars, int) or max_echo_chars < 0:
             raise ValueError(f"max_echo_chars must be an integer >= 0, got {max_echo_chars!r}")
-        if isinstance(format_penalty, bool) or not isinstance(format_penalty, (int, float)) \
-                or not format_penalty <= 0:
+        if (
+            isinstance(format_penalty, bool)
+            or not isinstance(format_penalty, (int, float))
+            or not format_penalty <= 0
+        ):
             raise ValueError(f"format_penalty must be a number <= 0, got {format_penalty!r}")
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {prompt!r}")
@@ -63,5 +71,6 @@ class Echo:
         done = self._turn >= self.turns
         text = "" if done else f"You said: {self._echo}\nSay something else."
         reward = 1.0 / self.turns if valid else self.format_penalty
-        return StepResult(Observation(text, anchor=f"turn{self._turn}"), reward, done,
-                          {"valid": valid, "success": valid})
+        return StepResult(
+            Observation(text, anchor=f"turn{self._turn}"), reward, done, {"valid": valid, "success": valid}
+        )

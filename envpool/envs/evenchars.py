@@ -44,5 +44,6 @@ class EvenChars:
         share = even_share(action)
         done = self._turn >= self.turns
         obs = Observation("" if done else "Again.", anchor=f"turn{self._turn}")
-        return StepResult(obs, share / self.turns, done, {"valid": True, "success": share > 0.9,
-                                                          "even_share": share})
+        return StepResult(
+            obs, share / self.turns, done, {"valid": True, "success": share > 0.9, "even_share": share}
+        )

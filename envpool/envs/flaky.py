@@ -44,16 +44,24 @@ class InjectedFault(RuntimeError):
 
 @register("flaky")
 class Flaky:
-    def __init__(self, inner: str = "evenchars", inner_args: dict[str, Any] | None = None,
-                 crash_prob: float = 0.1, hang_prob: float = 0.0, hang_s: float = 3600.0,
-                 garbage_prob: float = 0.0, fault_seed: int = 0) -> None:
-        for name, p in (("crash_prob", crash_prob), ("hang_prob", hang_prob),
-                        ("garbage_prob", garbage_prob)):
+    def __init__(
+        self,
+        inner: str = "evenchars",
+        inner_args: dict[str, Any] | None = None,
+        crash_prob: float = 0.1,
+        hang_prob: float = 0.0,
+        hang_s: float = 3600.0,
+        garbage_prob: float = 0.0,
+        fault_seed: int = 0,
+    ) -> None:
+        for name, p in (("crash_prob", crash_prob), ("hang_prob", hang_prob), ("garbage_prob", garbage_prob)):
             if not 0 <= p <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {p}")
         if crash_prob + hang_prob + garbage_prob > 1 + 1e-9:
-            raise ValueError(f"crash_prob + hang_prob + garbage_prob must be <= 1, got "
-                             f"{crash_prob + hang_prob + garbage_prob}")
+            raise ValueError(
+                f"crash_prob + hang_prob + garbage_prob must be <= 1, got "
+                f"{crash_prob + hang_prob + garbage_prob}"
+            )
         self.inner = make_env(inner, inner_args)
         self.system_prompt = getattr(self.inner, "system_prompt", "")
         self.crash_prob, self.hang_prob, self.hang_s = crash_prob, hang_prob, hang_s

@@ -66,12 +66,20 @@ def generate_lake(size: int, hole_prob: float, rng: random.Random) -> tuple[froz
 
 @register("frozenlake")
 class FrozenLake:
-    system_prompt = ("You walk on a frozen lake: P is you, _ is ice, O is a hole, G is the goal. "
-                     "Reach G without falling into a hole. Moves: Left, Down, Right, Up. "
-                     "Answer like <answer>Down || Right</answer>.")
+    system_prompt = (
+        "You walk on a frozen lake: P is you, _ is ice, O is a hole, G is the goal. "
+        "Reach G without falling into a hole. Moves: Left, Down, Right, Up. "
+        "Answer like <answer>Down || Right</answer>."
+    )
 
-    def __init__(self, size: int = 4, hole_prob: float = 0.2, slippery: bool = False,
-                 max_actions_per_turn: int = 3, format_penalty: float = -0.1) -> None:
+    def __init__(
+        self,
+        size: int = 4,
+        hole_prob: float = 0.2,
+        slippery: bool = False,
+        max_actions_per_turn: int = 3,
+        format_penalty: float = -0.1,
+    ) -> None:
         if not isinstance(size, int) or not 2 <= size <= 10:
             raise ValueError(f"size must be an integer in [2, 10], got {size!r}")
         # Above ~0.5 most lakes have no path and generation would spin on redraws.

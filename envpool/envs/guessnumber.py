@@ -35,8 +35,10 @@ _INTEGER = re.compile(r"[+-]?\d{1,6}", re.ASCII)
 
 @register("guessnumber")
 class GuessNumber:
-    system_prompt = ("Guess the secret number. After each guess you are told whether the number is "
-                     "higher or lower. Answer with one number, like <answer>8</answer>.")
+    system_prompt = (
+        "Guess the secret number. After each guess you are told whether the number is "
+        "higher or lower. Answer with one number, like <answer>8</answer>."
+    )
 
     def __init__(self, high: int = 15, max_guesses: int = 4, format_penalty: float = -0.1) -> None:
         if not isinstance(high, int) or not 2 <= high <= 1_000_000:
@@ -65,8 +67,12 @@ class GuessNumber:
         self.left -= 1
         if guess == self.secret:
             self._done = True
-            return StepResult(Observation(f"{guess} is correct!", anchor="solved"), 1.0, True,
-                              {"valid": True, "success": True})
+            return StepResult(
+                Observation(f"{guess} is correct!", anchor="solved"),
+                1.0,
+                True,
+                {"valid": True, "success": True},
+            )
         if guess < self.secret:
             self.lo = max(self.lo, guess + 1)
             hint = f"{guess} is too low: the number is higher."
@@ -75,8 +81,9 @@ class GuessNumber:
             hint = f"{guess} is too high: the number is lower."
         self._done = self.left == 0
         tail = f" Out of guesses; it was {self.secret}." if self._done else f" {self.left} guesses left."
-        return StepResult(Observation(hint + tail, anchor=self.anchor()), 0.0, self._done,
-                          {"valid": True, "success": False})
+        return StepResult(
+            Observation(hint + tail, anchor=self.anchor()), 0.0, self._done, {"valid": True, "success": False}
+        )
 
     def _parse(self, action: str) -> int | None:
         answer = parse_answer(action)

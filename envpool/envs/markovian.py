@@ -79,8 +79,12 @@ def make_chain(rng: random.Random, steps: int) -> tuple[str, int]:
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low \
-            or (high is not None and value > high):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
         raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
     return value
@@ -88,17 +92,23 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
 
 @register("markovian")
 class Markovian:
-    system_prompt = ("Solve the arithmetic task step by step, then give the final integer as "
-                     "<answer>N</answer>. Your thinking may be cut off and resumed in a fresh "
-                     "context that keeps only its last few tokens.")
+    system_prompt = (
+        "Solve the arithmetic task step by step, then give the final integer as "
+        "<answer>N</answer>. Your thinking may be cut off and resumed in a fresh "
+        "context that keeps only its last few tokens."
+    )
 
-    def __init__(self, steps: int = 4, max_chunks: int = 3, carry_tokens: int = 8,
-                 format_penalty: float = -0.1) -> None:
+    def __init__(
+        self, steps: int = 4, max_chunks: int = 3, carry_tokens: int = 8, format_penalty: float = -0.1
+    ) -> None:
         self.steps = _check_int("steps", steps, 1, MAX_STEPS)
         self.max_chunks = _check_int("max_chunks", max_chunks, 1)
         self.carry_tokens = _check_int("carry_tokens", carry_tokens, 0)
-        if isinstance(format_penalty, bool) or not isinstance(format_penalty, (int, float)) \
-                or not format_penalty <= 0:
+        if (
+            isinstance(format_penalty, bool)
+            or not isinstance(format_penalty, (int, float))
+            or not format_penalty <= 0
+        ):
             raise ValueError(f"format_penalty must be a number <= 0, got {format_penalty!r}")
         self.format_penalty = float(format_penalty)
         self.query = ""
@@ -117,20 +127,26 @@ class Markovian:
         if tag is not None and "\x00" not in action:
             content = tag.group(1).strip()
             if _INTEGER.fullmatch(content) is None:  # a committed answer nobody can read
-                return StepResult(self._done(), self.format_penalty, True,
-                                  {**info, "valid": False, "success": False})
+                return StepResult(
+                    self._done(), self.format_penalty, True, {**info, "valid": False, "success": False}
+                )
             right = int(content) == self.answer
-            return StepResult(self._done(), 1.0 if right else 0.0, True,
-                              {**info, "valid": True, "success": right})
+            return StepResult(
+                self._done(), 1.0 if right else 0.0, True, {**info, "valid": True, "success": right}
+            )
         valid = "\x00" not in action
         reward = 0.0 if valid else self.format_penalty
         if self._chunks >= self.max_chunks:
-            return StepResult(self._done(), reward, True,
-                              {**info, "valid": valid, "success": False, "truncated": True})
-        text = (f"{self.query}\nContinue your reasoning from where it stopped "
-                f"(chunk {self._chunks + 1} of {self.max_chunks}).")
-        obs = Observation(text, anchor=f"chunk{self._chunks}", new_context=True,
-                          carry_tokens=self.carry_tokens)
+            return StepResult(
+                self._done(), reward, True, {**info, "valid": valid, "success": False, "truncated": True}
+            )
+        text = (
+            f"{self.query}\nContinue your reasoning from where it stopped "
+            f"(chunk {self._chunks + 1} of {self.max_chunks})."
+        )
+        obs = Observation(
+            text, anchor=f"chunk{self._chunks}", new_context=True, carry_tokens=self.carry_tokens
+        )
         return StepResult(obs, reward, False, {**info, "valid": valid, "success": False})
 
     def _done(self) -> Observation:

@@ -52,9 +52,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import anyio
 from anyio.lowlevel import RunVar
@@ -66,8 +66,10 @@ __all__ = ["PyTool", "Task", "TEMPLATES", "make_task", "run_python", "RunResult"
 CHILD = Path(__file__).resolve().with_name("_sandbox_child.py")
 _ACTION = re.compile(r"<(python|answer)>(.*?)</\1>", re.S)
 _FENCE = re.compile(r"^\s*```(?:python|py)?\s*\n?(.*?)\n?\s*```\s*$", re.S)
-_INVALID = ("Invalid reply. Run code with <python>code</python> (print what you need), or give the "
-            "final answer with <answer>number</answer>.")
+_INVALID = (
+    "Invalid reply. Run code with <python>code</python> (print what you need), or give the "
+    "final answer with <answer>number</answer>."
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def _count_primes_below(n: int) -> int:
     sieve[0:2] = b"\x00\x00"
     for p in range(2, math.isqrt(n - 1) + 1):
         if sieve[p]:
-            sieve[p * p::p] = bytes(len(range(p * p, n, p)))
+            sieve[p * p :: p] = bytes(len(range(p * p, n, p)))
     return sum(sieve)
 
 
@@ -111,8 +113,7 @@ def _divisor_sum(n: int) -> int:
 
 def _digit_sum(rng: random.Random) -> Task:
     a, b = rng.randint(12, 99), rng.randint(11, 40)
-    return Task(f"digit_sum:{a},{b}", f"What is the sum of the digits of {a}**{b}?",
-                sum(map(int, str(a**b))))
+    return Task(f"digit_sum:{a},{b}", f"What is the sum of the digits of {a}**{b}?", sum(map(int, str(a**b))))
 
 
 def _prime_count(rng: random.Random) -> Task:
@@ -127,8 +128,11 @@ def _pow_mod(rng: random.Random) -> Task:
 
 def _collatz(rng: random.Random) -> Task:
     n = rng.randint(1000, 99999)
-    return Task(f"collatz:{n}", f"How many steps does the Collatz sequence starting at {n} take "
-                "to reach 1?", _collatz_steps(n))
+    return Task(
+        f"collatz:{n}",
+        f"How many steps does the Collatz sequence starting at {n} take to reach 1?",
+        _collatz_steps(n),
+    )
 
 
 def _fib_mod(rng: random.Random) -> Task:
@@ -142,8 +146,12 @@ def _divisors(rng: random.Random) -> Task:
 
 
 TEMPLATES: dict[str, Callable[[random.Random], Task]] = {
-    "digit_sum": _digit_sum, "prime_count": _prime_count, "pow_mod": _pow_mod,
-    "collatz": _collatz, "fib_mod": _fib_mod, "divisor_sum": _divisors,
+    "digit_sum": _digit_sum,
+    "prime_count": _prime_count,
+    "pow_mod": _pow_mod,
+    "collatz": _collatz,
+    "fib_mod": _fib_mod,
+    "divisor_sum": _divisors,
 }
 
 
@@ -191,8 +199,16 @@ def _kill_group(pid: int) -> None:
         pass
 
 
-async def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memory_mb: int = 256,
-                     file_mb: int = 1, max_output_bytes: int = 16384, max_concurrent: int = 8) -> RunResult:
+async def run_python(
+    code: str,
+    *,
+    timeout_s: float = 5.0,
+    cpu_s: int = 5,
+    memory_mb: int = 256,
+    file_mb: int = 1,
+    max_output_bytes: int = 16384,
+    max_concurrent: int = 8,
+) -> RunResult:
     """Run `code` in the sandbox described in the module docstring and collect its output."""
     async with _limiter(max_concurrent):
         workdir = tempfile.mkdtemp(prefix="pytool-")
@@ -202,13 +218,20 @@ async def run_python(code: str, *, timeout_s: float = 5.0, cpu_s: int = 5, memor
             shutil.rmtree(workdir, ignore_errors=True)
 
 
-async def _run_in(workdir: str, code: str, timeout_s: float, cpu_s: int, memory_mb: int, file_mb: int,
-                  max_output_bytes: int) -> RunResult:
+async def _run_in(
+    workdir: str, code: str, timeout_s: float, cpu_s: int, memory_mb: int, file_mb: int, max_output_bytes: int
+) -> RunResult:
     limits = [str(memory_mb * 2**20), str(cpu_s), str(file_mb * 2**20)]
     command = [sys.executable, "-I", "-S", str(CHILD), *limits]
-    process = await anyio.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, cwd=workdir, env={"PATH": "/usr/bin:/bin"},
-                                       start_new_session=True)
+    process = await anyio.open_process(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
+        env={"PATH": "/usr/bin:/bin"},
+        start_new_session=True,
+    )
     assert process.stdin is not None and process.stdout is not None
     output = bytearray()
     truncated = False
@@ -256,18 +279,33 @@ def _shorten(text: str, limit: int) -> str:
 class PyTool:
     system_prompt = (
         "Solve the problem. You may run Python by writing <python>code</python>; the printed output "
-        "comes back inside <output></output>. Give the final answer as <answer>number</answer>.")
+        "comes back inside <output></output>. Give the final answer as <answer>number</answer>."
+    )
 
-    def __init__(self, templates: list[str] | None = None, max_runs: int = 3, timeout_s: float = 5.0,
-                 cpu_s: int = 5, memory_mb: int = 256, max_output_bytes: int = 16384,
-                 max_output_chars: int = 300, max_concurrent: int = 8, format_penalty: float = -0.1) -> None:
+    def __init__(
+        self,
+        templates: list[str] | None = None,
+        max_runs: int = 3,
+        timeout_s: float = 5.0,
+        cpu_s: int = 5,
+        memory_mb: int = 256,
+        max_output_bytes: int = 16384,
+        max_output_chars: int = 300,
+        max_concurrent: int = 8,
+        format_penalty: float = -0.1,
+    ) -> None:
         chosen = tuple(templates) if templates is not None else tuple(TEMPLATES)
         unknown = [t for t in chosen if t not in TEMPLATES]
         if not chosen or unknown:
             raise ValueError(f"templates must be a non-empty list of {sorted(TEMPLATES)}, got {templates!r}")
-        checks = [("max_runs", max_runs, 0), ("cpu_s", cpu_s, 1), ("memory_mb", memory_mb, 32),
-                  ("max_output_bytes", max_output_bytes, 64), ("max_output_chars", max_output_chars, 20),
-                  ("max_concurrent", max_concurrent, 1)]
+        checks = [
+            ("max_runs", max_runs, 0),
+            ("cpu_s", cpu_s, 1),
+            ("memory_mb", memory_mb, 32),
+            ("max_output_bytes", max_output_bytes, 64),
+            ("max_output_chars", max_output_chars, 20),
+            ("max_concurrent", max_concurrent, 1),
+        ]
         for name, value, low in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -290,8 +328,12 @@ class PyTool:
         return f"{self.task.key}|r{len(self._outputs)}|{digest}"
 
     def _invalid(self, text: str, reason: str) -> StepResult:
-        return StepResult(Observation(text, anchor=self._anchor()), self.format_penalty, False,
-                          {"valid": False, "success": False, "reason": reason})
+        return StepResult(
+            Observation(text, anchor=self._anchor()),
+            self.format_penalty,
+            False,
+            {"valid": False, "success": False, "reason": reason},
+        )
 
     async def reset(self, seed: int) -> Observation:
         self.task = make_task(seed, self.templates)
@@ -308,28 +350,46 @@ class PyTool:
         if tag == "answer":
             correct = parse_integer(content) == self.task.answer
             self._done = True
-            return StepResult(Observation("", anchor=self._anchor()), 1.0 if correct else 0.0, True,
-                              {"valid": True, "success": correct, "runs": len(self._outputs)})
+            return StepResult(
+                Observation("", anchor=self._anchor()),
+                1.0 if correct else 0.0,
+                True,
+                {"valid": True, "success": correct, "runs": len(self._outputs)},
+            )
         fenced = _FENCE.match(content)
         code = fenced.group(1) if fenced else content
         if not code.strip():
             return self._invalid(_INVALID, "empty_code")
         if len(self._outputs) >= self.max_runs:
-            return self._invalid(f"You have used all {self.max_runs} runs. Now give the final answer "
-                                 "inside <answer> and </answer>.", "run_limit")
-        result = await run_python(code, timeout_s=self.timeout_s, cpu_s=self.cpu_s, memory_mb=self.memory_mb,
-                                  max_output_bytes=self.max_output_bytes, max_concurrent=self.max_concurrent)
+            return self._invalid(
+                f"You have used all {self.max_runs} runs. Now give the final answer "
+                "inside <answer> and </answer>.",
+                "run_limit",
+            )
+        result = await run_python(
+            code,
+            timeout_s=self.timeout_s,
+            cpu_s=self.cpu_s,
+            memory_mb=self.memory_mb,
+            max_output_bytes=self.max_output_bytes,
+            max_concurrent=self.max_concurrent,
+        )
         self._outputs.append(self._show(result))
-        return StepResult(Observation(f"<output>{self._outputs[-1]}</output>", anchor=self._anchor()), 0.0,
-                          False, {"valid": True, "success": False, "runs": len(self._outputs),
-                                  "tool_status": result.status})
+        return StepResult(
+            Observation(f"<output>{self._outputs[-1]}</output>", anchor=self._anchor()),
+            0.0,
+            False,
+            {"valid": True, "success": False, "runs": len(self._outputs), "tool_status": result.status},
+        )
 
     def _show(self, result: RunResult) -> str:
         text = result.output.rstrip()
-        notes = {"timeout": f"TimeoutError: stopped after {self.timeout_s:g} s",
-                 "cpu_limit": f"stopped: over the CPU limit of {self.cpu_s} s",
-                 "truncated": f"[stopped: more than {self.max_output_bytes} bytes of output]",
-                 "killed": f"killed by signal {-(result.returncode or 0)}"}
+        notes = {
+            "timeout": f"TimeoutError: stopped after {self.timeout_s:g} s",
+            "cpu_limit": f"stopped: over the CPU limit of {self.cpu_s} s",
+            "truncated": f"[stopped: more than {self.max_output_bytes} bytes of output]",
+            "killed": f"killed by signal {-(result.returncode or 0)}",
+        }
         if result.status in notes:
             text = f"{text}\n{notes[result.status]}" if text else notes[result.status]
         return _shorten(text, self.max_output_chars) if text else "(no output; print what you need)"

@@ -46,8 +46,15 @@ from pathlib import Path
 
 from .base import Observation, StepResult, register
 
-__all__ = ["SearchEnv", "BM25", "load_corpus", "load_questions", "normalize_answer",
-           "DEFAULT_CORPUS", "DEFAULT_QUESTIONS"]
+__all__ = [
+    "SearchEnv",
+    "BM25",
+    "load_corpus",
+    "load_questions",
+    "normalize_answer",
+    "DEFAULT_CORPUS",
+    "DEFAULT_QUESTIONS",
+]
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 DEFAULT_CORPUS = DATA_DIR / "search_corpus.jsonl"
@@ -56,8 +63,10 @@ DEFAULT_QUESTIONS = DATA_DIR / "search_questions.jsonl"
 _WORD = re.compile(r"[a-z0-9]+")
 # The first complete <search> or <answer> block decides, as in Search-R1's postprocess_predictions.
 _ACTION = re.compile(r"<(search|answer)>(.*?)</\1>", re.S)
-_INVALID = ("Invalid reply. To search, put the query between <search> and </search>. To give the "
-            "final answer, put it between <answer> and </answer>.")
+_INVALID = (
+    "Invalid reply. To search, put the query between <search> and </search>. To give the "
+    "final answer, put it between <answer> and </answer>."
+)
 
 
 def tokenize(text: str) -> list[str]:
@@ -95,8 +104,10 @@ class BM25:
             for term, tf in counts.items():
                 self.postings.setdefault(term, []).append((index, tf))
         n = len(passages)
-        self.idf = {term: math.log((n - len(post) + 0.5) / (len(post) + 0.5) + 1.0)
-                    for term, post in self.postings.items()}
+        self.idf = {
+            term: math.log((n - len(post) + 0.5) / (len(post) + 0.5) + 1.0)
+            for term, post in self.postings.items()
+        }
 
     def scores(self, query: str) -> dict[int, float]:
         scores: dict[int, float] = {}
@@ -163,13 +174,21 @@ def load_questions(path: str | Path = DEFAULT_QUESTIONS) -> list[dict]:
         rows = _read_jsonl(key, "questions_path")
         for number, row in enumerate(rows, 1):
             answers = row.get("answers")
-            if not isinstance(row.get("question"), str) or not isinstance(answers, list) or not answers \
-                    or not all(isinstance(a, str) and normalize_answer(a) for a in answers):
-                raise ValueError(f"questions_path={str(path)!r}: row {number} needs a question and "
-                                 "a non-empty list of answers")
+            if (
+                not isinstance(row.get("question"), str)
+                or not isinstance(answers, list)
+                or not answers
+                or not all(isinstance(a, str) and normalize_answer(a) for a in answers)
+            ):
+                raise ValueError(
+                    f"questions_path={str(path)!r}: row {number} needs a question and "
+                    "a non-empty list of answers"
+                )
             gold = row.setdefault("gold_ids", [])
             if not isinstance(gold, list) or not all(isinstance(g, str) for g in gold):
-                raise ValueError(f"questions_path={str(path)!r}: row {number}: gold_ids must be a list of ids")
+                raise ValueError(
+                    f"questions_path={str(path)!r}: row {number}: gold_ids must be a list of ids"
+                )
         _QUESTIONS[key] = rows
     return _QUESTIONS[key]
 
@@ -179,11 +198,18 @@ class SearchEnv:
     system_prompt = (
         "Answer the question. Think inside <think></think>. To look something up, write "
         "<search>query</search>; results come back inside <information></information>. "
-        "When you know the answer, write <answer>answer</answer> with the answer only.")
+        "When you know the answer, write <answer>answer</answer> with the answer only."
+    )
 
-    def __init__(self, corpus_path: str | None = None, questions_path: str | None = None,
-                 topk: int = 3, max_searches: int = 3, passage_chars: int = 160,
-                 format_penalty: float = -0.1) -> None:
+    def __init__(
+        self,
+        corpus_path: str | None = None,
+        questions_path: str | None = None,
+        topk: int = 3,
+        max_searches: int = 3,
+        passage_chars: int = 160,
+        format_penalty: float = -0.1,
+    ) -> None:
         if not isinstance(topk, int) or topk < 1:
             raise ValueError(f"topk must be an integer >= 1, got {topk!r}")
         if not isinstance(max_searches, int) or max_searches < 0:
@@ -196,8 +222,10 @@ class SearchEnv:
         for number, row in enumerate(self.questions, 1):
             missing = [g for g in row["gold_ids"] if g not in known]
             if missing:
-                raise ValueError(f"questions_path={questions_path!r}: row {number} names gold ids "
-                                 f"{missing} that are not in corpus_path={corpus_path!r}")
+                raise ValueError(
+                    f"questions_path={questions_path!r}: row {number} names gold ids "
+                    f"{missing} that are not in corpus_path={corpus_path!r}"
+                )
         self.topk, self.max_searches, self.passage_chars = topk, max_searches, passage_chars
         self.format_penalty = format_penalty
         self._question = -1
@@ -218,8 +246,9 @@ class SearchEnv:
         return Observation(text, anchor=self._anchor())
 
     def _invalid(self, text: str, reason: str) -> StepResult:
-        return StepResult(self._obs(text), self.format_penalty, False,
-                          {"valid": False, "success": False, "reason": reason})
+        return StepResult(
+            self._obs(text), self.format_penalty, False, {"valid": False, "success": False, "reason": reason}
+        )
 
     def _format(self, passages: list[Passage]) -> str:
         # Search-R1's _passages2string: "Doc i(Title: title) text", one per line.
@@ -245,17 +274,29 @@ class SearchEnv:
             gold = {normalize_answer(a) for a in self.question["answers"]}
             correct = normalize_answer(content) in gold
             self._done = True
-            return StepResult(self._obs(""), 1.0 if correct else 0.0, True,
-                              {"valid": True, "success": correct, "searches": self._searches})
+            return StepResult(
+                self._obs(""),
+                1.0 if correct else 0.0,
+                True,
+                {"valid": True, "success": correct, "searches": self._searches},
+            )
         if not tokenize(content):
             return self._invalid(_INVALID, "empty_query")
         if self._searches >= self.max_searches:
-            return self._invalid(f"You have used all {self.max_searches} searches. Now give the final "
-                                 "answer inside <answer> and </answer>.", "search_limit")
+            return self._invalid(
+                f"You have used all {self.max_searches} searches. Now give the final "
+                "answer inside <answer> and </answer>.",
+                "search_limit",
+            )
         passages = self.index.search(content, self.topk)
         self._searches += 1
         self._seen.update(p.id for p in passages)
         gold = set(self.question["gold_ids"])
-        info = {"valid": True, "success": False, "searches": self._searches,
-                "gold_found": len(gold & self._seen), "gold_needed": len(gold)}
+        info = {
+            "valid": True,
+            "success": False,
+            "searches": self._searches,
+            "gold_found": len(gold & self._seen),
+            "gold_needed": len(gold),
+        }
         return StepResult(self._obs(self._format(passages)), 0.0, False, info)

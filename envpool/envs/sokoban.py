@@ -45,15 +45,27 @@ Cell = tuple[int, int]
 class Level:
     """A generated level: its floor and targets (fixed), and the start of player and boxes."""
 
-    def __init__(self, height: int, width: int, floor: frozenset[Cell], targets: frozenset[Cell],
-                 player: Cell, boxes: frozenset[Cell]) -> None:
+    def __init__(
+        self,
+        height: int,
+        width: int,
+        floor: frozenset[Cell],
+        targets: frozenset[Cell],
+        player: Cell,
+        boxes: frozenset[Cell],
+    ) -> None:
         self.height, self.width = height, width
         self.floor, self.targets, self.player, self.boxes = floor, targets, player, boxes
 
 
 # gym-sokoban's 3x3 masks, as offsets from the walker: each step opens one of these shapes.
-_MASKS = [((0, -1), (0, 0), (0, 1)), ((-1, 0), (0, 0), (1, 0)), ((0, -1), (0, 0), (1, 0)),
-          ((0, -1), (0, 0), (1, -1), (1, 0)), ((0, 0), (0, 1), (1, 0))]
+_MASKS = [
+    ((0, -1), (0, 0), (0, 1)),
+    ((-1, 0), (0, 0), (1, 0)),
+    ((0, -1), (0, 0), (1, 0)),
+    ((0, -1), (0, 0), (1, -1), (1, 0)),
+    ((0, 0), (0, 1), (1, 0)),
+]
 
 
 def _carve_floor(rng: random.Random, height: int, width: int) -> frozenset[Cell]:
@@ -73,8 +85,9 @@ def _carve_floor(rng: random.Random, height: int, width: int) -> frozenset[Cell]
     return frozenset(floor)
 
 
-def _reverse_play(floor: frozenset[Cell], targets: frozenset[Cell],
-                  num_steps: int) -> list[tuple[Cell, frozenset[Cell], int]]:
+def _reverse_play(
+    floor: frozenset[Cell], targets: frozenset[Cell], num_steps: int
+) -> list[tuple[Cell, frozenset[Cell], int]]:
     """Every state within `num_steps` reverse moves of a solved one, with its distance, in
     breadth-first order: the distance is the length of the state's shortest solution."""
     directions = list(MOVES.values())
@@ -101,8 +114,9 @@ def _reverse_play(floor: frozenset[Cell], targets: frozenset[Cell],
     return [(player, boxes, depth[(player, boxes)]) for player, boxes in order]
 
 
-def generate_level(rng: random.Random, height: int, width: int, num_boxes: int, num_steps: int,
-                   max_tries: int = 1000) -> Level:
+def generate_level(
+    rng: random.Random, height: int, width: int, num_boxes: int, num_steps: int, max_tries: int = 1000
+) -> Level:
     """A level solvable in at most `num_steps` moves with no box on a target (see the docstring)."""
     for _ in range(max_tries):
         floor = _carve_floor(rng, height, width)
@@ -118,23 +132,38 @@ def generate_level(rng: random.Random, height: int, width: int, num_boxes: int, 
             player, boxes = rng.choice(by_distance[rng.choice(sorted(by_distance))])
             return Level(height, width, floor, targets, player, boxes)
     # Only reachable with a room too small or too few steps to move every box off its target.
-    raise ValueError(f"no level with {num_boxes} box(es) in {height}x{width} after {max_tries} tries; "
-                     "increase dim_room or num_steps")
+    raise ValueError(
+        f"no level with {num_boxes} box(es) in {height}x{width} after {max_tries} tries; "
+        "increase dim_room or num_steps"
+    )
 
 
 @register("sokoban")
 class Sokoban:
-    system_prompt = ("You are playing Sokoban: push every box onto a target. # wall, _ floor, "
-                     "O target, X box, √ box on target, P you, S you on a target. You push a box by "
-                     "walking into it. Moves: Up, Down, Left, Right. "
-                     "Answer like <answer>Up || Left</answer>.")
+    system_prompt = (
+        "You are playing Sokoban: push every box onto a target. # wall, _ floor, "
+        "O target, X box, √ box on target, P you, S you on a target. You push a box by "
+        "walking into it. Moves: Up, Down, Left, Right. "
+        "Answer like <answer>Up || Left</answer>."
+    )
 
-    def __init__(self, dim_room: tuple[int, int] | list[int] = (6, 6), num_boxes: int = 1,
-                 num_steps: int = 8, max_actions_per_turn: int = 3, step_penalty: float = -0.1,
-                 box_on_target_reward: float = 1.0, box_off_target_penalty: float = -1.0,
-                 finish_reward: float = 10.0, format_penalty: float = -0.1) -> None:
-        if (not isinstance(dim_room, (tuple, list)) or len(dim_room) != 2
-                or not all(isinstance(d, int) and 5 <= d <= 10 for d in dim_room)):
+    def __init__(
+        self,
+        dim_room: tuple[int, int] | list[int] = (6, 6),
+        num_boxes: int = 1,
+        num_steps: int = 8,
+        max_actions_per_turn: int = 3,
+        step_penalty: float = -0.1,
+        box_on_target_reward: float = 1.0,
+        box_off_target_penalty: float = -1.0,
+        finish_reward: float = 10.0,
+        format_penalty: float = -0.1,
+    ) -> None:
+        if (
+            not isinstance(dim_room, (tuple, list))
+            or len(dim_room) != 2
+            or not all(isinstance(d, int) and 5 <= d <= 10 for d in dim_room)
+        ):
             raise ValueError(f"dim_room must be two integers in [5, 10], got {dim_room!r}")
         # The bounds keep the reverse-play search of a reset within ~25 ms (10x10, 3 boxes, 20).
         if not isinstance(num_boxes, int) or not 1 <= num_boxes <= 3:
@@ -154,8 +183,9 @@ class Sokoban:
         try:  # a room too small for the boxes would otherwise fail at every reset
             generate_level(random.Random(0), self.height, self.width, num_boxes, num_steps)
         except ValueError:
-            raise ValueError(f"dim_room={dim_room!r} has no level with num_boxes={num_boxes} "
-                             f"and num_steps={num_steps}") from None
+            raise ValueError(
+                f"dim_room={dim_room!r} has no level with num_boxes={num_boxes} and num_steps={num_steps}"
+            ) from None
         self.level: Level | None = None
         self.player: Cell = (0, 0)
         self.boxes: set[Cell] = set()
@@ -181,8 +211,12 @@ class Sokoban:
             reward += self._push(move)
             if self._done:
                 break
-        info = {"valid": True, "success": self._done, "actions_executed": executed,
-                "boxes_on_target": len(self.boxes & self.level.targets)}
+        info = {
+            "valid": True,
+            "success": self._done,
+            "actions_executed": executed,
+            "boxes_on_target": len(self.boxes & self.level.targets),
+        }
         # Rounded so that sums of -0.1 compare as the decimals they stand for.
         return StepResult(self._observe(), round(reward, 6), self._done, info)
 

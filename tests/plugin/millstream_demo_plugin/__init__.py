@@ -48,5 +48,4 @@ class CoinFlip:
         if match is None:
             return StepResult(obs, self.format_penalty, done, {"valid": False, "success": False})
         right = match.group(1).lower() == coin
-        return StepResult(obs, 1.0 if right else 0.0, done,
-                          {"valid": True, "success": right, "coin": coin})
+        return StepResult(obs, 1.0 if right else 0.0, done, {"valid": True, "success": right, "coin": coin})
