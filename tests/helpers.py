@@ -183,6 +183,31 @@ def millstream_run(
     return proc
 
 
+def start_run(
+    run_dir: Path, *overrides: str, until: str = "step ", timeout_s: float = 400
+) -> subprocess.Popen:
+    """`millstream run` in the background, returned once a line starting with `until` appeared
+    (by default: the first step line, training is under way)."""
+    proc = subprocess.Popen(
+        [*MILLSTREAM, "run", f"run.dir={run_dir}", *overrides],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith(until) or time.monotonic() > deadline:
+            break
+    if not seen or not seen[-1].startswith(until):
+        proc.kill()
+        pytest.fail(f"no line starting with {until!r}:\n{''.join(seen)[-3000:]}")
+    return proc
+
+
 def steps_of(run_dir: Path) -> list[dict]:
     """The step records of a run, without the ones a resume rolled back."""
     return [

@@ -7,11 +7,10 @@ import os
 import signal
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, steps_of
+from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, start_run, steps_of
 
 from millstream.shared.metrics import read_jsonl
 from millstream.shared.rundir import checkpoint_step, find_checkpoint
@@ -53,21 +52,8 @@ def test_two_rank_zero3_learner(actor, tmp_path):
 
 def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        *MILLSTREAM,
-        "run",
-        f"actor.connect={actor.address}",
-        f"model.path={actor.model_dir}",
-        f"run.dir={run_dir}",
-        "train.steps=12",
-        "learner.checkpoint_every=2",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 400
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("step    5/") or time.monotonic() > deadline:
-            break
+    cmd = [f"actor.connect={actor.address}", f"model.path={actor.model_dir}"]
+    proc = start_run(run_dir, *cmd, "train.steps=12", "learner.checkpoint_every=2", until="step    5/")
     os.kill(int((run_dir / "learner.pid").read_text()), signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "learner failed: killed by SIGKILL" in out
@@ -81,7 +67,15 @@ def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path)
 
     # A resume that changes the environment or the learning rate is refused before anything starts.
     changed = subprocess.run(
-        [*cmd[:-2], "train.steps=8", f"run.resume={run_dir}", "learner.lr=0.1", "envpool.env=echo"],
+        [
+            *MILLSTREAM,
+            "run",
+            *cmd,
+            "train.steps=8",
+            f"run.resume={run_dir}",
+            "learner.lr=0.1",
+            "envpool.env=echo",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

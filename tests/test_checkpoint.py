@@ -23,7 +23,7 @@ from millstream.shared.config import LearnerConfig
 from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory
 
 # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates; not ours to fix.
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")
+pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")]
 
 CFG = LearnerConfig(lr=1e-2, micro_batch_size=2, zero_stage=2)
 

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import MILLSTREAM, ROOT, stop_group, wait_for_file
+from helpers import MILLSTREAM, ROOT, start_run, stop_group, wait_for_file
 
 from millstream.shared.lifecycle import ENV_RUN, run_processes
 from millstream.shared.runtime import free_port
@@ -28,29 +28,9 @@ def wait_gone(run_dir: Path, timeout_s: float = 60) -> list[int]:
     return left
 
 
-def start_run(run_dir: Path, *overrides: str) -> tuple[subprocess.Popen, list[str]]:
-    """`millstream run` in the background; returns it once the first step line appeared."""
-    proc = subprocess.Popen(
-        [*MILLSTREAM, "run", f"run.dir={run_dir}", *overrides],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-    deadline = time.monotonic() + 300
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step ") or time.monotonic() > deadline:
-            break
-    assert any(line.startswith("step ") for line in lines), "".join(lines)
-    assert len(run_processes(run_dir)) >= 3  # launcher, actor, learner, envpool (and children)
-    return proc, lines
-
-
-def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str):
-    return start_run(
+def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str) -> subprocess.Popen:
+    """A synthetic-actor run that trains until stopped, returned once it trains."""
+    proc = start_run(
         run_dir,
         "actor.kind=synthetic",
         f"model.path={tiny_model_dir}",
@@ -59,6 +39,8 @@ def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str):
         "train.groups_per_batch=2",
         *overrides,
     )
+    assert len(run_processes(run_dir)) >= 4  # launcher, actor, learner, envpool (and children)
+    return proc
 
 
 def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tiny_model_dir, tmp_path):
@@ -93,7 +75,7 @@ def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tiny_mo
 
 def test_kill_9_of_the_launcher_leaves_no_process(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc, _ = synthetic_run(tiny_model_dir, run_dir)
+    proc = synthetic_run(tiny_model_dir, run_dir)
     proc.kill()
     proc.wait()
     # Each role notices it was orphaned and stops; the learner says so in its log.
@@ -103,7 +85,7 @@ def test_kill_9_of_the_launcher_leaves_no_process(tiny_model_dir, tmp_path):
 
 def test_a_role_that_dies_stops_the_run_naming_it_and_how_to_resume(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc, _ = synthetic_run(tiny_model_dir, run_dir, "learner.checkpoint_every=1")
+    proc = synthetic_run(tiny_model_dir, run_dir, "learner.checkpoint_every=1")
     while not (run_dir / "checkpoints" / "latest").exists():
         time.sleep(0.1)
     os.kill(int((run_dir / "envpool-0.pid").read_text()), signal.SIGTERM)

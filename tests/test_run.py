@@ -8,12 +8,10 @@ trajectories.jsonl.
 
 import signal
 import statistics
-import subprocess
-import time
 
 import orjson
 import pytest
-from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, steps_of
+from helpers import check_accounting, millstream_run, start_run, steps_of
 
 from millstream.shared.lifecycle import run_processes
 from millstream.shared.metrics import read_jsonl
@@ -98,22 +96,9 @@ def test_a_task_without_reward_spread_says_no_signal(actor, tmp_path):
 
 def test_ctrl_c_stops_every_process(actor, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [
-        *MILLSTREAM,
-        "run",
-        f"actor.connect={actor.address}",
-        f"model.path={actor.model_dir}",
-        f"run.dir={run_dir}",
-        "train.steps=1000",
-    ]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    lines = []
-    for line in proc.stdout:  # wait until training is under way
-        lines.append(line)
-        if line.startswith("step ") or time.monotonic() > deadline:
-            break
-    assert any(line.startswith("step ") for line in lines), "".join(lines)
+    proc = start_run(
+        run_dir, f"actor.connect={actor.address}", f"model.path={actor.model_dir}", "train.steps=1000"
+    )
     proc.send_signal(signal.SIGINT)
     rest, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted" in rest

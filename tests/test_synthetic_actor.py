@@ -90,6 +90,7 @@ def test_weight_sync_is_real_on_the_wire(synthetic, tiny_model_dir):
         sender.close()
 
 
+@pytest.mark.real  # the DeepSpeed learner
 def test_whole_loop_runs_on_the_synthetic_actor(tiny_model_dir, tmp_path):
     """`millstream run actor.kind=synthetic`: envpool and learner unchanged, no vLLM at all."""
     run_dir = tmp_path / "run"

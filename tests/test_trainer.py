@@ -26,7 +26,7 @@ from millstream.learner.trainer import PAD_ID, Trainer, TrainSample
 from millstream.shared.config import LearnerConfig
 
 # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates; not ours to fix.
-pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")
+pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")]
 
 STEP = LearnerConfig(clip_low=0.2, clip_high=0.28)  # the loss part of the config: plain PPO clip
 BUDGET = 32  # generation budget: more than any random_samples sequence's loss tokens
