@@ -1,7 +1,8 @@
 """actor: the vLLM engine that serves generation requests and takes weight updates in flight.
 
 Layout:
-- `server.py`  ROUTER socket -> AsyncLLM requests -> streamed TokenDelta replies; weight updates;
+- `server.py`  ROUTER socket -> AsyncLLM requests -> streamed TokenDelta replies;
+- `link.py`    the learner link both actor kinds share: Hello, attach, weight updates, version;
 - `weights.py` the vLLM worker extension that receives the learner's broadcast and reloads;
 - `synthetic.py` a timing model of a batching engine on the same protocol (`actor.kind=synthetic`),
   for scale tests without vLLM; not a language model;

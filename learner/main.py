@@ -31,28 +31,26 @@ from typing import Any
 
 import msgspec
 import orjson
-import zmq
 
 from millstream.shared.config import Config
 from millstream.shared.metrics import MetricsWriter
 from millstream.shared.protocol import (
-    Codec,
     DropCause,
     EpisodeFailed,
-    PolicyVersion,
     PoolDone,
-    ProtocolError,
     Trajectory,
     admit_limit,
 )
 from millstream.shared.runtime import resolve_model_dir, run_role, write_ready
 
 from .advantages import compute_advantages, filter_groups, filter_pool_size
+from .batching import train_samples
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .experience import Experience, say
 from .replay import Group, ReplayBuffer
 from .stats import CollapseWatch, NoSignalWatch, batch_metrics, progress_line
 from .team import Team
-from .trainer import Trainer, TrainSample
+from .trainer import Trainer
 from .weights import WeightSender
 
 __all__ = ["run_learner", "main"]
@@ -61,51 +59,6 @@ log = logging.getLogger("learner")
 
 #: The drop cause of groups each group filter removes.
 FILTER_CAUSE = {"zero_std": DropCause.FILTERED_ZERO_STD, "starpo_s": DropCause.FILTERED_STARPO_S}
-
-
-class Experience:
-    """Rank 0's sockets: PULL for episodes, PUB for versions."""
-
-    def __init__(self, cfg: Config) -> None:
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self.codec = Codec()
-        self.pull = ctx.socket(zmq.PULL)
-        self.pull.setsockopt(zmq.RCVHWM, cfg.transport.high_water_mark)
-        self.pull.bind(cfg.learner.experience_address)
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.bind(cfg.learner.version_address)
-        self.last_announce = 0.0
-
-    def announce(self, version: int, limit: int, group_base: int, final: bool = False) -> None:
-        self.pub.send(self.codec.encode([PolicyVersion(version, limit, group_base, final)]))
-        self.last_announce = time.monotonic()
-
-    def receive(self, timeout_s: float):
-        """Yield the messages that arrive within `timeout_s` (all that are queued, at least)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            left = deadline - time.monotonic()
-            if not self.pull.poll(max(0, int(left * 1000))):
-                return
-            try:
-                yield from self.codec.decode(self.pull.recv())
-            except ProtocolError as exc:  # counted in codec.errors; a PULL cannot answer
-                log.error("dropped a bad experience frame: %s", exc)
-
-    def close(self) -> None:
-        self.pull.close(linger=0)
-        self.pub.close(linger=0)
-
-
-def train_samples(traj: Trajectory, advantages: list[float]) -> list[TrainSample]:
-    """The sequences one trajectory trains: one per context it used (Delethink chunks are
-    separate contexts, `segment_starts`), skipping a context with no trained token."""
-    bounds = [0, *traj.segment_starts, len(traj.token_ids)]
-    return [
-        TrainSample(traj.token_ids[a:b], traj.loss_mask[a:b], traj.logprobs[a:b], advantages[a:b])
-        for a, b in zip(bounds, bounds[1:])
-        if any(traj.loss_mask[a:b])
-    ]
 
 
 class Leader:
@@ -266,14 +219,13 @@ class Leader:
         warning = self.collapse.update(record["reward/std"], step_metrics.get("entropy"))
         if warning:
             log.warning("collapse warning at step %d: %s", step, warning)
-            print(
+            say(
                 f"warning: reward std and entropy collapsing at step {step} "
                 f"(std {warning['reward_std']:.3f} from {warning['reward_std_peak']:.3f}, entropy "
-                f"{warning['entropy']:.2f} from {warning['entropy_peak']:.2f})",
-                flush=True,
+                f"{warning['entropy']:.2f} from {warning['entropy_peak']:.2f})"
             )
             self.metrics.write({"event": "collapse_warning", "step": step, **warning})
-        print(progress_line(record, self.cfg.train.steps, no_signal_after=self.no_signal.after), flush=True)
+        say(progress_line(record, self.cfg.train.steps, no_signal_after=self.no_signal.after))
 
     def _log_trained(self, scored: list[tuple[Trajectory, list[float]]], version: int) -> None:
         """One trajectory record per trained episode, flushed with the step (a kill keeps it)."""

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -79,37 +78,13 @@ import torch.distributed as dist
 from millstream.learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
 from millstream.shared.config import LearnerConfig
 
+from .batching import PAD_ID, TrainSample, check_samples, pad_batch
 from .dssetup import ds_config, import_deepspeed, init_distributed
+from .hfexport import save_model_dir
 
 __all__ = ["TrainSample", "Trainer", "PAD_ID"]
 
 _Logprobs = list[torch.Tensor]  # one [B, T] tensor per micro-batch
-
-#: Right-padding token id; padded positions carry attention_mask 0 and loss mask 0.
-PAD_ID = 0
-
-# Tokenizer files copied next to the saved weights (the rest of the model dir is weights/config).
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
-
-@dataclass
-class TrainSample:
-    """One sequence to train on; all four lists have the same length."""
-
-    token_ids: list[int]
-    loss_mask: list[int]  # 1 where the model generated the token and it carries loss
-    behav_logprobs: list[float]  # behaviour-policy logprob per token (0.0 where mask is 0)
-    advantages: list[float]  # per-token advantage (already broadcast)
 
 
 @dataclass
@@ -188,50 +163,6 @@ class Trainer:
 
     # ---------------------------------------------------------------- training
 
-    def _batch(self, samples: list[TrainSample]) -> dict[str, torch.Tensor]:
-        """Right-pad a micro-batch into tensors on the engine's device."""
-        width = max(len(s.token_ids) for s in samples)
-        out = {
-            "ids": torch.full((len(samples), width), PAD_ID, dtype=torch.long),
-            "attn": torch.zeros((len(samples), width), dtype=torch.long),
-        }
-        out.update({k: torch.zeros((len(samples), width)) for k in ("mask", "behav", "adv")})
-        for i, s in enumerate(samples):
-            t = len(s.token_ids)
-            out["ids"][i, :t] = torch.tensor(s.token_ids, dtype=torch.long)
-            out["attn"][i, :t] = 1
-            out["mask"][i, :t] = torch.tensor(s.loss_mask, dtype=torch.float32)
-            out["behav"][i, :t] = torch.tensor(s.behav_logprobs, dtype=torch.float32)
-            out["adv"][i, :t] = torch.tensor(s.advantages, dtype=torch.float32)
-        return {k: v.to(self.device) for k, v in out.items()}
-
-    @staticmethod
-    def _check(samples: list[TrainSample], cfg: LearnerConfig, generation_budget: int) -> tuple[int, int]:
-        """Validate the samples; return their loss tokens and sequences with loss tokens."""
-        if not samples:
-            raise ValueError("train_step needs at least one sample (on every rank)")
-        if not isinstance(generation_budget, int) or generation_budget < 1:
-            raise ValueError(f"generation_budget must be an int >= 1, got {generation_budget!r}")
-        tokens = sequences = 0
-        for i, s in enumerate(samples):
-            t = len(s.token_ids)
-            if not (len(s.loss_mask) == len(s.behav_logprobs) == len(s.advantages) == t):
-                raise ValueError(
-                    f"sample {i}: token_ids, loss_mask, behav_logprobs and "
-                    "advantages must have the same length"
-                )
-            if t and s.loss_mask[0]:
-                # Position 0 has no context, hence no logprob: it can never carry loss.
-                raise ValueError(f"sample {i}: loss_mask[0] must be 0")
-            n = sum(1 for m in s.loss_mask if m)
-            if cfg.loss_agg == "seq_sum_norm" and n > generation_budget:
-                # Dr.GRPO's constant normaliser assumes no sequence exceeds the budget; more
-                # means the caller's budget is wrong (e.g. max_tokens without max_turns).
-                raise ValueError(f"sample {i}: {n} loss tokens exceed generation_budget {generation_budget}")
-            tokens += n
-            sequences += n > 0
-        return tokens, sequences
-
     def _all_reduce(self, values: list[float] | torch.Tensor, op: str) -> list[float]:
         t = torch.as_tensor(values, dtype=torch.float64).to(self.device)
         if self.engine.dp_world_size > 1:
@@ -303,7 +234,7 @@ class Trainer:
 
     def _plan(self, samples: list[TrainSample], cfg: LearnerConfig, generation_budget: int) -> _StepPlan:
         """Check the samples, count them over all ranks, cut them into micro-batches."""
-        local_tokens, local_seqs = self._check(samples, cfg, generation_budget)
+        local_tokens, local_seqs = check_samples(samples, cfg, generation_budget)
         if cfg.kl_coef > 0 and self.reference is None:
             raise ValueError(
                 "kl_coef > 0 needs the reference policy: build the Trainer with a "
@@ -321,7 +252,7 @@ class Trainer:
         if total_tokens == 0:
             # Every aggregation is undefined over zero tokens; the caller should filter these.
             raise ValueError("train_step got no loss-carrying tokens (every loss_mask is 0)")
-        batches = [self._batch([samples[i] for i in chunk]) for chunk in chunks]
+        batches = [pad_batch([samples[i] for i in chunk], self.device) for chunk in chunks]
         return _StepPlan(
             batches,
             n_chunks,
@@ -472,27 +403,8 @@ class Trainer:
         return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
 
     def save_pretrained(self, out_dir: str) -> None:
-        """Write a Hugging Face model directory (weights, configs, tokenizer) loadable by
-        transformers and vLLM. Collective under ZeRO-3: call on every rank; rank 0 writes."""
-        from safetensors.torch import save_file
-
+        """Write a Hugging Face model directory of the current policy (learner/hfexport.py).
+        Collective under ZeRO-3: call on every rank; rank 0 writes."""
         weights = {name: t.contiguous() for name, t in self.named_weights()}
-        if dist.get_rank() != 0:
-            return
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        module = self.engine.module
-        config = module.config
-        saved = (config.use_cache, config.dtype)
-        # Inference wants its KV cache back; and say the dtype the weights really have (bf16 runs).
-        config.use_cache, config.dtype = True, next(iter(weights.values())).dtype
-        try:
-            config.save_pretrained(out)
-        finally:
-            config.use_cache, config.dtype = saved
-        if module.generation_config is not None:
-            module.generation_config.save_pretrained(out)
-        save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-        for name in _TOKENIZER_FILES:
-            if (self.model_dir / name).is_file():
-                shutil.copyfile(self.model_dir / name, out / name)
+        if dist.get_rank() == 0:
+            save_model_dir(self.engine.module, weights, self.model_dir, Path(out_dir))

@@ -1,8 +1,8 @@
 """shared: what every role needs and no role owns. Imports nothing from actor/learner/envpool.
 
 Layout:
-- `protocol.py`   the wire: msgspec messages, failure causes, the frame codec, group numbering,
-                  admission limit;
+- `protocol.py`   the wire: msgspec messages, the frame codec, group numbering, admission limit;
+- `causes.py`     why something ended without a result (enums; re-exported by protocol);
 - `transport.py`  ZeroMQ sockets driven from anyio (trio or asyncio), bounded and observable;
 - `config_schema.py` every config key, its type, range and documentation;
 - `config.py`     loading it: TOML + dotted overrides, strict checks that name the key;

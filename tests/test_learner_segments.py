@@ -8,7 +8,7 @@ untrained turns, or a prompt only) is left out.
 
 from __future__ import annotations
 
-from millstream.learner.main import train_samples
+from millstream.learner.batching import train_samples
 from millstream.learner.trainer import TrainSample
 from millstream.shared.protocol import Trajectory
 

@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import ROOT
 
 
@@ -19,8 +18,9 @@ def test_installed_under_one_name_and_nothing_at_the_top_level(tmp_path):
         "print([m for m in ('actor', 'learner', 'envpool', 'shared', 'bench') if u.find_spec(m)])\n"
         "print(millstream.envpool.__file__)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     found, where = proc.stdout.splitlines()
     assert found == "[]"
@@ -50,13 +50,18 @@ def _imports(folder: str) -> dict[str, set[str]]:
     return out
 
 
-@pytest.mark.parametrize("folder, forbidden", [
-    ("shared", ("millstream.actor", "millstream.learner", "millstream.envpool")),
-    ("envpool", ("torch", "vllm", "deepspeed", "millstream.actor", "millstream.learner")),
-    ("actor", ("millstream.learner", "millstream.envpool", "deepspeed")),
-    ("learner", ("millstream.actor", "millstream.envpool", "vllm")),
-])
+@pytest.mark.parametrize(
+    "folder, forbidden",
+    [
+        ("shared", ("millstream.actor", "millstream.learner", "millstream.envpool")),
+        ("envpool", ("torch", "vllm", "deepspeed", "millstream.actor", "millstream.learner")),
+        ("actor", ("millstream.learner", "millstream.envpool", "deepspeed")),
+        ("learner", ("millstream.actor", "millstream.envpool", "vllm")),
+    ],
+)
 def test_roles_talk_only_through_shared(folder, forbidden):
-    bad = {f: sorted(n for n in names if n.split(".")[0] in forbidden or n.startswith(forbidden))
-           for f, names in _imports(folder).items()}
+    bad = {
+        f: sorted(n for n in names if n.split(".")[0] in forbidden or n.startswith(forbidden))
+        for f, names in _imports(folder).items()
+    }
     assert {f: n for f, n in bad.items() if n} == {}

@@ -1,0 +1,70 @@
+"""Rank 0's link to the envpool: PULL for episodes, PUB for policy versions, stdout for the launcher.
+
+The learner is a synchronous training loop, so these are plain blocking pyzmq sockets with poll
+timeouts: there is nothing else for it to do while it waits. A frame that does not decode is
+counted (`codec.errors`) and dropped; a PULL socket cannot answer.
+
+`say` writes a progress line for the launcher to relay. If the launcher is gone its pipe is
+closed: rather than die on a BrokenPipeError traceback, the learner stops as if told to
+(KeyboardInterrupt, exit status 130), and its checkpoint stays resumable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import zmq
+
+from millstream.shared.config import Config
+from millstream.shared.protocol import Codec, Message, PolicyVersion, ProtocolError
+
+__all__ = ["Experience", "say"]
+
+log = logging.getLogger("learner")
+
+
+class Experience:
+    """Rank 0's sockets: PULL for episodes, PUB for versions."""
+
+    def __init__(self, cfg: Config) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.codec = Codec()
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, cfg.transport.high_water_mark)
+        self.pull.bind(cfg.learner.experience_address)
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind(cfg.learner.version_address)
+        self.last_announce = 0.0
+
+    def announce(self, version: int, limit: int, group_base: int, final: bool = False) -> None:
+        self.pub.send(self.codec.encode([PolicyVersion(version, limit, group_base, final)]))
+        self.last_announce = time.monotonic()
+
+    def receive(self, timeout_s: float) -> Iterator[Message]:
+        """Yield the messages that arrive within `timeout_s` (all that are queued, at least)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if not self.pull.poll(max(0, int(left * 1000))):
+                return
+            try:
+                yield from self.codec.decode(self.pull.recv())
+            except ProtocolError as exc:  # counted in codec.errors; a PULL cannot answer
+                log.error("dropped a bad experience frame: %s", exc)
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        self.pub.close(linger=0)
+
+
+def say(line: str) -> None:
+    """One line on stdout, which the launcher relays; a closed pipe means the launcher is gone."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (nobody is listening any more)
+        raise KeyboardInterrupt("stdout is closed: the launcher is gone") from None
