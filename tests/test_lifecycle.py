@@ -39,7 +39,7 @@ def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str) -> subpro
         "train.groups_per_batch=2",
         *overrides,
     )
-    assert len(run_processes(run_dir)) >= 4  # launcher, actor, learner, envpool (and children)
+    assert len(run_processes(run_dir)) >= 3  # actor, learner, envpool (and their children)
     return proc
 
 
