@@ -327,8 +327,13 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = "k3"
     entropy_coef: Annotated[float, _doc("Weight of the entropy bonus (0: off).", ge=0)] = 0.0
     checkpoint_every: Annotated[
-        int, _doc("Save a resumable checkpoint every N steps (0: only at the end).", ge=0)
-    ] = 0
+        int,
+        _doc(
+            "Save a resumable checkpoint every N steps (0: only at the end). A run that dies "
+            "resumes from the latest one (run.resume).",
+            ge=0,
+        ),
+    ] = 10
     keep_checkpoints: Annotated[int, _doc("Most recent checkpoints kept on disk.", ge=1)] = 2
     ranks: Annotated[int, _doc("Learner processes (DeepSpeed data parallel; >1 starts torchrun).", ge=1)] = 1
     zero_stage: Annotated[int, _doc("DeepSpeed ZeRO stage.", ge=0, le=3)] = 2
