@@ -84,13 +84,17 @@ class LearnerLink:
         return isinstance(message, (Hello, AttachLearner, WeightUpdate))
 
     def dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
-        """Answer `Hello` at once; attach and updates run as tasks (they wait on the group)."""
+        """Each exchange runs as a task: a full send queue or a slow group never blocks the
+        caller's receive loop."""
         if isinstance(message, Hello):
-            self.channel.send_nowait(self.info(), to=peer)
+            tg.start_soon(self._answer_hello, peer)
         elif isinstance(message, AttachLearner):
             tg.start_soon(self.attach, peer, message)
         elif isinstance(message, WeightUpdate):
             tg.start_soon(self.update, peer, message)
+
+    async def _answer_hello(self, peer: bytes) -> None:
+        await self.channel.send(self.info(), to=peer)  # waits for room in a full send queue
 
     async def attach(self, peer: bytes, msg: AttachLearner) -> None:
         async with self.lock:

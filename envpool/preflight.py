@@ -10,13 +10,12 @@ the envpool can answer these questions (the launcher lives in `shared/` and impo
   `actor.max_model_len`? (Prompts differ by seed, so this can only catch a budget that cannot
   fit; a longer prompt at run time ends its episode as the counted cause `prompt_too_long`.)
 
-Each problem is one line on stderr naming the key, and the exit status is 2, as for any config
-error. It runs no episode against an actor and opens no socket.
+Each problem is one line on stdout naming the key (logs go to stderr), and the exit status is 2,
+as for any config error. It calls the environment's `reset` once (so a broken environment shows
+here), but sends no request to an actor and opens no socket of its own.
 """
 
 from __future__ import annotations
-
-import sys
 
 import anyio
 
@@ -38,6 +37,8 @@ def check_envpool(cfg: Config) -> str | None:
         return f"envpool.env = {pool.env!r}: {exc}"
     except (TypeError, ValueError) as exc:
         return f"envpool.env_args: {exc}"
+    except Exception as exc:  # the environment's own constructor failed: say so in one line
+        return f"envpool.env = {pool.env!r}: its constructor raised {type(exc).__name__}: {exc}"
     try:
         chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
     except (OSError, ValueError) as exc:
@@ -67,5 +68,5 @@ def preflight(cfg: Config) -> int:
     problem = check_envpool(cfg)
     if problem is None:
         return 0
-    print(problem, file=sys.stderr)
+    print(problem)
     return 2

@@ -133,6 +133,9 @@ class Worker:
         self.client = ActorClient(self.dealer, self.name)
         self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
         self.stats = WorkerStats()
+        #: The context episodes are cut to: the config's, or the actor's own if it is smaller
+        #: (an actor started by hand may hold a shorter one); set again after the handshake.
+        self.max_model_len = cfg.actor.max_model_len
         self.slots = anyio.Semaphore(pool.max_concurrent_episodes)
         self.starting = anyio.CapacityLimiter(pool.max_starting_envs)
         self.metrics: MetricsWriter | NullMetrics = (
@@ -184,6 +187,15 @@ class Worker:
         log.info(
             "%s: actor at %s serves %s (version %d)", self.name, self.actor_address, info.model, info.version
         )
+        if info.max_model_len < self.max_model_len:
+            log.warning(
+                "%s: the actor's context is %d tokens, actor.max_model_len says %d: episodes are "
+                "cut to the actor's",
+                self.name,
+                info.max_model_len,
+                self.max_model_len,
+            )
+            self.max_model_len = info.max_model_len
 
     async def _take_slots(self, n: int) -> None:
         for _ in range(n):
@@ -225,7 +237,7 @@ class Worker:
         try:
             env = make_env(self.pool.env, self.pool.env_args)
             result = await run_episode(
-                spec, env, self.chat, self.client, self.pool, self.cfg.actor.max_model_len, self.starting
+                spec, env, self.chat, self.client, self.pool, self.max_model_len, self.starting
             )
         except Exception as exc:  # a bug of ours must still not lose the episode
             log.exception("episode %s crashed", spec.episode_id)

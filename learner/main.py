@@ -191,7 +191,21 @@ class Leader:
         batch, rejected = filter_groups(candidates, cfg.learner)
         if rejected:
             self.buffer.discard(rejected, FILTER_CAUSE[cfg.learner.group_filter])
+        if not batch:
+            self._filtered_out_whole_batch()
         return batch
+
+    def _filtered_out_whole_batch(self) -> None:
+        """The group filter dropped a whole batch (no group had a reward spread): no step, so no
+        step line either; say it here, as the step line would."""
+        quiet = self.no_signal.update(1.0)
+        after = self.no_signal.after
+        if quiet >= after and (quiet == after or quiet % 10 == 0):
+            say(
+                f"NO SIGNAL: {quiet} batches in a row had equal rewards in every group (all dropped "
+                f"by learner.group_filter={self.cfg.learner.group_filter}); no step was taken"
+            )
+            self.metrics.write({"event": "no_signal_warning", "step": self.trainer.version, "batches": quiet})
 
     def _score(self, batch: list[Group]) -> list[tuple[Trajectory, list[float]]]:
         """Every trajectory of the batch with its per-token advantages."""
@@ -249,7 +263,11 @@ class Leader:
         return self.sync.push(self.trainer.named_weights(), self.trainer.version)
 
     def _save(self) -> Path:
-        extra = {"next_group": self._next_group(), "run_dir": str(self.run_dir)}
+        self.episodes_log.flush()
+        # Where the run's record files stand at this checkpoint: a resume from it marks every
+        # record after these offsets rolled back (shared/rundir.py).
+        records = {"metrics.jsonl": self.metrics.position(), "trajectories.jsonl": self.episodes_log.tell()}
+        extra = {"next_group": self._next_group(), "run_dir": str(self.run_dir), "records": records}
         self.team.command("save", extra)
         path = save_checkpoint(
             self.run_dir, self.trainer, self.buffer, extra, keep=self.cfg.learner.keep_checkpoints

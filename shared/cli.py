@@ -50,7 +50,7 @@ RUN_USAGE = """usage: millstream run [CONFIG.toml] [section.key=value ...]
 
 Starts and supervises a whole run (actor, learner, envpool workers) from one config: the
 embedded defaults, then CONFIG.toml if given, then the overrides. Everything is checked before
-any process starts. `run.resume=RUN_DIR` continues a run from its latest checkpoint.
+any role starts. `run.resume=RUN_DIR` continues a run from its latest checkpoint.
 
 Examples:
   millstream run                                    the tiny model learns `evenchars`

@@ -13,12 +13,12 @@ Loading is strict, and every problem is one line that names the key, the value, 
 expected and, where a near miss exists, what was meant:
 
     train.steps = "8": expected int, got str
-    actor.device = 'tpu': expected one of 'auto', 'cpu', 'cuda'
+    actor.device = "tpu": expected one of 'auto', 'cpu', 'cuda'; did you mean 'cpu'?
     unknown key 'train.stepz'; did you mean 'train.steps'?
 
 Types are not coerced (`steps = 8.0` is an error, not 8); an int is accepted where a float is
 expected. Checks that span several keys (addresses, a generation budget that cannot fit the
-context) run after the types (`check_config`), still before any process starts.
+context) run after the types (`check_config`), still before any role starts.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 import re
 import tomllib
+from datetime import date, time
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -100,10 +101,11 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """`extra` over `base`; tables merge key by key (env_args included), values replace."""
+    """`extra` over `base`; tables merge key by key (env_args included), values replace, and an
+    empty table (`envpool.env_args={}`) clears the one it replaces."""
     out = dict(base)
     for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
+        if isinstance(value, dict) and value and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:
             out[key] = value
@@ -154,8 +156,8 @@ def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
     hint = ""
     if isinstance(value, str) and what.startswith("expected") and "got str" in what:
         hint = " (write numbers and booleans without quotes)"
-    elif isinstance(value, (int, float, bool)) and "expected str" in what:
-        hint = " (quote text that looks like a number: key='\"123\"')"
+    elif isinstance(value, (int, float, bool, date, time)) and "expected str" in what:
+        hint = " (quote text that TOML would read as another type: key='\"...\"')"
     return f"{shown}: {what}{hint}"
 
 
@@ -171,8 +173,9 @@ def _show(value: Any) -> str:
 
 
 def _did_you_mean(word: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    by_lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
 
 
 def _field(dotted: str) -> msgspec.structs.FieldInfo | None:

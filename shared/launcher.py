@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -42,8 +43,17 @@ from typing import IO, Any
 
 import orjson
 
-from .config import Config, ConfigError, dump_config, load_config
-from .rundir import Resume, checkpoint_step, find_checkpoint, mark_rolled_back, plan_resume, resume_conflicts
+from .config import Config, ConfigError, dump_config, load_config, parse_overrides
+from .lifecycle import run_processes
+from .rundir import (
+    Resume,
+    checkpoint_step,
+    find_checkpoint,
+    mark_rolled_back,
+    plan_resume,
+    resume_conflicts,
+    retire_later_checkpoints,
+)
 from .runtime import free_port, resolve_model_dir
 from .supervisor import Supervisor
 
@@ -63,61 +73,105 @@ class Plan:
     #: Differences from the checkpoint's run that a resume allows (reported, not refused).
     changed: list[str]
 
+    @property
+    def finished(self) -> bool:
+        """A resumed run whose checkpoint is already at train.steps: nothing to do."""
+        return self.resume is not None and self.resume.step >= self.cfg.train.steps
+
 
 def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
-    """Every check that can run before a process starts (step 1 above); no side effects but
+    """Every check that can run before a role starts (step 1 above); no side effects but
     building the tiny model. Raises ConfigError naming the key."""
-    cfg = load_config(cfg_path, overrides)
-    resume = plan_resume(cfg.run.resume) if cfg.run.resume else None
+    resume = _find_resume(cfg_path, overrides)
     base: str | Path | None = cfg_path
     if resume is not None and cfg_path is None:
         # Resuming without a config file continues the run as it was configured (ports are
         # picked afresh); overrides still apply, and are checked against it below.
         base = resume.run_dir / "config.toml"
         overrides = [f"{key}={_q(_port_zero(_get(resume.previous, key)))}" for key in _PICKED] + overrides
-        cfg = load_config(base, overrides)
-    model_dir = resolve_model_dir(cfg)
-    run_dir = (
-        resume.run_dir
-        if resume
-        else Path(cfg.run.dir)
-        if cfg.run.dir
-        else Path(cfg.run.root) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    )
-    resolved = [f"run.dir={_q(str(run_dir.resolve()))}", f"model.path={_q(model_dir)}"]
-    resolved += [
-        f"{key}={_q(_with_port(_get(cfg, key)))}"
-        for key in _PICKED
-        if key != "actor.address" or not cfg.actor.connect
-    ]
-    cfg = load_config(base, overrides + resolved)
+    cfg = load_config(base, overrides)
+    run_dir = resume.run_dir if resume else _new_run_dir(cfg)
+    cfg = load_config(base, overrides + _resolved(cfg, run_dir))
+    plan = Plan(cfg, run_dir, resume, [])
+    if plan.finished:
+        return plan
+    _check_run_dir(run_dir, resume)
     _check_envpool(cfg)
-    changed: list[str] = []
     if resume is not None:
-        refused, changed = resume_conflicts(resume.previous, cfg)
+        refused, plan.changed = resume_conflicts(resume.previous, cfg)
         if refused:
             raise ConfigError(
                 f"run.resume = {cfg.run.resume!r}: the checkpoint's run differs in "
                 f"keys a resume must keep: {'; '.join(refused)}"
             )
-    return Plan(cfg, run_dir, resume, changed)
+    return plan
 
 
 def launch(cfg_path: str | None, overrides: list[str], *, out: IO[str] = sys.stdout) -> int:
     """Run a whole job; returns the process exit code (0: finished and accounting holds)."""
     plan = prepare(cfg_path, overrides)
-    cfg, run_dir, resume = plan.cfg, plan.run_dir, plan.resume
-    if resume is not None and resume.step >= cfg.train.steps:
+    if plan.finished:
+        assert plan.resume is not None
         print(
-            f"millstream run: {run_dir} already finished: its checkpoint is at step "
-            f"{resume.step} and train.steps = {cfg.train.steps}; nothing started. To train "
-            f"further: millstream run run.resume={run_dir} train.steps=N",
+            f"millstream run: {plan.run_dir} already finished: its checkpoint is at step "
+            f"{plan.resume.step} and train.steps = {plan.cfg.train.steps}; nothing started. To "
+            f"train further: millstream run run.resume={plan.run_dir} train.steps=N",
             file=out,
             flush=True,
         )
         return 0
     _make_run_dir(plan, out)
-    return _supervise(cfg, run_dir, out)
+    return _supervise(plan.cfg, plan.run_dir, out)
+
+
+def _find_resume(cfg_path: str | None, overrides: list[str]) -> Resume | None:
+    """The run to resume, from the overrides or the config file (read, not yet checked)."""
+    where = parse_overrides(overrides).get("run", {}).get("resume")
+    if where is None and cfg_path is not None:
+        where = _read_toml(cfg_path).get("run", {}).get("resume")
+    return plan_resume(str(where)) if where else None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _new_run_dir(cfg: Config) -> Path:
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    return Path(cfg.run.root) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def _resolved(cfg: Config, run_dir: Path) -> list[str]:
+    """Overrides that pin what the roles must agree on: the run directory, the model directory
+    (the tiny model is built here if needed), and a free port for every address at port 0."""
+    resolved = [f"run.dir={_q(str(run_dir.resolve()))}", f"model.path={_q(resolve_model_dir(cfg))}"]
+    resolved += [
+        f"{key}={_q(_with_port(_get(cfg, key)))}"
+        for key in _PICKED
+        if key != "actor.address" or not cfg.actor.connect
+    ]
+    return resolved
+
+
+def _check_run_dir(run_dir: Path, resume: Resume | None) -> None:
+    """A run directory holds one run: never a live one, and never a second one by accident."""
+    live = run_processes(run_dir)
+    if live:
+        raise ConfigError(
+            f"run.dir = {str(run_dir)!r}: a run is still live in it (pids "
+            f"{', '.join(map(str, live))}); stop it first"
+        )
+    if resume is None and (run_dir / "config.toml").exists():
+        raise ConfigError(
+            f"run.dir = {str(run_dir)!r}: already holds a run; resume it with "
+            f"run.resume={run_dir}, or choose another run.dir"
+        )
 
 
 def _make_run_dir(plan: Plan, out: IO[str]) -> None:
@@ -127,7 +181,8 @@ def _make_run_dir(plan: Plan, out: IO[str]) -> None:
     if plan.resume is not None:
         previous = run_dir / "config.toml"
         shutil.copyfile(previous, run_dir / f"config-before-step-{plan.resume.step}.toml")
-        marked = mark_rolled_back(run_dir, plan.resume.step)
+        retire_later_checkpoints(run_dir, plan.resume.step)
+        marked = mark_rolled_back(run_dir, plan.resume.records)
         print(
             f"millstream run: resuming {run_dir} from step {plan.resume.step}; records after "
             f"it marked rolled back: {marked}",
@@ -235,20 +290,24 @@ def _resume_hint(run_dir: Path) -> str:
 
 def _check_envpool(cfg: Config) -> None:
     """`millstream envpool --check` on the resolved config: the envpool's own checks, in a
-    child process because the launcher imports no role."""
+    child process because the launcher imports no role. The problem, if any, is its one line
+    on stdout (its logs go to stderr)."""
+    timeout_s = max(120.0, cfg.envpool.step_timeout_s + 60)
     with tempfile.TemporaryDirectory(prefix="millstream-check-") as tmp:
         path = Path(tmp) / "config.toml"
         path.write_text(dump_config(cfg))
-        proc = subprocess.run(
-            [sys.executable, "-m", "millstream.envpool", "--check", "--config", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=max(120.0, cfg.envpool.step_timeout_s + 60),
-            stdin=subprocess.DEVNULL,
-        )
-    if proc.returncode == 2:
-        lines = proc.stderr.strip().splitlines()
-        raise ConfigError(lines[-1] if lines else "the envpool's check failed")
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "millstream.envpool", "--check", "--config", str(path)],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"the envpool's check did not finish in {timeout_s:.0f}s") from None
+    if proc.returncode == 2 and proc.stdout.strip():
+        raise ConfigError(proc.stdout.strip().splitlines()[0])
     if proc.returncode != 0:
         raise ConfigError(f"the envpool's check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 

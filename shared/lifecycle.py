@@ -13,7 +13,8 @@ Three ways a run's processes could outlive it, and what closes each:
   the same way, then kills what is left after a grace period.
 - **Children of a role** that its own shutdown missed: `reap_children` at exit sends SIGTERM,
   then SIGKILL, to every descendant still alive, found from /proc (Linux; elsewhere psutil if
-  installed).
+  installed). Where there is no /proc, a zombie launcher counts as alive until reaped, and
+  `run_processes` finds nothing: the tests that count processes are Linux-only.
 
 Every process of a run also carries `MILLSTREAM_RUN` (the run directory) in its environment,
 inherited by whatever it spawns, so a test or an operator can find them all (`run_processes`).
@@ -173,7 +174,9 @@ def reap_children(grace_s: float = 5.0) -> list[int]:
 def run_processes(run_dir: str | Path) -> list[int]:
     """Pids of live processes whose environment says they belong to the run in `run_dir`."""
     marker = f"{ENV_RUN}={Path(run_dir).resolve()}".encode() + b"\0"
-    pids = []
+    pids: list[int] = []
+    if not Path("/proc").is_dir():
+        return pids  # the marker is read from /proc (Linux only)
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -187,11 +190,19 @@ def run_processes(run_dir: str | Path) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
-    """Running (a zombie, dead but not yet waited for, counts as gone)."""
+    """Running (a zombie, dead but not yet waited for, counts as gone where /proc tells)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except FileNotFoundError:
-        return False
+        if Path("/proc/self/stat").exists():
+            return False
+        try:  # no /proc (macOS): existence is all we can tell
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
     except OSError:
         return True
     return not stat[stat.rfind(")") + 2 :].startswith("Z")

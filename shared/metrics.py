@@ -43,6 +43,10 @@ class MetricsWriter:
         )
         self._file.flush()
 
+    def position(self) -> int:
+        """Bytes written so far (every record is flushed when written)."""
+        return self._file.tell()
+
     def close(self) -> None:
         self._file.close()
 

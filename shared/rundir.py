@@ -1,7 +1,8 @@
 """The run directory: its layout, where a resume continues, and what a resume may change.
 
     runs/<name>-<time>/
-        config.toml          the resolved config of the latest session (earlier: config-<k>.toml)
+        config.toml          the resolved config of the latest session (an earlier session's is
+                             kept as config-before-step-N.toml when a resume replaces it)
         logs/<name>.log      each process's output; <name>.exit.json: why it failed, if it did
         metrics.jsonl        one record per step, events, the summary; rolled-back ones marked
         trajectories.jsonl   one record per trained or failed episode; rolled-back ones marked
@@ -10,25 +11,27 @@
         checkpoints/latest   the name of the newest complete checkpoint (step_NNNNNN/)
 
 A resume (`run.resume=<run dir or checkpoint>`) continues **in the same run directory** from a
-checkpoint at step N. The records the killed session wrote after N are not deleted (they are
-what happened) but marked `"rolled_back": true` before anything starts, so concatenating the
-files never double counts: a step's record is rolled back if its step is above N, a trained
-episode's if it trained at a step above N, a failed episode's if it arrived while the learner
-was at version N or later (the checkpoint of step N is saved before any later arrival).
+checkpoint at step N. Each checkpoint records how far `metrics.jsonl` and `trajectories.jsonl`
+had been written when it was saved (`records`, in the learner's state). The records after those
+offsets are what the resumed session replaces: they are not deleted (they are what happened) but
+marked `"rolled_back": true` before anything starts, so reading the files never double counts.
+Checkpoints of the abandoned timeline (steps above N) are moved aside to
+`checkpoints/rolled-back-step_NNNNNN`, so `latest` and a later resume never pick them.
 
 What a resume may change is decided before anything starts (`resume_conflicts`): keys that
 define the policy, the task or the algorithm must match the checkpoint's run (a changed
 environment, learning rate or staleness bound would silently train a different experiment);
-other keys (train.steps, timeouts, logging, ...) may change and are reported.
+other keys (train.steps, timeouts, micro-batch size, logging, ...) may change and are reported.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import msgspec
 import orjson
@@ -44,6 +47,8 @@ __all__ = [
     "plan_resume",
     "resume_conflicts",
     "mark_rolled_back",
+    "checkpoint_records",
+    "retire_later_checkpoints",
     "MUST_MATCH",
 ]
 
@@ -75,7 +80,6 @@ MUST_MATCH = (
     "learner.grad_clip",
     "learner.clip_low",
     "learner.clip_high",
-    "learner.micro_batch_size",
     "learner.train_dtype",
     "learner.advantage",
     "learner.reward_level",
@@ -144,6 +148,8 @@ class Resume:
     run_dir: Path
     #: The resolved config of the session that wrote the checkpoint.
     previous: Config
+    #: How far each record file was written at the checkpoint (see `mark_rolled_back`).
+    records: dict[str, int]
 
 
 def plan_resume(where: str) -> Resume:
@@ -156,7 +162,13 @@ def plan_resume(where: str) -> Resume:
     config = run_dir / "config.toml"
     if not config.is_file():
         raise ConfigError(f"run.resume = {where!r}: {checkpoint} is not inside a run directory (no {config})")
-    return Resume(checkpoint.resolve(), checkpoint_step(checkpoint), run_dir.resolve(), load_config(config))
+    return Resume(
+        checkpoint.resolve(),
+        checkpoint_step(checkpoint),
+        run_dir.resolve(),
+        load_config(config),
+        checkpoint_records(checkpoint),
+    )
 
 
 #: Keys that belong to one session, not to the run: never compared.
@@ -186,32 +198,60 @@ def _flat(cfg: Config) -> dict[str, Any]:
     return out
 
 
-def mark_rolled_back(run_dir: Path, step: int) -> dict[str, int]:
-    """Mark the records written after the checkpoint at `step` (see the module docstring);
-    returns how many were marked per file. Each file is rewritten atomically."""
+def checkpoint_records(checkpoint: Path) -> dict[str, int]:
+    """How far each record file was written when `checkpoint` was saved ({} if not recorded)."""
+    state = msgspec.msgpack.decode((checkpoint / STATE_FILE).read_bytes())
+    return dict(state.get("extra", {}).get("records", {}))
+
+
+def mark_rolled_back(run_dir: Path, records: dict[str, int]) -> dict[str, int]:
+    """Mark every record after `records[name]` bytes of each file rolled back; returns how many
+    per file. Streams (constant memory) and replaces each file atomically; a torn last line
+    (left by a kill mid-write) is dropped."""
     marked = {}
-    rules = {
-        "metrics.jsonl": lambda r: r.get("step", -1) > step,
-        "trajectories.jsonl": lambda r: (
-            r.get("step", -1) > step if r.get("fate") == "trained" else r.get("version", -1) >= step
-        ),
-    }
-    for name, after in rules.items():
+    for name, offset in records.items():
         path = run_dir / name
         if not path.is_file():
             continue
-        lines, count = [], 0
-        for line in path.read_bytes().splitlines():
-            try:
-                record = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue  # a torn line left by the kill
-            if isinstance(record, dict) and not record.get("rolled_back") and after(record):
-                record["rolled_back"] = True
-                count += 1
-            lines.append(orjson.dumps(record))
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_bytes(b"".join(line + b"\n" for line in lines))
+        tmp = path.with_name(f"{name}.tmp")
+        count = 0
+        with path.open("rb") as src, tmp.open("wb") as dst:
+            _copy_prefix(src, dst, offset)
+            for line in src:
+                try:
+                    record = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and not record.get("rolled_back"):
+                    record["rolled_back"] = True
+                    count += 1
+                dst.write(orjson.dumps(record) + b"\n")
         os.replace(tmp, path)
         marked[name] = count
     return marked
+
+
+def _copy_prefix(src: IO[bytes], dst: IO[bytes], size: int, chunk: int = 1 << 20) -> None:
+    left = size
+    while left > 0:
+        data = src.read(min(chunk, left))
+        if not data:
+            break
+        dst.write(data)
+        left -= len(data)
+
+
+def retire_later_checkpoints(run_dir: Path, step: int) -> list[Path]:
+    """Move checkpoints above `step` aside (`rolled-back-step_N`) and point `latest` at `step`."""
+    root = run_dir / "checkpoints"
+    moved = []
+    for number, path in step_dirs(root):
+        if number > step:
+            target = root / f"rolled-back-{path.name}"
+            shutil.rmtree(target, ignore_errors=True)
+            path.rename(target)
+            moved.append(target)
+    tmp = root / "latest.tmp"
+    tmp.write_text(f"step_{step:06d}\n")
+    os.replace(tmp, root / "latest")
+    return moved

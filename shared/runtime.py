@@ -100,8 +100,8 @@ def run_role(
             log.exception("%s failed", role)
             _write_exit_cause(cfg, group)
     except BaseException as exc:
-        if isinstance(exc, SystemExit) and isinstance(exc.code, int):
-            code = exc.code
+        if isinstance(exc, SystemExit) and isinstance(exc.code, int | None):
+            code = exc.code or 0
         else:
             log.exception("%s failed", role)
             _write_exit_cause(cfg, exc)
@@ -115,23 +115,29 @@ def exit_file(run_dir: str | Path, name: str) -> Path:
     return Path(run_dir) / "logs" / f"{name}.exit.json"
 
 
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The errors inside task-group wrappers (ExceptionGroups, as anyio raises them)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
 def _root_cause(exc: BaseException) -> BaseException:
-    """The error inside task-group wrappers (an ExceptionGroup of one, as anyio raises them)."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
+    return _leaves(exc)[0]
 
 
 def _write_exit_cause(cfg: Config, exc: BaseException) -> None:
     name = os.environ.get(ENV_NAME)
     if not (cfg.run.dir and name):
         return
-    exc = _root_cause(exc)
+    leaves = _leaves(exc)
+    exc = leaves[0]
     where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
     record: dict[str, Any] = {
         "name": name,
         "error": type(exc).__name__,
-        "message": str(exc)[:2000],
+        "message": str(exc)[:2000]
+        + (f" (and {len(leaves) - 1} more errors: see the log)" if len(leaves) > 1 else ""),
         "at": f"{where[0].filename}:{where[0].lineno}" if where else "",
     }
     try:
@@ -159,7 +165,10 @@ def check_model_dir(path: str | Path, key: str = "model.path") -> Path:
         f for f in ("config.json", "tokenizer.json", "tokenizer_config.json") if not (where / f).is_file()
     ]
     if missing:
-        raise ConfigError(f"{key} = {str(path)!r}: not a model directory (no {', '.join(missing)})")
+        # tokenizer.json too: the envpool tokenizes with the `tokenizers` library (no torch).
+        raise ConfigError(
+            f"{key} = {str(path)!r}: not a model directory millstream can use (no {', '.join(missing)})"
+        )
     return where
 
 

@@ -121,6 +121,13 @@ def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path)
     assert again.stdout.startswith(f"millstream run: {run_dir.resolve()} already finished")
     assert (run_dir / "metrics.jsonl").stat().st_size == size
 
+    # A finished run trains further when asked, and the whole run still adds up.
+    further = millstream_run(actor, run_dir, "train.steps=10", f"run.resume={run_dir}")
+    assert "accounting ok" in further.stdout
+    assert [r["step"] for r in steps_of(run_dir)] == list(range(1, 11))
+    summary = check_accounting(run_dir)
+    assert summary["version"] == 10
+
 
 def test_decoupled_policy_trains_stale_groups_with_capped_weights(actor, tmp_path):
     """staleness_policy=decoupled keeps groups beyond max_staleness (up to its own bound) and

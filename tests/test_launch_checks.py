@@ -49,7 +49,7 @@ def test_the_envpool_check_runs_before_anything_starts(tmp_path, tiny_model_dir,
 def test_a_model_path_that_is_not_a_model_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     assert refused(tmp_path, f"model.path={tmp_path / 'empty'}") == (
-        f"model.path = '{tmp_path / 'empty'}': not a model directory (no config.json, "
+        f"model.path = '{tmp_path / 'empty'}': not a model directory millstream can use (no config.json, "
         "tokenizer.json, tokenizer_config.json)"
     )
     assert refused(tmp_path, f"model.path={tmp_path / 'nowhere'}").endswith("not a directory")
@@ -111,3 +111,14 @@ def test_help_prints_usage_and_every_key():
     assert proc.stdout.startswith("usage: millstream run [CONFIG.toml]")
     for key in ("[train]", "  steps = 40", "  temperature = 1.0", "  start_timeout_s = 900.0"):
         assert key in proc.stdout
+
+
+def test_a_run_directory_that_holds_a_run_is_not_reused_by_accident(tmp_path, tiny_model_dir):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "config.toml").write_text("")
+    with pytest.raises(ConfigError) as caught:
+        prepare(None, [f"model.path={tiny_model_dir}", f"run.dir={old}"])
+    assert str(caught.value) == (
+        f"run.dir = '{old}': already holds a run; resume it with run.resume={old}, or choose another run.dir"
+    )

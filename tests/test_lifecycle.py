@@ -73,14 +73,33 @@ def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tiny_mo
         stop_group(proc)
 
 
-def test_kill_9_of_the_launcher_leaves_no_process(tiny_model_dir, tmp_path):
+def test_kill_9_of_the_launcher_leaves_no_process_vllm_children_included(tiny_model_dir, tmp_path):
+    """The launcher starts its own vLLM actor here: EngineCore and Worker must go too."""
     run_dir = tmp_path / "run"
-    proc = synthetic_run(tiny_model_dir, run_dir)
+    proc = start_run(
+        run_dir,
+        f"model.path={tiny_model_dir}",
+        "train.steps=1000",
+        "train.group_size=4",
+        "train.groups_per_batch=2",
+        timeout_s=600,
+    )
+    assert len(run_processes(run_dir)) >= 5  # actor, EngineCore, Worker, learner, envpool
     proc.kill()
     proc.wait()
-    # Each role notices it was orphaned and stops; the learner says so in its log.
+    # Each role notices its launcher is gone and stops, the actor with its engine.
     assert wait_gone(run_dir) == []
     assert "the launcher (pid" in (run_dir / "logs" / "learner.log").read_text()
+
+
+def test_sigterm_to_the_launcher_stops_every_process(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = synthetic_run(tiny_model_dir, run_dir)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "interrupted: stopping every process" in out
+    assert "resume with: millstream run run.resume=" in out
+    assert wait_gone(run_dir, 10) == []
 
 
 def test_a_role_that_dies_stops_the_run_naming_it_and_how_to_resume(tiny_model_dir, tmp_path):
