@@ -278,10 +278,7 @@ def _resume_hint(run_dir: Path) -> str:
     try:
         checkpoint = find_checkpoint(run_dir)
     except FileNotFoundError:
-        return (
-            "no checkpoint was saved (learner.checkpoint_every = 0 saves only at the end), "
-            "so the run cannot be resumed"
-        )
+        return "no checkpoint was saved yet (learner.checkpoint_every), so the run cannot be resumed"
     return (
         f"latest checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume "
         f"with: millstream run run.resume={run_dir}"

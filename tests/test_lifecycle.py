@@ -94,7 +94,9 @@ def test_kill_9_of_the_launcher_leaves_no_process_vllm_children_included(tiny_mo
 
 def test_sigterm_to_the_launcher_stops_every_process(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = synthetic_run(tiny_model_dir, run_dir)
+    proc = synthetic_run(tiny_model_dir, run_dir, "learner.checkpoint_every=1")
+    while not (run_dir / "checkpoints" / "latest").exists():
+        time.sleep(0.1)
     proc.terminate()
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130 and "interrupted: stopping every process" in out
