@@ -10,16 +10,12 @@ do not see each other's weights). Starting vLLM costs ~1 minute here, hence once
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, start_synthetic_actor, stop_group, wait_for_file
-
-from millstream.shared.runtime import free_port
+from helpers import start_actor, start_synthetic_actor, stop_group
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -46,30 +42,12 @@ class RunningActor:
 
 @pytest.fixture(scope="session")
 def actor(tiny_model_dir, tmp_path_factory) -> Iterator[RunningActor]:
-    work = tmp_path_factory.mktemp("actor")
-    ready, log = work / "ready.json", work / "actor.log"
-    address = f"tcp://127.0.0.1:{free_port()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "millstream.actor",
-        "--ready-file",
-        str(ready),
-        f"model.path={tiny_model_dir}",
-        f"actor.address={address}",
+    address, proc, log = start_actor(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("actor"),
         "actor.max_num_seqs=64",
         "learner.sync_timeout_s=120",
-    ]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=out,
-            stderr=out,
-            start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-    wait_for_file(ready, proc, 600, "the vLLM actor", log=log)
+    )
     yield RunningActor(address, proc, log, tiny_model_dir)
     stop_group(proc, sig=15)
 

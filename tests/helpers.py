@@ -58,30 +58,51 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout_s: flo
         proc.wait()
 
 
+def start_actor(
+    model_dir: str,
+    workdir: Path,
+    *overrides: str,
+    address: str | None = None,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 600,
+) -> tuple[str, subprocess.Popen, Path]:
+    """An actor process through its real entry point, ready; returns (address, proc, log).
+
+    It runs in a process group of its own (stop it with `stop_group`); its output goes to the
+    log, which a failed start shows."""
+    address = address or f"tcp://127.0.0.1:{free_port()}"
+    port = address.rsplit(":", 1)[1]
+    ready, log = workdir / f"actor-{port}.json", workdir / f"actor-{port}.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "millstream.actor",
+        "--ready-file",
+        str(ready),
+        f"model.path={model_dir}",
+        f"actor.address={address}",
+        *overrides,
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+        )
+    wait_for_file(ready, proc, timeout_s, f"the actor ({' '.join(overrides)})", log=log)
+    return address, proc, log
+
+
 def start_synthetic_actor(
     model_dir: str, workdir: Path, *overrides: str, address: str | None = None
 ) -> tuple[str, subprocess.Popen]:
     """The synthetic actor (actor/synthetic.py) as a process, ready; returns (address, proc)."""
-    address = address or f"tcp://127.0.0.1:{free_port()}"
-    ready = workdir / f"synthetic-{address.rsplit(':', 1)[1]}.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "millstream.actor",
-            "--ready-file",
-            str(ready),
-            "actor.kind=synthetic",
-            f"model.path={model_dir}",
-            f"actor.address={address}",
-            *overrides,
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
+    address, proc, _ = start_actor(
+        model_dir, workdir, "actor.kind=synthetic", *overrides, address=address, timeout_s=120
     )
-    wait_for_file(ready, proc, 120, "the synthetic actor")
     return address, proc
 
 

@@ -7,12 +7,11 @@ it spawns (vLLM's EngineCore and Worker too), so `run_processes` finds them all,
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import MILLSTREAM, ROOT, start_run, stop_group, wait_for_file
+from helpers import MILLSTREAM, ROOT, start_actor, start_run, stop_group
 
 from millstream.shared.lifecycle import ENV_RUN, run_processes
 from millstream.shared.runtime import free_port
@@ -45,25 +44,8 @@ def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str) -> subpro
 
 def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tiny_model_dir, tmp_path):
     marker = tmp_path / "actor-run"
-    ready = tmp_path / "ready.json"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "millstream.actor",
-            "--ready-file",
-            str(ready),
-            f"model.path={tiny_model_dir}",
-            f"actor.address=tcp://127.0.0.1:{free_port()}",
-        ],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-        env=dict(os.environ, **{ENV_RUN: str(marker.resolve())}),
-    )
+    _, proc, _ = start_actor(tiny_model_dir, tmp_path, env={ENV_RUN: str(marker.resolve())})
     try:
-        wait_for_file(ready, proc, 600, "the vLLM actor")
         engine = [pid for pid in run_processes(marker) if pid != proc.pid]
         assert engine, "vLLM's EngineCore and Worker processes were not found"
         os.kill(proc.pid, signal.SIGTERM)  # the actor alone, not its process group
