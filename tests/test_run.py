@@ -30,7 +30,10 @@ def test_the_loop_learns(learning_run):
     assert [r["step"] for r in steps] == list(range(1, 21))
     first = statistics.fmean(r["reward/mean"] for r in steps[:5])
     last = statistics.fmean(r["reward/mean"] for r in steps[-5:])
-    assert last - first >= 0.2, f"reward {first:.3f} -> {last:.3f}"
+    # Async timing makes each run's data differ: five runs here rose by 0.39-0.42, one by 0.12.
+    # A learner that does not learn stays within about 0.03, so 0.1 separates the two without
+    # failing on a slow run.
+    assert last - first >= 0.1, f"reward {first:.3f} -> {last:.3f}"
     assert stdout.count("step ") >= 20 and "accounting ok" in stdout
 
 
