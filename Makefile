@@ -57,7 +57,8 @@ typecheck: install
 	$(BIN)/mypy --python-executable $(BIN)/python $(foreach p,$(PACKAGES),-p millstream.$(p))
 	# Tests: annotated helpers are checked, not the bodies of unannotated test functions (they
 	# poke at unions of messages on purpose; their assertions are the check).
-	$(BIN)/mypy --python-executable $(BIN)/python --no-check-untyped-defs --disable-error-code annotation-unchecked tests
+	$(BIN)/mypy --python-executable $(BIN)/python --no-check-untyped-defs --disable-error-code annotation-unchecked \
+		--cache-dir .mypy_cache/tests tests
 
 format: install
 	$(BIN)/ruff check --fix .
