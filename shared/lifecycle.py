@@ -17,7 +17,8 @@ Three ways a run's processes could outlive it, and what closes each:
   `run_processes` finds nothing: the tests that count processes are Linux-only.
 
 Every process of a run also carries `MILLSTREAM_RUN` (the run directory) in its environment,
-inherited by whatever it spawns, so a test or an operator can find them all (`run_processes`).
+inherited by whatever it spawns, and every role runs in a session of its own, so a test or an
+operator can find them all (`run_processes`), even the ones that overwrote their environment.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ __all__ = [
     "descendants",
     "reap_children",
     "run_processes",
+    "session_processes",
 ]
 
 log = logging.getLogger(__name__)
@@ -172,21 +174,50 @@ def reap_children(grace_s: float = 5.0) -> list[int]:
 
 
 def run_processes(run_dir: str | Path) -> list[int]:
-    """Pids of live processes whose environment says they belong to the run in `run_dir`."""
-    marker = f"{ENV_RUN}={Path(run_dir).resolve()}".encode() + b"\0"
-    pids: list[int] = []
-    if not Path("/proc").is_dir():
-        return pids  # the marker is read from /proc (Linux only)
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                environ = (entry / "environ").read_bytes()
-            except OSError:
-                continue
-            named = environ.startswith(marker) or b"\0" + marker in environ
-            if named and _alive(int(entry.name)):
-                pids.append(int(entry.name))
-    return pids
+    """Pids of live processes of the run in `run_dir`: those whose environment carries its
+    marker, and those in the session of a role it started (`<name>.pid` files).
+
+    Both are needed: a process that sets its title (vLLM's EngineCore and Worker do, through
+    setproctitle) overwrites the memory /proc shows as its environment, but it stays in the
+    session of the role that started it, re-parented or not.
+    """
+    run_dir = Path(run_dir).resolve()
+    marker = f"{ENV_RUN}={run_dir}".encode() + b"\0"
+    sessions = set()
+    for pid_file in run_dir.glob("*.pid"):
+        try:
+            sessions.add(int(pid_file.read_text()))
+        except (OSError, ValueError):
+            continue
+    return [pid for pid in _all_pids() if _alive(pid) and (_marked(pid, marker) or _session(pid) in sessions)]
+
+
+def session_processes(sid: int) -> list[int]:
+    """Pids of live processes in session `sid` (a role started with its own session)."""
+    return [pid for pid in _all_pids() if _session(pid) == sid and _alive(pid)]
+
+
+def _all_pids() -> list[int]:
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []  # read from /proc (Linux only)
+    return [int(entry.name) for entry in proc.iterdir() if entry.name.isdigit()]
+
+
+def _marked(pid: int, marker: bytes) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return False
+    return environ.startswith(marker) or b"\0" + marker in environ
+
+
+def _session(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rfind(")") + 2 :].split()[3])  # state, ppid, pgrp, session
 
 
 def _alive(pid: int) -> bool:

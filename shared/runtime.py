@@ -89,19 +89,13 @@ def run_role(
     code: int = 1
     try:
         code = body(cfg, ns) or 0
-    except KeyboardInterrupt:
-        log.info("%s stopped", role)
-        code = STOPPED
-    except BaseExceptionGroup as group:
-        if isinstance(_root_cause(group), KeyboardInterrupt):
+    except BaseException as exc:  # the cause may come wrapped in task groups' ExceptionGroups
+        first = _root_cause(exc)
+        if isinstance(first, KeyboardInterrupt):  # SIGINT, or SIGTERM (stop_on_signals)
             log.info("%s stopped", role)
             code = STOPPED
-        else:
-            log.exception("%s failed", role)
-            _write_exit_cause(cfg, group)
-    except BaseException as exc:
-        if isinstance(exc, SystemExit) and isinstance(exc.code, int | None):
-            code = exc.code or 0
+        elif isinstance(first, SystemExit) and isinstance(first.code, int | None):
+            code = first.code or 0
         else:
             log.exception("%s failed", role)
             _write_exit_cause(cfg, exc)

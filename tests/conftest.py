@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers import start_actor, start_synthetic_actor, stop_group
+from helpers import LAUNCHED, start_actor, start_synthetic_actor, stop_group
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -23,6 +23,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if "actor" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.real)
+
+
+@pytest.fixture(autouse=True)
+def no_run_left_behind() -> Iterator[None]:
+    """Kill launchers a test started and did not see end (see helpers.LAUNCHED)."""
+    yield
+    while LAUNCHED:
+        proc = LAUNCHED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 @pytest.fixture(scope="session")

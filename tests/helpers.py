@@ -204,6 +204,11 @@ def millstream_run(
     return proc
 
 
+#: Launchers started by `start_run`; conftest kills any still running after each test, so a
+#: failed assertion never leaves a run behind (its roles then stop by themselves).
+LAUNCHED: list[subprocess.Popen] = []
+
+
 def start_run(
     run_dir: Path, *overrides: str, until: str = "step ", timeout_s: float = 400
 ) -> subprocess.Popen:
@@ -216,6 +221,7 @@ def start_run(
         stderr=subprocess.STDOUT,
         text=True,
     )
+    LAUNCHED.append(proc)  # conftest stops it if the test ends before it does
     seen: list[str] = []
     deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None

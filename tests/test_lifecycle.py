@@ -8,23 +8,32 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import MILLSTREAM, ROOT, start_actor, start_run, stop_group
 
-from millstream.shared.lifecycle import ENV_RUN, run_processes
+from millstream.shared.lifecycle import run_processes, session_processes
 from millstream.shared.runtime import free_port
 
 pytestmark = pytest.mark.real
 
 
-def wait_gone(run_dir: Path, timeout_s: float = 60) -> list[int]:
-    """The run's processes still alive after waiting up to `timeout_s` for them to end."""
+def wait_gone(
+    what: Any, timeout_s: float = 60, find: Callable[[Any], list[int]] = run_processes
+) -> list[int]:
+    """What `find(what)` still finds alive after waiting up to `timeout_s` for it to end."""
     deadline = time.monotonic() + timeout_s
-    while (left := run_processes(run_dir)) and time.monotonic() < deadline:
+    while (left := find(what)) and time.monotonic() < deadline:
         time.sleep(0.2)
     return left
+
+
+def titles(pids: list[int]) -> set[bytes]:
+    """Process titles (vLLM names its processes VLLM::EngineCore, VLLM::Worker)."""
+    return {Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0] for pid in pids}
 
 
 def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -43,14 +52,12 @@ def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str) -> subpro
 
 
 def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tiny_model_dir, tmp_path):
-    marker = tmp_path / "actor-run"
-    _, proc, _ = start_actor(tiny_model_dir, tmp_path, env={ENV_RUN: str(marker.resolve())})
+    _, proc, _ = start_actor(tiny_model_dir, tmp_path)  # in a session of its own
     try:
-        engine = [pid for pid in run_processes(marker) if pid != proc.pid]
-        assert engine, "vLLM's EngineCore and Worker processes were not found"
+        assert {b"VLLM::EngineCore", b"VLLM::Worker"} <= titles(session_processes(proc.pid))
         os.kill(proc.pid, signal.SIGTERM)  # the actor alone, not its process group
         assert proc.wait(timeout=120) == 130
-        assert wait_gone(marker) == []
+        assert wait_gone(proc.pid, find=session_processes) == []
     finally:
         stop_group(proc)
 
@@ -66,7 +73,7 @@ def test_kill_9_of_the_launcher_leaves_no_process_vllm_children_included(tiny_mo
         "train.groups_per_batch=2",
         timeout_s=600,
     )
-    assert len(run_processes(run_dir)) >= 5  # actor, EngineCore, Worker, learner, envpool
+    assert {b"VLLM::EngineCore", b"VLLM::Worker"} <= titles(run_processes(run_dir))
     proc.kill()
     proc.wait()
     # Each role notices its launcher is gone and stops, the actor with its engine.
