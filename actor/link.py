@@ -14,7 +14,8 @@ The learner drives three exchanges over the actor's ROUTER socket:
 What differs between the vLLM engine and the synthetic one is only how the group is joined and
 how the broadcast is received and loaded; that is a `WeightEngine`. The order, the session
 check, the locking (attach and updates never overlap), the error replies and the version
-bookkeeping are the same and live here once.
+bookkeeping are the same and live here once. With CURVE on (the default), attaches and updates
+are taken only from a peer that authenticated with the learner's key (`Channel.peer_role`).
 
 The version is adopted only after the engine has loaded the weights and resumed, so a token can
 at worst be labelled one version too *old*, never too new: the learner's staleness bound stays
@@ -72,6 +73,8 @@ class LearnerLink:
         self.session = ""
         self.updates = 0
         self.last_update_paused_s = 0.0
+        #: Attaches and updates refused because the peer was not the run's learner.
+        self.refused_not_learner = 0
         #: Held by attach and updates; an actor kind may share it (the synthetic engine makes no
         #: token while weights are being received).
         self.lock = anyio.Lock()
@@ -88,10 +91,23 @@ class LearnerLink:
         caller's receive loop."""
         if isinstance(message, Hello):
             tg.start_soon(self._answer_hello, peer)
+        elif not self._from_learner(peer):
+            self.refused_not_learner += 1
+            tg.start_soon(
+                self._refuse,
+                peer,
+                ReplyCause.NOT_LEARNER,
+                PermissionError(f"{type(message).__name__} is taken only from the run's learner key"),
+            )
         elif isinstance(message, AttachLearner):
             tg.start_soon(self.attach, peer, message)
         elif isinstance(message, WeightUpdate):
             tg.start_soon(self.update, peer, message)
+
+    def _from_learner(self, peer: bytes) -> bool:
+        """With CURVE, only the learner's key may attach or push weights; without it (loopback
+        opt-out) anyone who reaches the socket may."""
+        return not self.channel.authenticated or self.channel.peer_role(peer) == "learner"
 
     async def _answer_hello(self, peer: bytes) -> None:
         await self.channel.send(self.info(), to=peer)  # waits for room in a full send queue

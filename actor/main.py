@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 
 from millstream.shared.config import Config
+from millstream.shared.keys import load_keys
 from millstream.shared.lifecycle import run_until_signal
 from millstream.shared.runtime import STOPPED, raise_fd_limit, resolve_model_dir, run_role, write_ready
 from millstream.shared.transport import open_channel
@@ -91,7 +92,10 @@ async def serve_synthetic(cfg: Config, ready_file: str | None) -> None:
 
     model_dir = resolve_model_dir(cfg)
     vocab, eos = model_vocab(model_dir)
-    channel = open_channel("router", cfg.actor.address, bind=True, cfg=cfg.transport, recv_queue=4096)
+    keys = load_keys(cfg, "actor")
+    channel = open_channel(
+        "router", cfg.actor.address, bind=True, cfg=cfg.transport, keys=keys, recv_queue=4096
+    )
     actor = SyntheticActor(channel, cfg, model=model_dir, vocab_size=vocab, eos_id=eos)
     log.info("SYNTHETIC actor (a timing model, not a language model) ready at %s", channel.address)
     write_ready(ready_file, address=channel.address, model=model_dir, synthetic=True)
@@ -102,13 +106,16 @@ async def serve(cfg: Config, ready_file: str | None) -> None:
     if cfg.actor.kind == "synthetic":
         return await serve_synthetic(cfg, ready_file)
     model_dir = resolve_model_dir(cfg)
+    keys = load_keys(cfg, "actor")  # before the engine: a key problem should not cost its start
     started = time.monotonic()
     engine = build_engine(cfg, model_dir)
     try:
         warm = await _warm_up(engine)
         model_config = engine.model_config
         parallel = engine.vllm_config.parallel_config
-        channel = open_channel("router", cfg.actor.address, bind=True, cfg=cfg.transport, recv_queue=4096)
+        channel = open_channel(
+            "router", cfg.actor.address, bind=True, cfg=cfg.transport, keys=keys, recv_queue=4096
+        )
         server = ActorServer(
             engine,
             channel,

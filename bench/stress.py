@@ -37,6 +37,7 @@ import zmq
 
 from millstream.envpool.envs import make_env
 from millstream.shared.config import ConfigError, dump_config, load_config, toml_value
+from millstream.shared.keys import load_keys, secure
 from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
 from millstream.shared.runtime import free_port, raise_fd_limit, resolve_model_dir
 from millstream.shared.supervisor import Supervisor
@@ -184,6 +185,9 @@ def run_stress(ns: argparse.Namespace) -> dict:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     pull, pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
     pull.set_hwm(0)  # the stand-in learner must never make a worker's PUSH block
+    keys = load_keys(cfg, "learner")  # <out>/keys unless transport.keys_dir says otherwise
+    secure(pull, keys, bind=True)
+    secure(pub, keys, bind=True)
     pull.bind(cfg.learner.experience_address)
     pub.bind(cfg.learner.version_address)
     codec = Codec()

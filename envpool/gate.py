@@ -19,7 +19,9 @@ corrections need its counts:
 test the learner's bound. The formula is `shared.protocol.admit_limit`.
 
 With several envpool workers, worker `i` of `W` owns group numbers `base + i, base + i + W, ...`,
-so the workers share one global count without talking to each other.
+so the workers share one global count without talking to each other. A restarted worker (same
+index, new process) continues at `PolicyVersion.next_groups[i]`, after every group its earlier
+process announced (`GroupStarted`), so no group number is used twice.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class AdmissionGate:
             # First announcement of a learner session: numbering starts at its base.
             self.group_base = message.group_base
             self.next_group = message.group_base + self.worker_index
+            if self.worker_index < len(message.next_groups):
+                # A restarted worker: continue after the groups its earlier process started.
+                self.next_group = max(self.next_group, message.next_groups[self.worker_index])
         # Versions and limits only grow within a session; a heartbeat repeats them.
         self.version = max(self.version or 0, message.version)
         self.limit = max(self.limit, message.admit_limit)

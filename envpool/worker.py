@@ -23,6 +23,7 @@ import logging
 import os
 import resource
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,14 +34,17 @@ import anyio
 from anyio.abc import TaskGroup
 
 from millstream.shared.config import Config
+from millstream.shared.keys import load_keys
 from millstream.shared.metrics import MetricsWriter, NullMetrics
 from millstream.shared.protocol import (
     ACTOR_CAUSES,
     Cause,
     EpisodeFailed,
+    GroupStarted,
     PolicyVersion,
     PoolDone,
     Trajectory,
+    WorkerHello,
     group_id,
 )
 from millstream.shared.transport import open_channel
@@ -125,13 +129,19 @@ class Worker:
         self.name = f"w{worker_index}"
         self.chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
         self.actor_address = actor_address or cfg.actor.connect or cfg.actor.address
+        keys = load_keys(cfg, "envpool")
         self.dealer = open_channel(
-            "dealer", self.actor_address, bind=False, cfg=cfg.transport, recv_queue=4096
+            "dealer", self.actor_address, bind=False, cfg=cfg.transport, keys=keys, recv_queue=4096
         )
-        self.sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport)
-        self.push = open_channel("push", cfg.learner.experience_address, bind=False, cfg=cfg.transport)
+        self.sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport, keys=keys)
+        self.push = open_channel(
+            "push", cfg.learner.experience_address, bind=False, cfg=cfg.transport, keys=keys
+        )
         self.client = ActorClient(self.dealer, self.name)
         self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
+        self.index = worker_index
+        #: This process; a restarted worker (same index) is a new incarnation.
+        self.incarnation = uuid.uuid4().hex[:12]
         self.stats = WorkerStats()
         #: The context episodes are cut to: the config's, or the actor's own if it is smaller
         #: (an actor started by hand may hold a shorter one); set again after the handshake.
@@ -152,6 +162,7 @@ class Worker:
             if ready_file:
                 Path(ready_file).write_text(f'{{"worker": "{self.name}"}}')
             log.info("%s running %s, waiting for the learner's first version", self.name, self.pool.env)
+            await self.push.send(WorkerHello(self.index, self.incarnation))
             with anyio.CancelScope() as admitting:
                 io.start_soon(self._follow_versions, admitting)
                 async with anyio.create_task_group() as episodes:
@@ -175,6 +186,11 @@ class Worker:
                 await self._greet_actor()
                 greeted = True
             await self._take_slots(self.cfg.train.group_size)
+            # Announced before any member runs: if this process dies, the learner still knows
+            # every episode it started.
+            await self.push.send(
+                GroupStarted(self.index, self.incarnation, group_id(number), self.cfg.train.group_size)
+            )
             self._start_group(episodes, number)
 
     async def _greet_actor(self) -> None:

@@ -6,8 +6,8 @@ on a CPU machine, kept apart from the training step itself.
 - On CPU, DeepSpeed must be told its accelerator before import, and the shared-memory comm op,
   a ~60 s g++ JIT build, is not needed.
 - Without torchrun/deepspeed setting RANK and friends, DeepSpeed falls back to MPI discovery;
-  we pose as rank 0 of a world of 1 on a free loopback port instead, and the caller removes
-  those variables again so child processes do not inherit them.
+  we pose as rank 0 of a world of 1 instead, and the caller removes those variables again so
+  child processes do not inherit them. The group's store is ours, listening on loopback only.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from millstream.shared.config import LearnerConfig
 from millstream.shared.runtime import free_port
+from millstream.shared.weightsync import open_store
 
 __all__ = ["import_deepspeed", "init_distributed", "ds_config"]
 
@@ -48,6 +49,11 @@ def init_distributed(deepspeed: Any) -> list[str]:
         )
         os.environ.update(env)
         ours = [k for k in env if k != "LOCAL_RANK"]  # every engine init reads LOCAL_RANK
+        # Our own store on loopback only; DeepSpeed then finds the group already formed
+        # (its env:// store would listen on every interface).
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        store = open_store("127.0.0.1", 0, 1, is_master=True, timeout_s=300)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return ours
 

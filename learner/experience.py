@@ -1,8 +1,10 @@
 """Rank 0's link to the envpool: PULL for episodes, PUB for policy versions, stdout for the launcher.
 
-The learner is a synchronous training loop, so these are plain blocking pyzmq sockets with poll
-timeouts: there is nothing else for it to do while it waits. A frame that does not decode is
-counted (`codec.errors`) and dropped; a PULL socket cannot answer.
+Both bind as CURVE servers with the run's keys (`shared/keys.py`): only the run's envpool can
+push an episode or read a version. The learner is a synchronous training loop, so these are
+plain blocking pyzmq sockets with poll timeouts: there is nothing else for it to do while it
+waits. A frame that does not decode is counted (`codec.errors`) and dropped; a PULL socket
+cannot answer.
 
 `say` writes a progress line for the launcher to relay. If the launcher is gone its pipe is
 closed: rather than die on a BrokenPipeError traceback, the learner stops as if told to
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 import zmq
 
 from millstream.shared.config import Config
+from millstream.shared.keys import RunKeys, secure
 from millstream.shared.protocol import Codec, Message, PolicyVersion, ProtocolError
 
 __all__ = ["Experience", "say"]
@@ -30,18 +33,28 @@ log = logging.getLogger("learner")
 class Experience:
     """Rank 0's sockets: PULL for episodes, PUB for versions."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, keys: RunKeys | None) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.codec = Codec()
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, cfg.transport.high_water_mark)
+        secure(self.pull, keys, bind=True)
         self.pull.bind(cfg.learner.experience_address)
         self.pub = ctx.socket(zmq.PUB)
+        secure(self.pub, keys, bind=True)
         self.pub.bind(cfg.learner.version_address)
         self.last_announce = 0.0
 
-    def announce(self, version: int, limit: int, group_base: int, final: bool = False) -> None:
-        self.pub.send(self.codec.encode([PolicyVersion(version, limit, group_base, final)]))
+    def announce(
+        self,
+        version: int,
+        limit: int,
+        group_base: int,
+        final: bool = False,
+        next_groups: list[int] | None = None,
+    ) -> None:
+        message = PolicyVersion(version, limit, group_base, final, next_groups or [])
+        self.pub.send(self.codec.encode([message]))
         self.last_announce = time.monotonic()
 
     def receive(self, timeout_s: float) -> Iterator[Message]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +34,20 @@ import msgspec
 import orjson
 
 from millstream.shared.config import Config
+from millstream.shared.keys import RunKeys, load_keys
 from millstream.shared.metrics import MetricsWriter
 from millstream.shared.protocol import (
     DropCause,
     EpisodeFailed,
+    GroupStarted,
     PoolDone,
     Trajectory,
+    WorkerHello,
     admit_limit,
 )
 from millstream.shared.runtime import resolve_model_dir, run_role, write_ready
 
+from .actorlink import ActorLink
 from .advantages import compute_advantages, filter_groups, filter_pool_size
 from .batching import train_samples
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
@@ -52,6 +57,7 @@ from .stats import CollapseWatch, NoSignalWatch, batch_metrics, progress_line
 from .team import Team
 from .trainer import Trainer
 from .weights import WeightSender
+from .workers import WorkerLedger
 
 __all__ = ["run_learner", "main"]
 
@@ -64,8 +70,11 @@ FILTER_CAUSE = {"zero_std": DropCause.FILTERED_ZERO_STD, "starpo_s": DropCause.F
 class Leader:
     """Rank 0: everything that talks to the envpool and the actor, and decides every step."""
 
-    def __init__(self, cfg: Config, trainer: Trainer, team: Team, run_dir: Path) -> None:
+    def __init__(
+        self, cfg: Config, trainer: Trainer, team: Team, run_dir: Path, keys: RunKeys | None
+    ) -> None:
         self.cfg, self.trainer, self.team, self.run_dir = cfg, trainer, team, run_dir
+        self.keys = keys
         train, learner = cfg.train, cfg.learner
         bound = train.max_staleness if learner.staleness_policy == "drop" else learner.decoupled_max_staleness
         self.buffer = ReplayBuffer(train.group_size, train.groups_per_batch, bound, learner.max_buffer_groups)
@@ -76,6 +85,7 @@ class Leader:
         self.collapse = CollapseWatch()
         self.no_signal = NoSignalWatch()
         self.done_workers: dict[str, PoolDone] = {}
+        self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0)
         self.received_before = 0  # episodes a resumed buffer had received in earlier sessions
         self.dropped_before = 0  # groups a resumed buffer had dropped (incl. partials at load)
 
@@ -102,12 +112,15 @@ class Leader:
             cfg.actor.connect or cfg.actor.address,
             cfg.learner,
             dtype=cfg.model.dtype,
+            keys=self.keys,
             hello_timeout_s=cfg.actor.startup_timeout_s,
         )
         self.sync.attach()
+        supervised = self.run_dir / "actor.pid" if cfg.run.max_restarts and not cfg.actor.connect else None
+        self.actor = ActorLink(self.sync, supervised)
         pushed = self._push_weights()
-        log.info("policy version %d pushed in %.2fs", trainer.version, pushed["sync/total_s"])
-        self.exp = Experience(cfg)
+        log.info("policy version %d pushed in %.2fs", trainer.version, pushed.get("sync/total_s", 0.0))
+        self.exp = Experience(cfg, self.keys)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         self.episodes_log = (self.run_dir / "trajectories.jsonl").open("ab")
         if cfg.run.resume:
@@ -123,15 +136,18 @@ class Leader:
         )
         self.started = self.last_step = self.last_data = time.monotonic()
         announced = self.limit()
-        self.exp.announce(trainer.version, announced, self.group_base)
+        self.exp.announce(trainer.version, announced, self.group_base, next_groups=self.ledger.next_groups)
         while trainer.version < cfg.train.steps:
             for message in self.exp.receive(0.05):
                 self._handle(message)
                 self.last_data = time.monotonic()
+            self.actor.follow(self._weights, trainer.version)
             stepped = self._maybe_step()
             if stepped or time.monotonic() - self.exp.last_announce > 1.0 or self.limit() != announced:
                 announced = self.limit()
-                self.exp.announce(trainer.version, announced, self.group_base)
+                self.exp.announce(
+                    trainer.version, announced, self.group_base, next_groups=self.ledger.next_groups
+                )
             if not stepped and time.monotonic() - self.last_data > cfg.learner.idle_timeout_s:
                 raise TimeoutError(
                     f"no experience for {cfg.learner.idle_timeout_s}s; is the envpool "
@@ -141,14 +157,24 @@ class Leader:
 
     def _handle(self, message) -> None:
         if isinstance(message, Trajectory):
+            self.ledger.reported(message.episode_id, message.group_id)
             self.buffer.add(message)
         elif isinstance(message, EpisodeFailed):
+            self.ledger.reported(message.episode_id, message.group_id)
             self.buffer.fail(message)
             self._log_episode(
                 {"fate": "failed", "version": self.trainer.version, **msgspec.structs.asdict(message)}
             )
         elif isinstance(message, PoolDone):
             self.done_workers[message.worker] = message
+        elif isinstance(message, GroupStarted):
+            self.ledger.group_started(message)
+        elif isinstance(message, WorkerHello):
+            lost = self.ledger.hello(message)
+            if lost:
+                log.warning("envpool worker %d restarted: %d episodes lost with it", message.index, len(lost))
+            for failure in lost:
+                self._handle(failure)
         else:
             log.warning("unexpected %s on the experience socket", type(message).__name__)
 
@@ -259,8 +285,11 @@ class Leader:
     # --- collective steps (every rank enters them) -----------------------------------------
 
     def _push_weights(self) -> dict:
-        self.team.command("weights")
-        return self.sync.push(self.trainer.named_weights(), self.trainer.version)
+        return self.actor.push(self._weights, self.trainer.version)
+
+    def _weights(self) -> Iterable[tuple[str, Any]]:
+        self.team.command("weights")  # every rank walks the weights (ZeRO-3 gathers them)
+        return self.trainer.named_weights()
 
     def _save(self) -> Path:
         self.episodes_log.flush()
@@ -279,6 +308,7 @@ class Leader:
         self.team.command("load", str(path))
         state = load_checkpoint(path, self.trainer, self.buffer)
         self.group_base = int(state["next_group"])
+        self.ledger.rebase(self.group_base)
         self.carried = int(state["restored_groups"])
         self.received_before = self.buffer.statistics()["received"]
         self.dropped_before = self.buffer.dropped_groups
@@ -306,7 +336,12 @@ class Leader:
         checkpoint = self._save()  # before the drain: its complete groups survive a resume
         buffer.drain(DropCause.RUN_ENDED)
         stats = buffer.statistics()
-        started = sum(d.episodes_started for d in self.done_workers.values())
+        started = self.ledger.started_total  # every process's, the dead ones' too
+        # Each worker's final process says how many it started; the ledger must agree.
+        agreed = all(
+            done.episodes_started == self.ledger.started_by_live(_worker_index(name))
+            for name, done in self.done_workers.items()
+        )
         accounted = stats["trained"] + sum(stats["dropped"].values()) + sum(stats["failed"].values())
         summary = {
             "version": self.trainer.version,
@@ -320,6 +355,7 @@ class Leader:
             "episodes_dropped": stats["dropped"],
             "episodes_failed": stats["failed"],
             "duplicates": stats["duplicates"],
+            **self.ledger.statistics(),
             "decode_errors": self.exp.codec.errors,
             "checkpoint": str(checkpoint),
             "final_weights": str(checkpoint / "hf"),
@@ -328,6 +364,7 @@ class Leader:
         # ever received (this session's and, after a resume, earlier ones) has exactly one fate.
         summary["accounting_ok"] = (
             len(self.done_workers) == cfg.envpool.workers
+            and agreed
             and started == stats["received"] - self.received_before
             and stats["received"] == accounted
         )
@@ -378,15 +415,21 @@ def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
             raise RuntimeError(f"unknown learner command {kind!r}")
 
 
+def _worker_index(name: str) -> int:
+    """'w3' -> 3 (an envpool worker's name); -1 for anything else."""
+    return int(name[1:]) if name[:1] == "w" and name[1:].isdigit() else -1
+
+
 def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
     run_dir = Path(cfg.run.dir or f"{cfg.run.root}/{cfg.run.name}-learner")
     run_dir.mkdir(parents=True, exist_ok=True)
+    keys = load_keys(cfg, "learner")  # before DeepSpeed starts: a key problem costs nothing
     trainer = Trainer(resolve_model_dir(cfg), cfg.learner, seed=cfg.run.seed, dtype=cfg.learner.train_dtype)
     team = Team()
     if not team.leader:
         follow(cfg, trainer, team)
         return {"accounting_ok": True, "follower": team.rank}
-    return Leader(cfg, trainer, team, run_dir).run(ready_file)
+    return Leader(cfg, trainer, team, run_dir, keys).run(ready_file)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -52,6 +52,12 @@ def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: fl
     }
 
 
+def _sync(record: dict) -> str:
+    if "sync/total_s" not in record:
+        return "sync waiting for the actor"  # learner/actorlink.py: pushed once it is back
+    return f"sync {record['sync/total_s']:.2f}s"
+
+
 def progress_line(record: dict, steps: int, no_signal_after: int = 3) -> str:
     dropped = sum(v for k, v in record.items() if k.startswith("episodes/dropped/"))
     failed = sum(v for k, v in record.items() if k.startswith("episodes/failed/"))
@@ -60,7 +66,7 @@ def progress_line(record: dict, steps: int, no_signal_after: int = 3) -> str:
         f"± {record['reward/std']:.3f} | staleness {record['staleness/min']}/"
         f"{record['staleness/mean']:.2f}/{record['staleness/max']} | "
         f"{record['perf/tokens_per_s']:.0f} tok/s | dropped {dropped} failed {failed} | "
-        f"sync {record['sync/total_s']:.2f}s | {record['perf/elapsed_s']:.0f}s"
+        f"{_sync(record)} | {record['perf/elapsed_s']:.0f}s"
     )
     quiet = record.get("warning/no_signal_steps", 0)
     if quiet >= no_signal_after:

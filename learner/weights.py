@@ -1,6 +1,6 @@
 """The learner's half of weight synchronisation: attach to the actor, push weights.
 
-    sync = WeightSender(actor_address, learner_cfg, dtype="float32")
+    sync = WeightSender(actor_address, learner_cfg, dtype="float32", keys=load_keys(cfg, "learner"))
     info = sync.attach()                       # forms the broadcast group with the actor's workers
     sync.push(trainer.named_weights(), version)  # one flat broadcast, then WeightsApplied
 
@@ -24,6 +24,7 @@ import torch
 import zmq
 
 from millstream.shared.config import LearnerConfig
+from millstream.shared.keys import RunKeys, secure
 from millstream.shared.protocol import (
     ActorInfo,
     AttachLearner,
@@ -50,7 +51,13 @@ class WeightSyncError(RuntimeError):
 
 class WeightSender:
     def __init__(
-        self, actor_address: str, cfg: LearnerConfig, *, dtype: str, hello_timeout_s: float | None = None
+        self,
+        actor_address: str,
+        cfg: LearnerConfig,
+        *,
+        dtype: str,
+        keys: RunKeys | None,
+        hello_timeout_s: float | None = None,
     ) -> None:
         self.address = actor_address
         #: The first answer may take an engine's whole start-up (actor.startup_timeout_s).
@@ -60,15 +67,40 @@ class WeightSender:
         self.backend = pick_backend(cfg.sync_backend)
         self.session = f"learner-{uuid.uuid4().hex[:12]}"
         self._codec = Codec()
-        self._sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(actor_address)
+        self._keys = keys
+        self._sock = self._connect()
+        self._probing = False
         self._group: Any = None
         self._store: Any = None
         self._flat: torch.Tensor | None = None
         self._layout: list[TensorSpec] = []
         self.info: ActorInfo | None = None
         self.last_push_s = 0.0
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure(sock, self._keys, bind=False)
+        sock.connect(self.address)
+        return sock
+
+    def reconnect(self) -> None:
+        """Forget the attached actor: a fresh socket (nothing queued for or from the old one is
+        read as an answer) and no group; `attach` again before the next push."""
+        self._sock.close(linger=0)
+        self._sock = self._connect()
+        self._group = self._store = None
+        self._probing = False
+
+    def answers_hello(self) -> bool:
+        """Without blocking: has the actor answered the Hello this sends on its first call?"""
+        if not self._probing:
+            self._sock.send(self._codec.encode([Hello(self.session)]))
+            self._probing = True
+        if not self._sock.poll(0):
+            return False
+        self._probing = False
+        return any(isinstance(r, ActorInfo) for r in self._codec.decode(self._sock.recv()))
 
     def _request(self, message: Message, expect: type[M], timeout_s: float) -> M:
         self._sock.send(self._codec.encode([message]))

@@ -65,6 +65,9 @@ class Cause(enum.StrEnum):
     RUN_ENDED = "run_ended"
     #: A bug in the envpool itself; the episode is still accounted for.
     ENVPOOL_ERROR = "envpool_error"
+    #: The envpool worker running the episode died; the learner closed its group when the
+    #: worker's next incarnation said hello (the episode never reported).
+    WORKER_LOST = "worker_lost"
 
 
 #: Failures on the actor's side: a long run of them means the actor is gone, not the episodes.
@@ -125,3 +128,5 @@ class ReplyCause(enum.StrEnum):
     UNEXPECTED_MESSAGE = "unexpected_message"
     ATTACH_FAILED = "attach_failed"
     WEIGHT_UPDATE_FAILED = "weight_update_failed"
+    #: An attach or weight update from a peer that did not authenticate as the run's learner.
+    NOT_LEARNER = "not_learner"

@@ -34,6 +34,7 @@ import msgspec
 
 from .config_schema import (
     ActorConfig,
+    ChaosConfig,
     Config,
     EnvPoolConfig,
     LearnerConfig,
@@ -52,6 +53,7 @@ __all__ = [
     "EnvPoolConfig",
     "LearnerConfig",
     "TransportConfig",
+    "ChaosConfig",
     "ConfigError",
     "load_config",
     "check_config",
@@ -219,6 +221,14 @@ def check_config(cfg: Config) -> None:
     for key, address in addresses.items():
         if address or key != "actor.connect":
             _check_address(key, address)
+    if not cfg.transport.curve:
+        wide = {k: a for k, a in addresses.items() if a and not _is_local(a)}
+        if wide:
+            key, address = next(iter(wide.items()))
+            raise ConfigError(
+                f"transport.curve = false: {key} = {_show(address)} is not a loopback address; "
+                "a socket beyond this machine needs authentication (transport.curve = true)"
+            )
     if cfg.envpool.max_tokens >= cfg.actor.max_model_len:
         raise ConfigError(
             f"envpool.max_tokens = {cfg.envpool.max_tokens}: a turn's generation budget must "
@@ -229,6 +239,15 @@ def check_config(cfg: Config) -> None:
             f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "
             f"= {cfg.envpool.max_concurrent_episodes}, so a group could never start"
         )
+
+
+def _is_local(address: str) -> bool:
+    """ipc, inproc, or tcp on a loopback host."""
+    match = _ADDRESS.fullmatch(address)
+    if match is None or not address.startswith("tcp://"):
+        return address.startswith(("ipc://", "inproc://"))
+    host = match.group(1).strip("[]")
+    return host == "localhost" or host.startswith("127.") or host == "::1"
 
 
 def _check_address(key: str, address: str) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "EnvPoolConfig",
     "LearnerConfig",
     "TransportConfig",
+    "ChaosConfig",
 ]
 
 
@@ -41,6 +42,17 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     resume: Annotated[
         str, _doc("Checkpoint directory (or a run directory: its latest checkpoint) to resume from.")
     ] = ""
+    max_restarts: Annotated[
+        int,
+        _doc(
+            "Times the launcher restarts each envpool worker or the actor after it dies, before "
+            "it stops the run (0: a role that dies stops the run). The learner is not restarted.",
+            ge=0,
+        ),
+    ] = 3
+    restart_backoff_s: Annotated[
+        float, _doc("Wait before restarting a role; doubles with each restart of it, up to 60 s.", ge=0)
+    ] = 1.0
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -358,6 +370,36 @@ class TransportConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     io_wait_s: Annotated[
         float, _doc("Longest idle wait on a socket before re-checking (missed-edge guard).", gt=0)
     ] = 0.05
+    curve: Annotated[
+        bool,
+        _doc(
+            "Encrypt and authenticate every socket with CURVE keys of the run (shared/keys.py). "
+            "false is allowed only when every address is loopback or ipc."
+        ),
+    ] = True
+    keys_dir: Annotated[
+        str,
+        _doc(
+            "Folder of the run's CURVE keys (created if missing, mode 0700). Empty: "
+            "`<run.dir>/keys`. A role started by hand for a run points here."
+        ),
+    ] = ""
+
+
+class ChaosConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    kill_every_s: Annotated[
+        float,
+        _doc(
+            "Fault injection: the launcher kills (SIGKILL) one random role of `roles` every this "
+            "many seconds (0: never). The run must heal (run.max_restarts); these kills do not "
+            "use up restarts.",
+            ge=0,
+        ),
+    ] = 0.0
+    roles: Annotated[
+        list[Literal["actor", "envpool"]], _doc("Roles chaos may kill (each envpool worker is one).")
+    ] = msgspec.field(default_factory=lambda: ["actor", "envpool"])
+    seed: Annotated[int, _doc("Seed of which role is killed when.")] = 0
 
 
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -368,3 +410,4 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     envpool: EnvPoolConfig = msgspec.field(default_factory=EnvPoolConfig)
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
+    chaos: ChaosConfig = msgspec.field(default_factory=ChaosConfig)

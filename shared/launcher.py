@@ -44,6 +44,8 @@ from typing import IO, Any
 import orjson
 
 from .config import Config, ConfigError, dump_config, load_config, parse_overrides
+from .healing import Healer
+from .keys import ensure_keys
 from .lifecycle import run_processes
 from .rundir import (
     Resume,
@@ -151,6 +153,9 @@ def _resolved(cfg: Config, run_dir: Path) -> list[str]:
     """Overrides that pin what the roles must agree on: the run directory, the model directory
     (the tiny model is built here if needed), and a free port for every address at port 0."""
     resolved = [f"run.dir={_q(str(run_dir.resolve()))}", f"model.path={_q(resolve_model_dir(cfg))}"]
+    if cfg.transport.curve:
+        keys = Path(cfg.transport.keys_dir or run_dir / "keys").resolve()
+        resolved.append(f"transport.keys_dir={_q(str(keys))}")
     resolved += [
         f"{key}={_q(_with_port(_get(cfg, key)))}"
         for key in _PICKED
@@ -190,6 +195,8 @@ def _make_run_dir(plan: Plan, out: IO[str]) -> None:
         )
         for line in plan.changed:
             print(f"  changed since the checkpoint: {line}", file=out)
+    if plan.cfg.transport.curve:
+        ensure_keys(plan.cfg.transport.keys_dir)  # before any role: none races to make them
     (run_dir / "config.toml").write_text(dump_config(plan.cfg))
 
 
@@ -206,7 +213,7 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
         assert stdout is not None
         relay = threading.Thread(target=_relay, args=(stdout, out), daemon=True)
         relay.start()
-        code = _watch(sup, stop, out)
+        code = _watch(sup, stop, out, Healer(cfg))
     finally:
         sup.stop(grace_s=10.0)
         if relay is not None:
@@ -246,32 +253,54 @@ def _start_roles(sup: Supervisor, cfg: Config, config: list[str]) -> None:
         sup.start(f"envpool-{i}", "millstream.envpool", [*config, "--worker-index", str(i)])
 
 
-def _watch(sup: Supervisor, stop: threading.Event, out: IO[str]) -> int:
-    """Poll the roles every 0.1 s until the learner finishes, a role ends early, or a signal."""
+def _watch(sup: Supervisor, stop: threading.Event, out: IO[str], healer: Healer) -> int:
+    """Poll the roles every 0.1 s until the learner finishes, a role dies beyond healing
+    (shared/healing.py), or a signal."""
+    restarts: dict[str, float] = {}  # role -> when it is started again
     while not stop.wait(0.1):
-        exited = sup.exited()
+        now, exited = time.monotonic(), sup.exited()
         if "learner" in exited:
-            code = exited["learner"]
-            if code != 0:
-                print(f"learner failed: {sup.describe_exit('learner', code)}", file=out, flush=True)
-                return 1
-            # Workers exit by themselves after the learner's final announcement.
-            deadline = time.monotonic() + 60
-            workers = [n for n in sup.procs if n.startswith("envpool")]
-            while time.monotonic() < deadline and not all(n in sup.exited() for n in workers):
-                time.sleep(0.1)
-            return 0
+            return _learner_ended(sup, exited["learner"], out)
         for name, code in exited.items():
-            if name.startswith("envpool") and code == 0:
+            if name in restarts or (name.startswith("envpool") and code == 0):
                 continue  # a worker may finish a moment before the learner does
+            decision = healer.on_exit(name, now)
+            why = sup.describe_exit(name, code)
+            if not decision.restart:
+                after = f" (after {decision.attempt} restarts)" if decision.attempt else ""
+                print(f"{name} exited early, stopping the run{after}: {why}", file=out, flush=True)
+                return 1
             print(
-                f"{name} exited early, stopping the run: {sup.describe_exit(name, code)}",
+                f"{name} died ({why}); restarting it in {decision.at - now:.1f}s "
+                f"(restarts used: {decision.attempt} of run.max_restarts = {healer.cfg.run.max_restarts})",
                 file=out,
                 flush=True,
             )
-            return 1
+            restarts[name] = decision.at
+        for name, at in list(restarts.items()):
+            if now >= at:
+                del restarts[name]
+                sup.restart(name)
+                healer.restarts += 1
+        alive = [n for n in sup.procs if n not in exited and n not in restarts]
+        victim = healer.victim(alive, now)
+        if victim is not None:
+            print(f"chaos: killing {victim} (SIGKILL)", file=out, flush=True)
+            sup.kill(victim)
     print("interrupted: stopping every process", file=out, flush=True)
     return 130
+
+
+def _learner_ended(sup: Supervisor, code: int, out: IO[str]) -> int:
+    if code != 0:
+        print(f"learner failed: {sup.describe_exit('learner', code)}", file=out, flush=True)
+        return 1
+    # Workers exit by themselves after the learner's final announcement.
+    deadline = time.monotonic() + 60
+    workers = [n for n in sup.procs if n.startswith("envpool")]
+    while time.monotonic() < deadline and not all(n in sup.exited() for n in workers):
+        time.sleep(0.1)
+    return 0
 
 
 def _resume_hint(run_dir: Path) -> str:

@@ -65,6 +65,8 @@ __all__ = [
     "Trajectory",
     "EpisodeFailed",
     "PoolDone",
+    "WorkerHello",
+    "GroupStarted",
     "PolicyVersion",
     "group_id",
     "group_number",
@@ -78,7 +80,7 @@ __all__ = [
 
 #: Bumped on any incompatible change of a message below. A peer with another version is refused
 #: with a clear error instead of misreading fields.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(ValueError):
@@ -278,6 +280,31 @@ class PoolDone(_Wire, tag="pool_done", frozen=True):
     episodes_failed: int
 
 
+class WorkerHello(_Wire, tag="worker_hello", frozen=True):
+    """An envpool worker process starts: the first message it pushes to the learner.
+
+    `incarnation` is new for every process. When worker `index` says hello with a new one, its
+    previous process is gone: the learner closes that process's unfinished groups, counting
+    each missing member as `worker_lost`.
+    """
+
+    index: int
+    incarnation: str
+
+
+class GroupStarted(_Wire, tag="group_started", frozen=True):
+    """Worker `index` (process `incarnation`) started group `group_id`, members `<gid>-e<m>`.
+
+    Sent before any member can finish, so the learner knows every episode that was started,
+    even one whose worker dies before it reports.
+    """
+
+    index: int
+    incarnation: str
+    group_id: str
+    group_size: int
+
+
 class PolicyVersion(_Wire, tag="version", frozen=True):
     """The learner's policy version and the admission bound derived from it.
 
@@ -295,6 +322,9 @@ class PolicyVersion(_Wire, tag="version", frozen=True):
     group_base: int = 0
     #: True once the learner has finished: workers stop admitting and report `PoolDone`.
     final: bool = False
+    #: Per worker index, the group number its next process continues from (after the groups
+    #: its earlier processes started); empty until a worker started a group.
+    next_groups: list[int] = []
 
 
 def admit_limit(
@@ -342,6 +372,8 @@ Message = (
     | Trajectory
     | EpisodeFailed
     | PoolDone
+    | WorkerHello
+    | GroupStarted
     | PolicyVersion
     | ErrorReply
 )

@@ -37,10 +37,13 @@ class Supervisor:
         self.run_dir = run_dir
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
+        #: How each child was started, so `restart` can start it again.
+        self.specs: dict[str, tuple[str, list[str], bool]] = {}
 
     def start(self, name: str, module: str, args: list[str], *, pipe_stdout: bool = False) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
         self.logs[name] = log
+        self.specs[name] = (module, args, pipe_stdout)
         exit_file(self.run_dir, name).unlink(missing_ok=True)  # a previous session's
         out: IO[bytes] = log.open("ab")
         env = dict(
@@ -58,6 +61,18 @@ class Supervisor:
         )
         out.close()  # the child holds its own copy
         (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
+
+    def restart(self, name: str) -> None:
+        """Kill what is left of `name`'s process group (a dead actor's engine processes hold
+        its port and memory), then start it again as it was started."""
+        _signal_group(self.procs[name], signal.SIGKILL)
+        self.procs[name].wait()
+        module, args, pipe_stdout = self.specs[name]
+        self.start(name, module, args, pipe_stdout=pipe_stdout)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL `name`'s whole process group (fault injection)."""
+        _signal_group(self.procs[name], signal.SIGKILL)
 
     def exited(self) -> dict[str, int]:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}

@@ -15,6 +15,10 @@ sleeps after `ZMQ_EVENTS` says nothing is readable, the writer wakes the reader 
 messages pending, and every sleep is bounded by `io_wait_s` in case an edge is missed anyway.
 Only the reader ever waits on the descriptor (trio allows one waiter per descriptor).
 
+With the run's CURVE keys (`shared/keys.py`, on by default) every frame is encrypted and only
+the run's processes connect; a ROUTER remembers which role each peer authenticated as
+(`peer_role`), so a server can take some messages from one role only.
+
 Malformed frames are counted (`statistics().decode_errors`) and, on sockets that can answer
 (ROUTER, DEALER), answered with an `ErrorReply`; the channel keeps serving.
 """
@@ -31,6 +35,7 @@ import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .config import TransportConfig
+from .keys import RunKeys, secure
 from .protocol import Codec, ErrorReply, Message, ProtocolError, ReplyCause
 
 __all__ = ["Channel", "ChannelStats", "open_channel", "KINDS"]
@@ -84,7 +89,14 @@ class Channel:
     """
 
     def __init__(
-        self, sock: zmq.Socket, kind: str, address: str, cfg: TransportConfig, recv_queue: int = 1024
+        self,
+        sock: zmq.Socket,
+        kind: str,
+        address: str,
+        cfg: TransportConfig,
+        recv_queue: int = 1024,
+        *,
+        authenticated: bool = False,
     ) -> None:
         self.sock = sock
         self.kind = kind
@@ -99,6 +111,11 @@ class Channel:
         self._in_tx, self._in_rx = anyio.create_memory_object_stream(recv_queue)
         self._read_wait: anyio.CancelScope | None = None
         self._in_hand = 0  # messages taken off the queue but not yet handed to ZeroMQ
+        #: ROUTER with CURVE: the role each peer identity authenticated as (its ZAP User-Id).
+        self._roles: dict[bytes, str] = {}
+        self._track_roles = authenticated and kind == "router"
+        #: True when the socket uses the run's CURVE keys.
+        self.authenticated = authenticated
         self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue, recv_queue_max=recv_queue)
 
     # --- public API ------------------------------------------------------------------------
@@ -141,6 +158,11 @@ class Channel:
     def __aiter__(self) -> AsyncIterator[tuple[bytes, list[Message]]]:
         return self._in_rx.__aiter__()
 
+    def peer_role(self, peer: bytes) -> str | None:
+        """The run role `peer` authenticated as ("learner", "envpool", ...), or None without
+        CURVE (anyone who can reach the socket) or if unknown."""
+        return self._roles.get(peer)
+
     def statistics(self) -> ChannelStats:
         self._stats.send_queue = self._out_rx.statistics().current_buffer_used
         self._stats.recv_queue = self._in_rx.statistics().current_buffer_used
@@ -165,7 +187,7 @@ class Channel:
         while True:
             while cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+                    frames = self._recv_frames()
                 except zmq.Again:
                     break
                 await self._deliver(frames)
@@ -174,6 +196,15 @@ class Channel:
                 with anyio.move_on_after(self._cfg.io_wait_s):
                     await anyio.wait_readable(fd)
             self._read_wait = None
+
+    def _recv_frames(self) -> list[bytes]:
+        if not self._track_roles:
+            return self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
+        # Frame objects carry the ZAP User-Id; only a ROUTER with CURVE pays for them.
+        parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        if len(parts) > 1 and parts[0].bytes not in self._roles:
+            self._roles[parts[0].bytes] = str(parts[-1].get("User-Id"))
+        return [part.bytes for part in parts]
 
     async def _deliver(self, frames: list[bytes]) -> None:
         stats = self._stats
@@ -249,13 +280,18 @@ def open_channel(
     *,
     bind: bool,
     cfg: TransportConfig,
+    keys: RunKeys | None,
     identity: bytes | None = None,
     recv_queue: int = 1024,
 ) -> Channel:
     """Create a socket of `kind`, bind or connect it to `address`, and wrap it in a Channel.
 
     Binding to port 0 (`tcp://127.0.0.1:0`) picks a free port; `channel.address` tells which.
+    `keys` (from `shared.keys.load_keys`) makes it a CURVE server (bind) or client (connect);
+    None is allowed only with `transport.curve = false`.
     """
+    if cfg.curve and keys is None:
+        raise ValueError(f"{kind} {address}: transport.curve is on but no keys were given")
     if kind not in KINDS:
         raise ValueError(f"unknown socket kind {kind!r}; expected one of {sorted(KINDS)}")
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(KINDS[kind])
@@ -269,9 +305,10 @@ def open_channel(
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
     if kind == "sub":
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+    secure(sock, keys, bind=bind)
     if bind:
         sock.bind(address.replace(":0", ":*") if address.endswith(":0") else address)
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     else:
         sock.connect(address)
-    return Channel(sock, kind, address, cfg, recv_queue=recv_queue)
+    return Channel(sock, kind, address, cfg, recv_queue=recv_queue, authenticated=keys is not None)

@@ -16,13 +16,14 @@ large collective beats many small ones; the layout itself goes in the `WeightUpd
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DTYPES", "open_store", "make_group", "broadcast", "flat_layout", "pick_backend"]
+__all__ = ["DTYPES", "open_store", "listen_on", "make_group", "broadcast", "flat_layout", "pick_backend"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,7 +38,12 @@ def pick_backend(name: str) -> str:
 
 
 def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
-    """The group's TCPStore; the master may pass port 0 and read the chosen one from `.port`."""
+    """The group's TCPStore; the master may pass port 0 and read the chosen one from `.port`.
+
+    The master listens on `host` only: torch's TCPStore binds every interface when it opens its
+    own socket, whatever host it is given, so we bind the socket and hand it over.
+    """
+    listen_fd = listen_on(host, port) if is_master else None
     return dist.TCPStore(
         host,
         port,
@@ -45,7 +51,19 @@ def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeou
         is_master=is_master,
         timeout=timedelta(seconds=timeout_s),
         wait_for_workers=False,
+        master_listen_fd=listen_fd,
     )
+
+
+def listen_on(host: str, port: int) -> int:
+    """A listening TCP socket on `host:port` (0: a free port), as a file descriptor the caller
+    owns (a TCPStore takes it over)."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen(512)
+    return sock.detach()
 
 
 def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float, session: str):

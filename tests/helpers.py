@@ -4,10 +4,13 @@ run `millstream run` as a user would. Not a test module.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -18,7 +21,8 @@ import pytest
 import zmq
 
 from millstream.envpool.client import ActorClient
-from millstream.shared.config import TransportConfig
+from millstream.shared.config import Config, TransportConfig
+from millstream.shared.keys import RunKeys, ensure_keys, load_keys, secure
 from millstream.shared.metrics import read_jsonl
 from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
 from millstream.shared.runtime import free_port
@@ -26,6 +30,21 @@ from millstream.shared.transport import open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 MILLSTREAM = [sys.executable, "-m", "millstream.shared.cli"]
+
+#: One CURVE key folder for the test session: the session's actors, the stand-in learner, the
+#: test's own clients and every run that connects to a session actor use it (a run with its own
+#: actor could use its own `<run.dir>/keys`; sharing these changes nothing for it).
+KEYS_DIR = ensure_keys(Path(tempfile.mkdtemp(prefix="millstream-test-")) / "keys")
+atexit.register(shutil.rmtree, KEYS_DIR.parent, ignore_errors=True)
+#: The override that points a role or a run at the session's keys.
+KEYS = f"transport.keys_dir={KEYS_DIR}"
+
+
+def keys_for(role: str) -> RunKeys:
+    """The session's keys as `role` ("learner", "envpool", "actor") holds them."""
+    keys = load_keys(Config(transport=TransportConfig(keys_dir=str(KEYS_DIR))), role)
+    assert keys is not None
+    return keys
 
 
 def wait_for_file(
@@ -81,6 +100,7 @@ def start_actor(
         str(ready),
         f"model.path={model_dir}",
         f"actor.address={address}",
+        KEYS,
         *overrides,
     ]
     with log.open("wb") as out:
@@ -116,6 +136,8 @@ class StandInLearner:
     def __init__(self) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pull, self.pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+        secure(self.pull, keys_for("learner"), bind=True)
+        secure(self.pub, keys_for("learner"), bind=True)
         self.pull.set_hwm(0)  # the stand-in must never make a worker's PUSH block
         self.experience_port = self.pull.bind_to_random_port("tcp://127.0.0.1")
         self.version_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
@@ -128,6 +150,7 @@ class StandInLearner:
         return [
             f"learner.experience_address=tcp://127.0.0.1:{self.experience_port}",
             f"learner.version_address=tcp://127.0.0.1:{self.version_port}",
+            KEYS,
         ]
 
     def announce(self, version: int, admit_limit: int, final: bool = False) -> None:
@@ -163,7 +186,7 @@ async def with_client(address: str, body, *, name: str = "test"):
     `tg` is the task group the client runs in (a test may start a scripted peer there). An
     exception of `body` is raised as itself, not inside an ExceptionGroup.
     """
-    channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
+    channel = open_channel("dealer", address, bind=False, cfg=TransportConfig(), keys=keys_for("envpool"))
     client = ActorClient(channel, name)
     outcome: dict = {}
     async with anyio.create_task_group() as tg:
@@ -189,6 +212,7 @@ def millstream_run(
     cmd = [
         *MILLSTREAM,
         "run",
+        KEYS,
         f"actor.connect={actor.address}",
         f"model.path={actor.model_dir}",
         f"run.dir={run_dir}",
@@ -215,7 +239,7 @@ def start_run(
     """`millstream run` in the background, returned once a line starting with `until` appeared
     (by default: the first step line, training is under way)."""
     proc = subprocess.Popen(
-        [*MILLSTREAM, "run", f"run.dir={run_dir}", *overrides],
+        [*MILLSTREAM, "run", f"run.dir={run_dir}", KEYS, *overrides],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

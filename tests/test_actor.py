@@ -3,7 +3,7 @@
 import anyio
 import pytest
 import torch
-from helpers import with_client
+from helpers import keys_for, with_client
 from transformers import AutoModelForCausalLM
 
 from millstream.envpool.client import GenerationFailed
@@ -130,7 +130,9 @@ def test_weight_broadcast_makes_actor_match_learner_weights(actor, hf_model):
 
     before, _ = anyio.run(with_client, actor.address, greedy, backend="trio")
     assert before != expected
-    sender = WeightSender(actor.address, LearnerConfig(sync_timeout_s=60), dtype="float32")
+    sender = WeightSender(
+        actor.address, LearnerConfig(sync_timeout_s=60), dtype="float32", keys=keys_for("learner")
+    )
     try:
         sender.attach()
         metrics = sender.push(learner_model.named_parameters(), version=5)
@@ -151,11 +153,15 @@ def test_weight_broadcast_makes_actor_match_learner_weights(actor, hf_model):
 
 
 def test_weight_update_from_unattached_session_is_refused(actor, hf_model):
-    sender = WeightSender(actor.address, LearnerConfig(sync_timeout_s=30), dtype="float32")
+    sender = WeightSender(
+        actor.address, LearnerConfig(sync_timeout_s=30), dtype="float32", keys=keys_for("learner")
+    )
     try:
         with pytest.raises(WeightSyncError, match="push\\(\\) before attach"):
             sender.push(hf_model.named_parameters(), version=1)
-        wrong = WeightSender(actor.address, LearnerConfig(sync_timeout_s=30), dtype="bfloat16")
+        wrong = WeightSender(
+            actor.address, LearnerConfig(sync_timeout_s=30), dtype="bfloat16", keys=keys_for("learner")
+        )
         with pytest.raises(WeightSyncError, match="float32 weights"):
             wrong.attach()
         wrong.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+from helpers import keys_for
 
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.client import ActorClient, Generation
@@ -104,7 +105,9 @@ def play_live(actor, env, seed=11, **cfg):
     box = {}
 
     async def main():
-        channel = open_channel("dealer", actor.address, bind=False, cfg=TransportConfig())
+        channel = open_channel(
+            "dealer", actor.address, bind=False, cfg=TransportConfig(), keys=keys_for("envpool")
+        )
         client = RecordingClient(ActorClient(channel, "envs-live"))
         box["client"] = client
         async with anyio.create_task_group() as tg:

@@ -4,6 +4,7 @@ synthetic actor or a scripted client."""
 
 import anyio
 import pytest
+from helpers import keys_for
 
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.client import ActorClient, Generation
@@ -19,7 +20,9 @@ def play(actor, env, **cfg):
     spec = EpisodeSpec("e0", "g0", seed=11, member=0, group_size=1, env_name="test")
 
     async def main():
-        channel = open_channel("dealer", actor.address, bind=False, cfg=TransportConfig())
+        channel = open_channel(
+            "dealer", actor.address, bind=False, cfg=TransportConfig(), keys=keys_for("envpool")
+        )
         client = ActorClient(channel, "episode-test")
         async with anyio.create_task_group() as tg:
             tg.start_soon(channel.run)
@@ -166,7 +169,7 @@ def play_recorded(address, model_dir, env, seed=11, **cfg):
     box = {}
 
     async def main():
-        channel = open_channel("dealer", address, bind=False, cfg=TransportConfig())
+        channel = open_channel("dealer", address, bind=False, cfg=TransportConfig(), keys=keys_for("envpool"))
         client = Recorder(ActorClient(channel, "episode-test"))
         box["client"] = client
         async with anyio.create_task_group() as tg:

@@ -95,7 +95,7 @@ def test_sigterm_to_the_launcher_stops_every_process(tiny_model_dir, tmp_path):
 
 def test_a_role_that_dies_stops_the_run_naming_it_and_how_to_resume(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
-    proc = synthetic_run(tiny_model_dir, run_dir, "learner.checkpoint_every=1")
+    proc = synthetic_run(tiny_model_dir, run_dir, "learner.checkpoint_every=1", "run.max_restarts=0")
     while not (run_dir / "checkpoints" / "latest").exists():
         time.sleep(0.1)
     os.kill(int((run_dir / "envpool-0.pid").read_text()), signal.SIGTERM)
@@ -122,6 +122,8 @@ def test_a_crashing_role_is_reported_by_its_cause_not_its_traceback(tiny_model_d
                 "actor.kind=synthetic",
                 f"model.path={tiny_model_dir}",
                 f"actor.address={taken}",
+                "run.max_restarts=1",
+                "run.restart_backoff_s=0.1",
             ],
             cwd=ROOT,
             capture_output=True,
@@ -131,5 +133,7 @@ def test_a_crashing_role_is_reported_by_its_cause_not_its_traceback(tiny_model_d
     finally:
         blocker.close(0)
     assert proc.returncode == 1
-    assert "actor exited early, stopping the run: ZMQError: Address already in use" in proc.stdout
+    out = proc.stdout
+    assert "actor died (ZMQError: Address already in use); restarting it in 0.1s" in out
+    assert "actor exited early, stopping the run (after 1 restarts): ZMQError: Address already in use" in out
     assert wait_gone(tmp_path / "run", 10) == []

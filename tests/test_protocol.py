@@ -6,10 +6,12 @@ import typing
 import msgspec
 import pytest
 import zmq
+from helpers import keys_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from millstream.shared import protocol
+from millstream.shared.keys import secure
 from millstream.shared.protocol import (
     PROTOCOL_VERSION,
     Codec,
@@ -131,6 +133,7 @@ def test_actor_answers_garbage_and_keeps_serving(actor):
     """The real actor process: malformed frames get an ErrorReply; a valid request still works."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure(sock, keys_for("envpool"), bind=False)
     sock.connect(actor.address)
     codec = Codec()
     valid = codec.encode([GenerateRequest("after-garbage", [5, 6, 7], 3, 0.0)])

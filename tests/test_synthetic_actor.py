@@ -10,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from helpers import MILLSTREAM, check_accounting, steps_of, with_client
+from helpers import MILLSTREAM, check_accounting, keys_for, steps_of, with_client
 
 from millstream.envpool.client import GenerationFailed
 from millstream.learner.weights import WeightSender
@@ -76,7 +76,9 @@ def test_weight_sync_is_real_on_the_wire(synthetic, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    sender = WeightSender(synthetic, LearnerConfig(sync_timeout_s=30), dtype="float32")
+    sender = WeightSender(
+        synthetic, LearnerConfig(sync_timeout_s=30), dtype="float32", keys=keys_for("learner")
+    )
     try:
         sender.attach()
         metrics = sender.push(model.named_parameters(), version=3)

@@ -3,10 +3,14 @@
 import anyio
 import pytest
 import zmq
+from helpers import keys_for
 
 from millstream.shared.config import TransportConfig
+from millstream.shared.keys import secure
 from millstream.shared.protocol import Codec, ErrorReply, GenerateRequest, ReplyCause, TokenDelta
 from millstream.shared.transport import open_channel
+
+SERVER, CLIENT = keys_for("actor"), keys_for("envpool")
 
 pytestmark = pytest.mark.anyio
 
@@ -18,8 +22,8 @@ def anyio_backend(request):
 
 async def test_router_dealer_round_trips_and_coalesces():
     cfg = TransportConfig(coalesce_max=64)
-    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg)
-    dealer = open_channel("dealer", router.address, bind=False, cfg=cfg)
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=SERVER)
+    dealer = open_channel("dealer", router.address, bind=False, cfg=cfg, keys=CLIENT)
     n = 2000
     async with anyio.create_task_group() as tg:
         tg.start_soon(router.run)
@@ -49,9 +53,10 @@ async def test_router_dealer_round_trips_and_coalesces():
 
 async def test_malformed_frame_is_answered_and_counted():
     cfg = TransportConfig()
-    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg)
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=SERVER)
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
+    secure(raw, CLIENT, bind=False)
     raw.connect(router.address)
     async with anyio.create_task_group() as tg:
         tg.start_soon(router.run)
@@ -72,8 +77,8 @@ async def test_malformed_frame_is_answered_and_counted():
 
 async def test_push_pull_flush_delivers_everything():
     cfg = TransportConfig()
-    pull = open_channel("pull", "tcp://127.0.0.1:0", bind=True, cfg=cfg)
-    push = open_channel("push", pull.address, bind=False, cfg=cfg)
+    pull = open_channel("pull", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=SERVER)
+    push = open_channel("push", pull.address, bind=False, cfg=cfg, keys=CLIENT)
     async with anyio.create_task_group() as tg:
         tg.start_soon(pull.run)
         tg.start_soon(push.run)
@@ -91,7 +96,7 @@ async def test_push_pull_flush_delivers_everything():
 
 async def test_send_times_out_when_queue_stays_full():
     cfg = TransportConfig(send_queue=2)
-    push = open_channel("push", "tcp://127.0.0.1:1", bind=False, cfg=cfg)  # writer not running
+    push = open_channel("push", "tcp://127.0.0.1:1", bind=False, cfg=cfg, keys=CLIENT)  # writer not running
     await push.send(ErrorReply(ReplyCause.MALFORMED_FRAME, "1"))
     await push.send(ErrorReply(ReplyCause.MALFORMED_FRAME, "2"))
     with pytest.raises(TimeoutError, match="send queue full"):
@@ -102,4 +107,59 @@ async def test_send_times_out_when_queue_stays_full():
 
 def test_unknown_kind_is_an_error():
     with pytest.raises(ValueError, match="unknown socket kind"):
-        open_channel("pair", "tcp://127.0.0.1:0", bind=True, cfg=TransportConfig())
+        open_channel("pair", "tcp://127.0.0.1:0", bind=True, cfg=TransportConfig(), keys=SERVER)
+
+
+def test_channel_without_keys_needs_curve_off():
+    with pytest.raises(ValueError, match="transport.curve is on but no keys"):
+        open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=TransportConfig(), keys=None)
+    plain = open_channel("pull", "tcp://127.0.0.1:0", bind=True, cfg=TransportConfig(curve=False), keys=None)
+    assert not plain.authenticated
+    plain.sock.close(linger=0)
+
+
+def _outsider(kind: int, address: str, keys: str) -> zmq.Socket:
+    """A socket of a process that is not the run's: no CURVE, or CURVE with a key of its own."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if keys == "own":
+        public, secret = zmq.curve_keypair()
+        sock.curve_publickey, sock.curve_secretkey = public, secret
+        sock.curve_serverkey = SERVER.server_public  # it even knows the server's public key
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(address)
+    return sock
+
+
+async def test_curve_admits_the_run_keys_only_and_names_the_role():
+    """An outsider's request never reaches the router and an outsider's SUB reads nothing; the
+    run's client gets through and the router knows which role it authenticated as."""
+    cfg = TransportConfig()
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=SERVER)
+    pub = open_channel("pub", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=SERVER)
+    friend = open_channel("dealer", router.address, bind=False, cfg=cfg, keys=keys_for("learner"))
+    forged = Codec().encode([GenerateRequest("forged", [1, 2], 1)])
+    outsiders = [_outsider(zmq.DEALER, router.address, k) for k in ("none", "own")]
+    listeners = [_outsider(zmq.SUB, pub.address, k) for k in ("none", "own")]
+    async with anyio.create_task_group() as tg:
+        for channel in (router, pub, friend):
+            tg.start_soon(channel.run)
+        for sock in outsiders:
+            sock.send(forged)
+        await friend.send(GenerateRequest("friend", [3], 1))
+        with anyio.fail_after(10):
+            peer, messages = await router.receive()
+        assert [m.request_id for m in messages] == ["friend"]
+        assert router.peer_role(peer) == "learner"
+        for _ in range(20):  # 1 s of versions published; nothing may reach the outsiders
+            await pub.send(ErrorReply(ReplyCause.MALFORMED_FRAME, "version"))
+            await anyio.sleep(0.05)
+        with anyio.move_on_after(1.0):
+            peer, messages = await router.receive()
+            pytest.fail(f"an outsider got through: {messages}")
+        tg.cancel_scope.cancel()
+    assert not any(sock.poll(0) for sock in listeners)
+    assert router.statistics().recv_messages == 1
+    for sock in outsiders + listeners:
+        sock.close()

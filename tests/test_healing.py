@@ -1,0 +1,73 @@
+"""A run heals (shared/healing.py): the launcher restarts an envpool worker or the actor that was
+killed with SIGKILL, nothing is lost, and every episode the dead processes left behind is counted
+by cause. The actor here is the synthetic one (the restart path is the same for vLLM; its
+start-up takes a minute on this CPU); the learner is real.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import orjson
+from helpers import check_accounting, start_run, steps_of
+
+from millstream.shared.lifecycle import run_processes
+
+
+def _kill(run_dir: Path, name: str) -> int:
+    pid = int((run_dir / f"{name}.pid").read_text())
+    os.killpg(pid, signal.SIGKILL)  # the role and every process it started
+    return pid
+
+
+def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not steps_of(run_dir) or steps_of(run_dir)[-1]["step"] < step:
+        assert proc.poll() is None, "the run ended early"
+        assert time.monotonic() < deadline, f"no step {step} in {timeout_s}s"
+        time.sleep(0.2)
+
+
+def test_a_killed_worker_and_a_killed_actor_are_restarted_and_nothing_is_lost(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_run(
+        run_dir,
+        "actor.kind=synthetic",
+        f"model.path={tiny_model_dir}",
+        "train.steps=40",
+        "train.group_size=4",
+        "train.groups_per_batch=2",
+        "envpool.workers=2",
+        "envpool.turn_timeout_s=3",  # turns in flight on the dead actor are retried after this
+        "run.restart_backoff_s=0.2",
+        until="step    3/",
+    )
+    worker_pid = _kill(run_dir, "envpool-0")
+    _wait_for_step(run_dir, 12, proc)
+    actor_pid = _kill(run_dir, "actor")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "envpool-0 died (killed by SIGKILL); restarting it" in out
+    assert "actor died (killed by SIGKILL); restarting it" in out
+    assert int((run_dir / "envpool-0.pid").read_text()) != worker_pid
+    assert int((run_dir / "actor.pid").read_text()) != actor_pid
+
+    summary = check_accounting(run_dir, workers=2)
+    assert summary["accounting_ok"] and summary["worker_restarts"] == 1
+    assert summary["episodes_failed"].get("worker_lost", 0) == summary["worker_lost"]
+    assert summary["open_groups"] == 0
+    steps = steps_of(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, 41))  # no step lost or repeated
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "the restarted actor is attached and at policy version" in learner_log
+    assert run_processes(run_dir) == []
+    lost = [
+        r
+        for r in map(orjson.loads, (run_dir / "trajectories.jsonl").read_bytes().splitlines())
+        if r.get("cause") == "worker_lost"
+    ]
+    assert len(lost) == summary["worker_lost"]

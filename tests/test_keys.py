@@ -1,0 +1,65 @@
+"""The run's CURVE keys (shared/keys.py): private files, one set however many roles race to make
+them, and the loopback-only opt-out."""
+
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+
+from millstream.shared.config import Config, ConfigError, RunConfig, TransportConfig, load_config
+from millstream.shared.keys import CLIENT_ROLES, ensure_keys, keys_dir, load_keys
+
+
+def test_keys_are_private_and_name_every_role(tmp_path):
+    folder = ensure_keys(tmp_path / "keys")
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    files = sorted(p.name for p in folder.iterdir())
+    assert files == sorted(f"{n}{ext}" for n in ("server", *CLIENT_ROLES) for ext in (".key", ".key_secret"))
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in folder.iterdir())
+    keys = load_keys(Config(run=RunConfig(dir=str(tmp_path))), "learner")
+    assert keys is not None and keys.folder == folder
+    assert keys.clients[keys.public] == "learner" and set(keys.clients.values()) == set(CLIENT_ROLES)
+    assert keys.public != keys.server_public
+
+
+def test_roles_racing_to_make_the_keys_agree_on_one_set(tmp_path):
+    """Eight processes create the same folder at once; every one then reads the same server key."""
+    folder = tmp_path / "keys"
+    script = (
+        "import sys, zmq.auth; from millstream.shared.keys import ensure_keys; "
+        "f = ensure_keys(sys.argv[1]); print(zmq.auth.load_certificate(f / 'server.key')[0].decode())"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True)
+        for _ in range(8)
+    ]
+    outputs = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    assert len(outputs) == 1 and len(outputs.pop()) == 40
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".keys-")]  # no staging left
+
+
+def test_a_folder_others_can_read_is_refused(tmp_path):
+    folder = ensure_keys(tmp_path / "keys")
+    os.chmod(folder, 0o755)
+    with pytest.raises(ConfigError, match="lets other users read the run's secret keys"):
+        ensure_keys(folder)
+
+
+def test_keys_need_a_place_unless_curve_is_off():
+    with pytest.raises(ConfigError, match="transport.keys_dir"):
+        keys_dir(Config())
+    assert load_keys(Config(transport=TransportConfig(curve=False)), "envpool") is None
+
+
+def test_curve_off_only_on_loopback():
+    ok = load_config(None, ["transport.curve=false", "actor.address=tcp://127.0.0.1:0"])
+    assert not ok.transport.curve
+    load_config(None, ["transport.curve=false", "learner.experience_address=ipc:///tmp/x"])
+    with pytest.raises(ConfigError, match=r"transport.curve = false: actor.connect = .*not a loopback"):
+        load_config(None, ["transport.curve=false", "actor.connect=tcp://10.1.2.3:5555"])
+    with pytest.raises(ConfigError, match="learner.version_address"):
+        load_config(None, ["transport.curve=false", "learner.version_address=tcp://*:5556"])
+    load_config(None, ["actor.connect=tcp://10.1.2.3:5555"])  # with CURVE, any address
