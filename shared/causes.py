@@ -125,3 +125,7 @@ class ReplyCause(enum.StrEnum):
     UNEXPECTED_MESSAGE = "unexpected_message"
     ATTACH_FAILED = "attach_failed"
     WEIGHT_UPDATE_FAILED = "weight_update_failed"
+    #: A frame carried more than `actor.max_messages_per_frame` messages; the rest were refused.
+    TOO_MANY_MESSAGES = "too_many_messages"
+    #: The learner link already runs its most exchanges at once; try again later.
+    BUSY = "busy"
