@@ -114,6 +114,9 @@ class DropCause(enum.StrEnum):
     FILTERED_ZERO_STD = "filtered_zero_std"
     #: The group filter `starpo_s` removed its group (low reward spread).
     FILTERED_STARPO_S = "filtered_starpo_s"
+    #: Refused on arrival by the learner's checks (learner/validate.py, learner/replay.py); the
+    #: reason is counted in `episodes/refused/<reason>`.
+    INVALID_TRAJECTORY = "invalid_trajectory"
     #: Still buffered when the run ended.
     RUN_ENDED = "run_ended"
 
