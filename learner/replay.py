@@ -193,7 +193,9 @@ class ReplayBuffer:
         if message.episode_id in self._seen:
             self.duplicates += 1
             return None
-        identity = self._identity_problem(message)
+        # The learner's identity refusals first: a message of no admitted group is not asked
+        # about any group.
+        identity = refusal[0] if refusal is not None and not refusal[1] else self._identity_problem(message)
         if identity is None and refusal is None:
             if isinstance(message, Trajectory):
                 self.add(message)
