@@ -31,6 +31,7 @@ from millstream.shared.config import LearnerConfig
 from millstream.shared.protocol import (
     Abort,
     AttachLearner,
+    Cause,
     Codec,
     EpisodeFailed,
     ErrorReply,
@@ -89,7 +90,7 @@ hostile_trajectory = st.builds(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.one_of(hostile_trajectory, st.builds(
-    lambda g, e, size: EpisodeFailed(f"e{e}", f"g{g}", size, "env_error", "x"),
+    lambda g, e, size: EpisodeFailed(f"e{e}", f"g{g}", size, Cause.ENV_ERROR, "x"),
     st.integers(0, 40), st.integers(0, 60), st.integers(1, 3),
 )), max_size=60), st.integers(0, 3))  # fmt: skip
 def test_random_episodes_never_raise_and_always_add_up(messages, version):
@@ -147,7 +148,7 @@ def hostile_synthetic(tiny_model_dir, tmp_path_factory):
 
 
 def dealer(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     return sock
