@@ -17,6 +17,13 @@ check, the locking (attach and updates never overlap), the error replies and the
 bookkeeping are the same and live here once. With CURVE on (the default), attaches and updates
 are taken only from a peer that authenticated with the learner's key (`Channel.peer_role`).
 
+Every exchange is inside the actor's error boundary (`actor/boundary.py`): replies never wait,
+a failing exchange is counted, and at most `MAX_EXCHANGES` run at once (more are refused `busy`).
+An attach first checks, in a thread and without the lock, that the learner's store is up and
+marked for its session (`shared.weightsync.await_session`); only then does the engine join, so
+an `AttachLearner` naming a closed port or a silent store never pauses generation. A failed
+attach leaves the session that was attached before it in place.
+
 The version is adopted only after the engine has loaded the weights and resumed, so a token can
 at worst be labelled one version too *old*, never too new: the learner's staleness bound stays
 safe.
@@ -27,7 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -43,6 +50,9 @@ from millstream.shared.protocol import (
     WeightUpdate,
 )
 from millstream.shared.transport import Channel
+from millstream.shared.weightsync import await_session
+
+from .boundary import Boundary
 
 __all__ = ["LearnerLink", "WeightEngine"]
 
@@ -63,9 +73,22 @@ class WeightEngine(Protocol):
 class LearnerLink:
     """Serves Hello / AttachLearner / WeightUpdate for one actor; owns its policy version."""
 
-    def __init__(self, channel: Channel, engine: WeightEngine, describe: Callable[[int], ActorInfo]) -> None:
+    #: Attach and update exchanges running at once; the learner runs one at a time.
+    MAX_EXCHANGES = 4
+
+    def __init__(
+        self,
+        channel: Channel,
+        engine: WeightEngine,
+        describe: Callable[[int], ActorInfo],
+        boundary: Boundary | None = None,
+    ) -> None:
         self.channel = channel
         self.engine = engine
+        self.boundary = boundary or Boundary(channel)
+        self._exchanges = 0
+        # Threads that wait for a learner's store; bounded so attaches cannot take every thread.
+        self._checks = anyio.CapacityLimiter(self.MAX_EXCHANGES)
         self._describe = describe
         #: Policy version of the weights the engine generates with now.
         self.version = 0
@@ -87,32 +110,51 @@ class LearnerLink:
         return isinstance(message, (Hello, AttachLearner, WeightUpdate))
 
     def dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
-        """Each exchange runs as a task: a full send queue or a slow group never blocks the
-        caller's receive loop."""
+        """Hello is answered at once; attach and updates run as tasks (a slow group never blocks
+        the caller's receive loop), at most `MAX_EXCHANGES` of them."""
         if isinstance(message, Hello):
-            tg.start_soon(self._answer_hello, peer)
-        elif not self._from_learner(peer):
+            self.boundary.reply(peer, self.info())
+            return
+        if not self._from_learner(peer):
             self.refused_not_learner += 1
-            tg.start_soon(
-                self._refuse,
+            self.boundary.refuse_once(
                 peer,
-                ReplyCause.NOT_LEARNER,
-                PermissionError(f"{type(message).__name__} is taken only from the run's learner key"),
+                ErrorReply(
+                    ReplyCause.NOT_LEARNER,
+                    f"{type(message).__name__} is taken only from the run's learner key",
+                ),
             )
-        elif isinstance(message, AttachLearner):
-            tg.start_soon(self.attach, peer, message)
+            return
+        if self._exchanges >= self.MAX_EXCHANGES:
+            self.boundary.refuse_once(
+                peer, ErrorReply(ReplyCause.BUSY, f"{self._exchanges} learner exchanges already running")
+            )
+            return
+        if isinstance(message, AttachLearner):
+            tg.start_soon(self._exchange, self.attach, peer, message)
         elif isinstance(message, WeightUpdate):
-            tg.start_soon(self.update, peer, message)
+            tg.start_soon(self._exchange, self.update, peer, message)
 
     def _from_learner(self, peer: bytes) -> bool:
         """With CURVE, only the learner's key may attach or push weights; without it (loopback
         opt-out) anyone who reaches the socket may."""
         return not self.channel.authenticated or self.channel.peer_role(peer) == "learner"
 
-    async def _answer_hello(self, peer: bytes) -> None:
-        await self.channel.send(self.info(), to=peer)  # waits for room in a full send queue
+    async def _exchange(self, task: Callable[..., Any], peer: bytes, message: Message) -> None:
+        self._exchanges += 1
+        try:
+            await self.boundary.guarded(task, peer, message)
+        finally:
+            self._exchanges -= 1
 
     async def attach(self, peer: bytes, msg: AttachLearner) -> None:
+        try:  # before the lock: the engine keeps generating while this waits
+            await anyio.to_thread.run_sync(
+                await_session, msg.host, msg.port, msg.session, msg.timeout_s, limiter=self._checks
+            )
+        except Exception as exc:  # the session attached before stays attached
+            await self._refuse(peer, ReplyCause.ATTACH_FAILED, exc)
+            return
         async with self.lock:
             try:
                 await self.engine.join(msg)
@@ -122,14 +164,16 @@ class LearnerLink:
                 return
             self.session = msg.session
             log.info("learner session %s attached", msg.session)
-            await self.channel.send(self.info(), to=peer)
+            self.boundary.reply(peer, self.info())
 
     async def update(self, peer: bytes, msg: WeightUpdate) -> None:
         async with self.lock:
             started = time.monotonic()
+            if msg.session != self.session:  # a stranger's update: refused, counted, no traceback
+                problem = RuntimeError(f"session {msg.session!r} is not attached ({self.session!r} is)")
+                await self._refuse(peer, ReplyCause.WEIGHT_UPDATE_FAILED, problem)
+                return
             try:
-                if msg.session != self.session:
-                    raise RuntimeError(f"session {msg.session!r} is not attached ({self.session!r} is)")
                 await self.engine.load(msg)
             except Exception as exc:
                 log.exception("weight update to version %d failed", msg.version)
@@ -140,7 +184,8 @@ class LearnerLink:
             self.updates += 1
             self.last_update_paused_s = paused
             log.info("now at policy version %d (paused %.3fs)", msg.version, paused)
-            await self.channel.send(WeightsApplied(msg.version, paused), to=peer)
+            self.boundary.reply(peer, WeightsApplied(msg.version, paused))
 
     async def _refuse(self, peer: bytes, cause: ReplyCause, exc: Exception) -> None:
-        await self.channel.send(ErrorReply(cause, f"{type(exc).__name__}: {exc}"[:500]), to=peer)
+        reply = ErrorReply(cause, f"{type(exc).__name__}: {exc}"[:500])
+        self.boundary.refuse(peer, str(cause), reply, reply.message)

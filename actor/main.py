@@ -127,6 +127,7 @@ async def serve(cfg: Config, ready_file: str | None) -> None:
             rpc_timeout_s=cfg.learner.sync_timeout_s,
             stream_interval=cfg.actor.stream_interval,
             max_live_requests=cfg.actor.max_live_requests,
+            max_messages_per_frame=cfg.actor.max_messages_per_frame,
         )
         log.info(
             "actor ready at %s in %.1fs (warm-up %.2fs), model %s",

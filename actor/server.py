@@ -19,7 +19,10 @@ never newer. The learner's staleness bound therefore never admits a token that i
 
 Every request ends with exactly one final message: a `TokenDelta` with a finish_reason, or a
 `GenerateError` naming the cause. A malformed frame is answered with an `ErrorReply` by the
-channel, and the server keeps serving.
+channel, and the server keeps serving. Each message is inside the error boundary of
+`actor/boundary.py`: requests are admitted (or refused) as they are read, so the live bound
+holds even within one frame; refusals never wait for room in the send queue; a request's task
+never ends the server.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from millstream.shared.protocol import (
 )
 from millstream.shared.transport import Channel
 
+from .boundary import Boundary
 from .link import LearnerLink
 
 __all__ = ["ActorServer", "ActorStats", "VllmWeights", "check_request", "refusal", "unexpected"]
@@ -185,6 +189,7 @@ class ActorServer:
         rpc_timeout_s: float = 600.0,
         stream_interval: int = 1,
         max_live_requests: int = 65536,
+        max_messages_per_frame: int = 4096,
     ) -> None:
         self.engine = engine
         self.channel = channel
@@ -192,13 +197,16 @@ class ActorServer:
         self.stream_interval = stream_interval
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.boundary = Boundary(channel, max_messages_per_frame)
         self.link = LearnerLink(
             channel,
             VllmWeights(engine, rpc_timeout_s),
             lambda version: ActorInfo(model, version, weight_ranks, max_model_len, dtype),
+            self.boundary,
         )
         self.stats = ActorStats()
         self._live: set[str] = set()  # engine request ids: "<peer hex>/<client request id>"
+        self._aborting: set[str] = set()  # live requests whose abort is under way
         #: Set when the engine died; `serve` then raises it, and the process exits non-zero.
         self.dead: BaseException | None = None
 
@@ -212,7 +220,7 @@ class ActorServer:
             tg.start_soon(self._report, stats_every_s)
             tg.start_soon(self._watch_engine, tg.cancel_scope)
             async for peer, messages in self.channel:
-                for message in messages:
+                for message in self.boundary.frame(peer, messages):
                     self._dispatch(tg, peer, message)
         if self.dead is not None:
             raise RuntimeError(f"the vLLM engine died: {self.dead!r}") from self.dead
@@ -226,26 +234,31 @@ class ActorServer:
         scope.cancel()
 
     def _dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
+        """Admit, refuse or answer one message now; only admitted work becomes a task."""
         if isinstance(message, GenerateRequest):
-            tg.start_soon(self._generate, peer, message)
+            key = f"{peer.hex()}/{message.request_id}"
+            refused = self._refusal(key, message)
+            if refused is not None:
+                self.stats.errors += 1
+                self.boundary.refuse(peer, str(refused.cause), refused, refused.message)
+                return
+            self._live.add(key)  # now, not in the task: the next message of the frame sees it
+            tg.start_soon(self.boundary.guarded, self._generate, peer, message, key)
         elif isinstance(message, Abort):
-            tg.start_soon(self._abort, peer, message.request_id)
+            key = f"{peer.hex()}/{message.request_id}"
+            if key in self._live and key not in self._aborting:  # one abort task per live request
+                self._aborting.add(key)
+                tg.start_soon(self.boundary.guarded, self._abort, key)
         elif self.link.handles(message):
             self.link.dispatch(tg, peer, message)
         else:
-            self.channel.send_nowait(unexpected(message), to=peer)
+            self.boundary.refuse_once(peer, unexpected(message))
 
     # --- generation: admit, stream, account -------------------------------------------------
 
-    async def _generate(self, peer: bytes, req: GenerateRequest) -> None:
-        """Serve one request: exactly one final TokenDelta or one GenerateError reaches `peer`."""
-        key = f"{peer.hex()}/{req.request_id}"
-        refused = self._refusal(key, req)
-        if refused is not None:
-            self.stats.errors += 1
-            await self.channel.send(refused, to=peer)
-            return
-        self._live.add(key)
+    async def _generate(self, peer: bytes, req: GenerateRequest, key: str) -> None:
+        """Serve one admitted request: exactly one final TokenDelta or one GenerateError reaches
+        `peer` (unless the send queue is full: then it is counted as dropped)."""
         self.stats.requests += 1
         self.stats.live += 1
         finish = "error"
@@ -254,14 +267,18 @@ class ActorServer:
         except Exception as exc:  # one request's failure never takes the server down...
             if self.engine.errored:  # ...but a dead engine does: serving errors helps nobody
                 self.dead = self.engine.dead_error
-            log.exception("request %s failed", key)
+            if isinstance(exc, TimeoutError):  # a peer that reads nothing: counted, sampled
+                self.boundary.bad.event("send_timeout", "request %s failed: %s", key, exc)
+            else:
+                log.exception("request %s failed", key)
             self.stats.errors += 1
-            await self.channel.send(
+            self.boundary.reply(
+                peer,
                 GenerateError(req.request_id, TurnError.ENGINE_ERROR, f"{type(exc).__name__}: {exc}"[:500]),
-                to=peer,
             )
         finally:
             self._live.discard(key)
+            self._aborting.discard(key)
             self.stats.live -= 1
             if finish == "abort":
                 self.stats.aborted += 1
@@ -304,8 +321,7 @@ class ActorServer:
             await self.channel.send(pending.take(finish), to=peer)
         return finish
 
-    async def _abort(self, peer: bytes, request_id: str) -> None:
-        key = f"{peer.hex()}/{request_id}"
+    async def _abort(self, key: str) -> None:
         if key in self._live:
             await self.engine.abort(key)
 
@@ -314,8 +330,10 @@ class ActorServer:
             await anyio.sleep(every_s)
             channel = self.channel.statistics()
             log.info(
-                "actor stats %s version=%d updates=%d channel sent=%d recv=%d errors=%d send_queue=%d",
+                "actor stats %s refused=%s version=%d updates=%d channel sent=%d recv=%d errors=%d "
+                "send_queue=%d",
                 asdict(self.stats),
+                self.boundary.statistics(),
                 self.version,
                 self.link.updates,
                 channel.sent_messages,

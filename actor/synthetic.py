@@ -42,13 +42,16 @@ from millstream.shared.protocol import (
     Abort,
     ActorInfo,
     AttachLearner,
+    GenerateError,
     GenerateRequest,
     Message,
     TokenDelta,
+    TurnError,
     WeightUpdate,
 )
 from millstream.shared.transport import Channel
 
+from .boundary import Boundary
 from .link import LearnerLink
 from .server import refusal, unexpected
 
@@ -80,8 +83,10 @@ class SyntheticActor:
     def __init__(self, channel: Channel, cfg: Config, *, model: str, vocab_size: int, eos_id: int) -> None:
         self.channel, self.cfg, self.model = channel, cfg, model
         self.vocab_size, self.eos_id = vocab_size, eos_id
-        self.link = LearnerLink(channel, _DiscardingWeights(self), self._describe)
+        self.boundary = Boundary(channel, cfg.actor.max_messages_per_frame)
+        self.link = LearnerLink(channel, _DiscardingWeights(self), self._describe, self.boundary)
         self._waiting: deque[_Seq] = deque()
+        self._queued: set[tuple[bytes, str]] = set()  # keys of `_waiting`, for aborts
         self._running: dict[tuple[bytes, str], _Seq] = {}
         self._aborted: set[tuple[bytes, str]] = set()
         self._work = anyio.Event()
@@ -101,10 +106,11 @@ class SyntheticActor:
             tg.start_soon(self.channel.run)
             tg.start_soon(self._engine)
             async for peer, messages in self.channel:
-                for message in messages:
-                    await self._dispatch(tg, peer, message)
+                for message in self.boundary.frame(peer, messages):
+                    self._dispatch(tg, peer, message)
 
-    async def _dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
+    def _dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
+        """Admit, refuse or note one message now (inside actor/boundary.py's boundary)."""
         if isinstance(message, GenerateRequest):
             a = self.cfg.actor
             refused = refusal(
@@ -114,19 +120,29 @@ class SyntheticActor:
                 a.max_model_len,
                 self.vocab_size,
             )
+            key = (peer, message.request_id)
+            if refused is None and (key in self._queued or key in self._running):
+                refused = GenerateError(
+                    message.request_id,
+                    TurnError.BAD_REQUEST,
+                    f"request id {message.request_id!r} is already live",
+                )
             if refused is not None:
-                await self.channel.send(refused, to=peer)
+                self.boundary.refuse(peer, str(refused.cause), refused, refused.message)
                 return
             stop = set(message.stop_token_ids) | {self.eos_id}
             self._waiting.append(_Seq(peer, message, random.Random(message.seed), stop=stop))
+            self._queued.add(key)
             self._work.set()
         elif isinstance(message, Abort):
-            self._aborted.add((peer, message.request_id))
-            self._work.set()
+            key = (peer, message.request_id)
+            if key in self._queued or key in self._running:  # an unknown id must not grow the set
+                self._aborted.add(key)
+                self._work.set()
         elif self.link.handles(message):
             self.link.dispatch(tg, peer, message)
         else:
-            await self.channel.send(unexpected(message), to=peer)
+            self.boundary.refuse_once(peer, unexpected(message))
 
     async def _engine(self) -> None:
         a = self.cfg.actor
@@ -142,6 +158,7 @@ class SyntheticActor:
             prefill = 0
             while self._waiting and len(self._running) < a.max_num_seqs:
                 seq = self._waiting.popleft()
+                self._queued.discard((seq.peer, seq.req.request_id))
                 self._running[(seq.peer, seq.req.request_id)] = seq
                 prefill += len(seq.req.prompt_token_ids)
             await anyio.sleep(
@@ -180,9 +197,12 @@ class SyntheticActor:
         """Stream the pending tokens of `seq` (all made under `self.version`)."""
         ids, logprobs = seq.pending_ids, seq.pending_logprobs
         seq.pending_ids, seq.pending_logprobs = [], []
-        await self.channel.send(
-            TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish), to=seq.peer
-        )
+        delta = TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish)
+        try:  # waits for room (backpressure), but a queue full for a minute drops, counted
+            await self.channel.send(delta, to=seq.peer)
+        except TimeoutError as exc:
+            self.boundary.refused["reply_dropped"] += 1
+            self.boundary.bad.event("reply_dropped", "dropped a delta: %s", exc)
 
     async def flush_all(self) -> None:
         """Stream every running sequence's pending tokens (before the version changes)."""

@@ -70,11 +70,12 @@ class WeightSyncExtension:
     ) -> int:
         """Join the learner's broadcast group as rank 1 + this worker's rank."""
         _quiet_derived_buffers()
-        self.millstream_leave()
         rank = 1 + int(getattr(self, "rank", 0))
         started = time.monotonic()
         store = open_store(host, port, world_size, is_master=False, timeout_s=timeout_s)
         group = make_group(store, rank, world_size, backend, timeout_s, session)
+        # Only now is the old group let go: a failed join leaves the attached session working.
+        self.millstream_leave()
         self._ms_group, self._ms_store = group, store
         self._ms_session = session
         self._ms_timeout = timeout_s

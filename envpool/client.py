@@ -12,6 +12,12 @@ A generation either ends with a final delta (finish_reason set) or raises `Gener
 with its `shared.protocol.Cause`: the actor's `GenerateError`, a timeout, an abort the envpool did
 not ask for, or an actor that breaks the protocol. An episode cancelled while it waits (it timed
 out, or the run ends) sends `Abort`, so the actor stops spending compute on it.
+
+The reply router is an error boundary: a delta that breaks the protocol (token ids and logprobs
+of different lengths, an unknown finish reason, a negative version, more tokens than the request
+asked for) fails only its own request as `actor_protocol`, counted in `protocol_errors`; a reply
+the client does not expect is counted and a sample logged (`shared/ratelog.py`). Nothing an actor
+sends ends the worker.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from millstream.shared.protocol import (
     Hello,
     TokenDelta,
 )
+from millstream.shared.ratelog import RateLog
 from millstream.shared.transport import Channel
 
 __all__ = ["ActorClient", "ActorUnreachable", "Generation", "GenerationFailed", "ClientStats"]
@@ -74,6 +81,10 @@ class ClientStats:
     aborted: int = 0
     late_replies: int = 0
     error_replies: int = 0
+    #: Replies that broke the protocol (each fails its request as actor_protocol).
+    protocol_errors: int = 0
+    #: Replies of a kind the client does not take.
+    unexpected_replies: int = 0
     retries: int = 0
     #: Request-to-final-delta time of completed generations (turn latency as the env sees it).
     latency: LatencyHistogram = field(default_factory=LatencyHistogram, repr=False)
@@ -113,6 +124,7 @@ class ActorClient:
         self.stats = ClientStats()
         self.info: ActorInfo | None = None
         self._info_event = anyio.Event()
+        self._bad = RateLog(log)
 
     async def run(self) -> None:
         async for _, messages in self.channel:
@@ -123,7 +135,12 @@ class ActorClient:
                         self.stats.late_replies += 1  # its episode ended meanwhile
                         continue
                     reply: TokenDelta | GenerateError | GenerationFailed = message
-                    if len(inbox.replies) >= self.MAX_DELTAS:
+                    problem = _delta_problem(message) if isinstance(message, TokenDelta) else None
+                    if problem is not None:
+                        self.stats.protocol_errors += 1
+                        self._bad.event("actor_protocol", "request %s: %s", message.request_id, problem)
+                        reply = GenerationFailed(Cause.ACTOR_PROTOCOL, problem)
+                    elif len(inbox.replies) >= self.MAX_DELTAS:
                         self.stats.error_replies += 1
                         reply = GenerationFailed(
                             Cause.ACTOR_PROTOCOL, f"over {self.MAX_DELTAS} deltas unread"
@@ -138,9 +155,11 @@ class ActorClient:
                 elif isinstance(message, ErrorReply):
                     # The actor could not read one of our frames: a bug worth shouting about.
                     self.stats.error_replies += 1
-                    log.error("actor rejected a frame: %s: %s", message.cause, message.message)
+                    cause, text = message.cause, message.message
+                    self._bad.event("error_reply", "actor rejected a frame: %s: %s", cause, text)
                 else:
-                    log.warning("unexpected %s from the actor", type(message).__name__)
+                    self.stats.unexpected_replies += 1
+                    self._bad.event("unexpected", "unexpected %s from the actor", type(message).__name__)
 
     def take_latency(self) -> LatencyHistogram:
         """The turn latencies recorded since the last call (a fresh histogram starts)."""
@@ -263,6 +282,12 @@ class ActorClient:
                     out.token_ids += reply.token_ids
                     out.logprobs += reply.logprobs
                     out.versions += [reply.version] * len(reply.token_ids)
+                    if len(out.token_ids) > max_tokens:
+                        done = True
+                        self.stats.protocol_errors += 1
+                        raise GenerationFailed(
+                            Cause.ACTOR_PROTOCOL, f"{len(out.token_ids)} tokens for max_tokens={max_tokens}"
+                        )
                     if reply.finish_reason is not None:
                         out.finish_reason = reply.finish_reason
                         done = True
@@ -285,3 +310,18 @@ class ActorClient:
                     pass
             elif out.finish_reason is None or out.finish_reason == "abort":
                 self.stats.failed += 1
+
+
+#: Finish reasons an actor may send (None: the request still runs).
+FINISH_REASONS = frozenset({None, "stop", "length", "abort"})
+
+
+def _delta_problem(delta: TokenDelta) -> str | None:
+    """What breaks the protocol in `delta`, in words, or None."""
+    if len(delta.token_ids) != len(delta.logprobs):
+        return f"{len(delta.token_ids)} token ids with {len(delta.logprobs)} logprobs"
+    if delta.finish_reason not in FINISH_REASONS:
+        return f"unknown finish reason {str(delta.finish_reason)[:40]!r}"
+    if delta.version < 0:
+        return f"negative policy version {delta.version}"
+    return None

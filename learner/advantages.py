@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # only for type hints; keeps this module free of runtime impo
 
 __all__ = [
     "EPS",
+    "span_problem",
     "Estimator",
     "ESTIMATORS",
     "grpo_advantages",
@@ -243,6 +244,20 @@ def _std(values: Sequence[float]) -> float:
 def _spread(group: Group) -> bool:
     rewards = [t.reward for t in group.trajectories]
     return bool(rewards) and max(rewards) != min(rewards)
+
+
+def span_problem(traj: Trajectory, cfg: LearnerConfig) -> str | None:
+    """What `compute_advantages` would refuse in `traj` under `cfg`, in words, or None
+    (learner/validate.py asks on arrival, so a bad trajectory never reaches a batch)."""
+    try:
+        _check(
+            traj,
+            spans=cfg.advantage == "gigpo" or cfg.reward_level == "turn",
+            anchors=cfg.advantage == "gigpo",
+        )
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _check(traj: Trajectory, *, spans: bool, anchors: bool) -> None:

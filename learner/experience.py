@@ -24,6 +24,7 @@ import zmq
 from millstream.shared.config import Config
 from millstream.shared.keys import RunKeys, secure
 from millstream.shared.protocol import Codec, Message, PolicyVersion, ProtocolError
+from millstream.shared.ratelog import RateLog
 
 __all__ = ["Experience", "say"]
 
@@ -44,6 +45,7 @@ class Experience:
         secure(self.pub, keys, bind=True)
         self.pub.bind(cfg.learner.version_address)
         self.last_announce = 0.0
+        self.bad = RateLog(log)  # bad frames: counted in codec.errors, a sample logged
 
     def announce(
         self,
@@ -67,7 +69,7 @@ class Experience:
             try:
                 yield from self.codec.decode(self.pull.recv())
             except ProtocolError as exc:  # counted in codec.errors; a PULL cannot answer
-                log.error("dropped a bad experience frame: %s", exc)
+                self.bad.event("malformed_frame", "dropped a bad experience frame: %s", exc)
 
     def close(self) -> None:
         self.pull.close(linger=0)

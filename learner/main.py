@@ -45,6 +45,7 @@ from millstream.shared.protocol import (
     WorkerHello,
     admit_limit,
 )
+from millstream.shared.ratelog import RateLog
 from millstream.shared.runtime import resolve_model_dir, run_role, write_ready
 
 from .actorlink import ActorLink
@@ -56,6 +57,7 @@ from .replay import Group, ReplayBuffer
 from .stats import CollapseWatch, NoSignalWatch, batch_metrics, progress_line
 from .team import Team
 from .trainer import Trainer
+from .validate import EpisodeCheck, vocab_size
 from .weights import WeightSender
 from .workers import WorkerLedger
 
@@ -88,6 +90,9 @@ class Leader:
         self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0)
         self.received_before = 0  # episodes a resumed buffer had received in earlier sessions
         self.dropped_before = 0  # groups a resumed buffer had dropped (incl. partials at load)
+        self.check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))
+        self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
+        self.admitted = 0  # highest admission limit announced: no group at or above it started
 
     # --- admission -------------------------------------------------------------------------
 
@@ -136,7 +141,7 @@ class Leader:
         )
         self.started = self.last_step = self.last_data = time.monotonic()
         announced = self.limit()
-        self.exp.announce(trainer.version, announced, self.group_base, next_groups=self.ledger.next_groups)
+        self._announce(announced)
         while trainer.version < cfg.train.steps:
             for message in self.exp.receive(0.05):
                 self._handle(message)
@@ -145,9 +150,7 @@ class Leader:
             stepped = self._maybe_step()
             if stepped or time.monotonic() - self.exp.last_announce > 1.0 or self.limit() != announced:
                 announced = self.limit()
-                self.exp.announce(
-                    trainer.version, announced, self.group_base, next_groups=self.ledger.next_groups
-                )
+                self._announce(announced)
             if not stepped and time.monotonic() - self.last_data > cfg.learner.idle_timeout_s:
                 raise TimeoutError(
                     f"no experience for {cfg.learner.idle_timeout_s}s; is the envpool "
@@ -155,16 +158,32 @@ class Leader:
                 )
         return self._finish()
 
+    def _announce(self, limit: int) -> None:
+        self.admitted = max(self.admitted, limit)
+        self.exp.announce(self.trainer.version, limit, self.group_base, next_groups=self.ledger.next_groups)
+
     def _handle(self, message) -> None:
-        if isinstance(message, Trajectory):
-            self.ledger.reported(message.episode_id, message.group_id)
-            self.buffer.add(message)
-        elif isinstance(message, EpisodeFailed):
-            self.ledger.reported(message.episode_id, message.group_id)
-            self.buffer.fail(message)
-            self._log_episode(
-                {"fate": "failed", "version": self.trainer.version, **msgspec.structs.asdict(message)}
+        """One arriving message, inside its error boundary: an episode is checked, then buffered
+        or refused (counted, learner/validate.py); nothing a peer sends ends the learner."""
+        if isinstance(message, (Trajectory, EpisodeFailed)):
+            found = self.check.problem(message, version=self.trainer.version, admitted=self.admitted)
+            before = (
+                self.buffer.failed.get(str(message.cause), 0) if isinstance(message, EpisodeFailed) else 0
             )
+            reason = self.buffer.accept(message, None if found is None else (found.reason, found.closes_slot))
+            if reason is None or (found is not None and found.closes_slot):
+                self.ledger.reported(message.episode_id, message.group_id)  # its slot is closed
+            if reason is not None:
+                detail = found.detail if found is not None else "disagrees with its group or the buffer"
+                self.refusals.event(
+                    reason, "refused episode %.40r: %s: %s", message.episode_id, reason, detail
+                )
+            elif (
+                isinstance(message, EpisodeFailed) and self.buffer.failed.get(str(message.cause), 0) > before
+            ):
+                self._log_episode(
+                    {"fate": "failed", "version": self.trainer.version, **msgspec.structs.asdict(message)}
+                )
         elif isinstance(message, PoolDone):
             self.done_workers[message.worker] = message
         elif isinstance(message, GroupStarted):
@@ -176,7 +195,9 @@ class Leader:
             for failure in lost:
                 self._handle(failure)
         else:
-            log.warning("unexpected %s on the experience socket", type(message).__name__)
+            self.refusals.event(
+                "unexpected", "unexpected %s on the experience socket", type(message).__name__
+            )
 
     def _maybe_step(self) -> bool:
         """One training step if enough fresh complete groups wait: take, train, push, report."""
@@ -354,6 +375,7 @@ class Leader:
             "episodes_trained": stats["trained"],
             "episodes_dropped": stats["dropped"],
             "episodes_failed": stats["failed"],
+            "episodes_refused": stats["refused"],
             "duplicates": stats["duplicates"],
             **self.ledger.statistics(),
             "decode_errors": self.exp.codec.errors,
@@ -387,6 +409,7 @@ class Leader:
         }
         out.update({f"episodes/dropped/{k}": v for k, v in stats["dropped"].items()})
         out.update({f"episodes/failed/{k}": v for k, v in stats["failed"].items()})
+        out.update({f"episodes/refused/{k}": v for k, v in stats["refused"].items()})
         return out
 
     def _log_episode(self, record: dict) -> None:

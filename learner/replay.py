@@ -25,7 +25,13 @@ even if it held no trajectory: the learner announces it so the envpool's admissi
 counts groups, can free one slot per group that will never fill a batch.
 
 The buffer is bounded by `max_groups` (complete + partial). The envpool's admission gate is meant
-to make overflow impossible, so exceeding it raises `BufferFull`: a bug signal, not back-pressure.
+to make overflow impossible, so `add` and `fail` raise `BufferFull` on it (and ValueError on a
+group_size that disagrees): a bug signal. The learner calls `accept` instead, which never raises:
+what `add` or `fail` would raise on, and what learner/validate.py found wrong, is *refused*:
+counted as received and dropped under `invalid_trajectory`, the reason in `refused[reason]`.
+A refusal of the message's content closes its member slot (the group still completes); a refusal
+of its identity (wrong group size, an environment or seed other than its group's, a full buffer,
+a group never admitted) touches no group, so a forged message cannot complete or open one.
 The buffer is single-threaded (the learner's receive loop owns it) and does no I/O.
 
 `state_dict` / `load_state_dict` carry it across a learner restart (learner/checkpoint.py writes
@@ -78,6 +84,8 @@ class _Pending:
     failed: int = 0
     #: Min version over generated tokens so far; None while no trajectory has arrived.
     oldest: int | None = None
+    #: (env, seed) of its first trajectory: every member plays the same environment and seed.
+    identity: tuple[str, int] | None = None
 
     @property
     def members(self) -> int:
@@ -134,6 +142,8 @@ class ReplayBuffer:
         self.dropped_groups = 0
         self.dropped: dict[str, int] = {}
         self.failed: dict[str, int] = {}
+        #: Episodes refused on arrival, by reason (all counted in dropped["invalid_trajectory"]).
+        self.refused: dict[str, int] = {}
         self._last_staleness: list[int] = []
 
     # --- arrivals --------------------------------------------------------------------------
@@ -156,6 +166,7 @@ class ReplayBuffer:
         else:
             group.trajectories.append(traj)
             group.oldest = oldest if group.oldest is None else min(group.oldest, oldest)
+            group.identity = group.identity or (traj.env, traj.seed)
             self.buffered += 1
         self._maybe_complete(traj.group_id, group)
 
@@ -170,6 +181,58 @@ class ReplayBuffer:
         group = self._pending[failure.group_id]
         group.failed += 1
         self._maybe_complete(failure.group_id, group)
+
+    def accept(
+        self, message: Trajectory | EpisodeFailed, refusal: tuple[str, bool] | None = None
+    ) -> str | None:
+        """The learner's entry, which never raises: `add` or `fail` the message, or refuse it.
+
+        `refusal` is (reason, closes_slot) when the learner's own checks already refused it.
+        Returns the reason it was refused for, or None.
+        """
+        if message.episode_id in self._seen:
+            self.duplicates += 1
+            return None
+        # The learner's identity refusals first: a message of no admitted group is not asked
+        # about any group.
+        identity = refusal[0] if refusal is not None and not refusal[1] else self._identity_problem(message)
+        if identity is None and refusal is None:
+            if isinstance(message, Trajectory):
+                self.add(message)
+            else:
+                self.fail(message)
+            return None
+        reason, closes = (identity, False) if identity is not None else refusal  # type: ignore[misc]
+        self._refuse(message, reason, closes)
+        return reason
+
+    def _identity_problem(self, message: Trajectory | EpisodeFailed) -> str | None:
+        """Why `message` cannot belong to the group it names (then it closes no slot), or None."""
+        if message.group_size != self.group_size:
+            return "group_size"
+        gid = message.group_id
+        pending = self._pending.get(gid)
+        if pending is None:
+            new = gid not in self._closed and gid not in self._complete
+            full = len(self._pending) + len(self._complete) >= self.max_groups
+            return "buffer_full" if new and full else None
+        if isinstance(message, Trajectory) and pending.identity not in (None, (message.env, message.seed)):
+            return "group_identity"
+        return None
+
+    def _refuse(self, message: Trajectory | EpisodeFailed, reason: str, closes_slot: bool) -> None:
+        self._seen.add(message.episode_id)
+        self.received += 1
+        self._count(self.dropped, DropCause.INVALID_TRAJECTORY, 1)
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        gid = message.group_id
+        if not closes_slot or gid in self._closed or gid in self._complete:
+            return
+        if gid not in self._pending and len(self._pending) + len(self._complete) >= self.max_groups:
+            return
+        group = self._pending.setdefault(gid, _Pending())
+        group.failed += 1
+        self._maybe_complete(gid, group)
 
     def _admit(self, episode_id: str, group_id: str, group_size: int) -> int:
         """Counts a new episode as received and says where it goes: _OPEN, _LATE or _DUPLICATE.
@@ -303,6 +366,7 @@ class ReplayBuffer:
                 "dropped_groups": self.dropped_groups,
                 "dropped": dict(self.dropped),
                 "failed": dict(self.failed),
+                "refused": dict(self.refused),
             },
             "seen": sorted(self._seen),
             "closed": dict(self._closed),
@@ -366,6 +430,7 @@ class ReplayBuffer:
         self.duplicates, self.buffered = int(c["duplicates"]), int(c["buffered"])
         self.dropped_groups = int(c["dropped_groups"])
         self.dropped, self.failed = dict(c["dropped"]), dict(c["failed"])
+        self.refused = dict(c.get("refused", {}))
         self._last_staleness = list(state.get("last_staleness", []))
         for gid, group in partial.items():
             self._closed[gid] = drop_partial_cause
@@ -395,6 +460,7 @@ class ReplayBuffer:
             "trained": self.trained,
             "dropped": dict(self.dropped),
             "failed": dict(self.failed),
+            "refused": dict(self.refused),
             "duplicates": self.duplicates,
             "buffered": self.buffered,
             "dropped_groups": self.dropped_groups,

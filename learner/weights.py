@@ -36,7 +36,15 @@ from millstream.shared.protocol import (
     WeightsApplied,
     WeightUpdate,
 )
-from millstream.shared.weightsync import DTYPES, broadcast, flat_layout, make_group, open_store, pick_backend
+from millstream.shared.weightsync import (
+    DTYPES,
+    broadcast,
+    flat_layout,
+    make_group,
+    mark_session,
+    open_store,
+    pick_backend,
+)
 
 __all__ = ["WeightSender", "WeightSyncError"]
 
@@ -132,6 +140,7 @@ class WeightSender:
         store = self._store = open_store(
             self.cfg.sync_host, 0, world, is_master=True, timeout_s=self.cfg.sync_timeout_s
         )
+        mark_session(store, self.session)  # the actor checks it before its engine joins
         started = time.monotonic()
         self._sock.send(
             self._codec.encode(

@@ -117,6 +117,9 @@ class DropCause(enum.StrEnum):
     FILTERED_ZERO_STD = "filtered_zero_std"
     #: The group filter `starpo_s` removed its group (low reward spread).
     FILTERED_STARPO_S = "filtered_starpo_s"
+    #: Refused on arrival by the learner's checks (learner/validate.py, learner/replay.py); the
+    #: reason is counted in `episodes/refused/<reason>`.
+    INVALID_TRAJECTORY = "invalid_trajectory"
     #: Still buffered when the run ended.
     RUN_ENDED = "run_ended"
 
@@ -130,3 +133,7 @@ class ReplyCause(enum.StrEnum):
     WEIGHT_UPDATE_FAILED = "weight_update_failed"
     #: An attach or weight update from a peer that did not authenticate as the run's learner.
     NOT_LEARNER = "not_learner"
+    #: A frame carried more than `actor.max_messages_per_frame` messages; the rest were refused.
+    TOO_MANY_MESSAGES = "too_many_messages"
+    #: The learner link already runs its most exchanges at once; try again later.
+    BUSY = "busy"

@@ -24,6 +24,7 @@ context) run after the types (`check_config`), still before any role starts.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import tomllib
 from datetime import date, time
@@ -233,6 +234,17 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"envpool.max_tokens = {cfg.envpool.max_tokens}: a turn's generation budget must "
             f"leave room for its prompt within actor.max_model_len = {cfg.actor.max_model_len}"
+        )
+    low, high = cfg.learner.reward_range
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ConfigError(
+            f"learner.reward_range = {cfg.learner.reward_range}: expected [low, high], finite, low < high"
+        )
+    if cfg.actor.max_messages_per_frame < cfg.transport.coalesce_max:
+        raise ConfigError(
+            f"actor.max_messages_per_frame = {cfg.actor.max_messages_per_frame}: below "
+            f"transport.coalesce_max = {cfg.transport.coalesce_max}, the actor would refuse the "
+            "envpool's own frames"
         )
     if cfg.train.group_size > cfg.envpool.max_concurrent_episodes:
         raise ConfigError(

@@ -113,6 +113,15 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ge=1,
         ),
     ] = 65536
+    max_messages_per_frame: Annotated[
+        int,
+        _doc(
+            "Messages the actor serves from one frame; the rest are refused with one "
+            "'too_many_messages' reply. The envpool packs at most transport.coalesce_max into a "
+            "frame, so only a broken or hostile peer reaches it.",
+            ge=1,
+        ),
+    ] = 4096
     stream_interval: Annotated[
         int,
         _doc(
@@ -361,6 +370,16 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_buffer_groups: Annotated[
         int, _doc("Bound of the replay buffer (complete + partial groups).", ge=1)
     ] = 4096
+    reward_range: Annotated[
+        list[float],
+        _doc(
+            "[low, high]: a trajectory whose reward (or a turn reward) lies outside, or is not "
+            "finite, is refused as invalid_trajectory, never trained. Wide by default (sokoban's "
+            "finish bonus is 10 plus box rewards); narrow it to the task's real range.",
+            min_length=2,
+            max_length=2,
+        ),
+    ] = msgspec.field(default_factory=lambda: [-100.0, 100.0])
 
 
 class TransportConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -37,6 +37,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from .config import TransportConfig
 from .keys import RunKeys, secure
 from .protocol import Codec, ErrorReply, Message, ProtocolError, ReplyCause
+from .ratelog import RateLog
 
 __all__ = ["Channel", "ChannelStats", "open_channel", "KINDS"]
 
@@ -117,6 +118,7 @@ class Channel:
         #: True when the socket uses the run's CURVE keys.
         self.authenticated = authenticated
         self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue, recv_queue_max=recv_queue)
+        self._bad = RateLog(log)  # a peer controls how often these happen: count, log a sample
 
     # --- public API ------------------------------------------------------------------------
 
@@ -220,7 +222,7 @@ class Channel:
                 raise ProtocolError(f"expected 1 payload frame, got {len(frames)}")
             messages = self._codec.decode(frames[0])
         except ProtocolError as exc:
-            log.warning("%s %s: dropped a bad frame: %s", self.kind, self.address, exc)
+            self._bad.event("malformed_frame", "%s %s: dropped a bad frame: %s", self.kind, self.address, exc)
             if self.kind in _CAN_ANSWER:
                 try:
                     self.send_nowait(ErrorReply(ReplyCause.MALFORMED_FRAME, str(exc)[:500]), to=peer)
@@ -266,7 +268,7 @@ class Channel:
                 delay = min(delay * 2, self._cfg.io_wait_s)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:  # ROUTER: that peer is gone; drop its frame.
-                    log.warning("%s: peer gone, dropped a frame", self.address)
+                    self._bad.event("peer_gone", "%s: peer gone, dropped a frame", self.address)
                     return
                 raise
         # A send can swallow the descriptor's edge; wake the reader if frames are waiting.

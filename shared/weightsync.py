@@ -23,7 +23,17 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DTYPES", "open_store", "listen_on", "make_group", "broadcast", "flat_layout", "pick_backend"]
+__all__ = [
+    "DTYPES",
+    "open_store",
+    "listen_on",
+    "make_group",
+    "broadcast",
+    "flat_layout",
+    "pick_backend",
+    "mark_session",
+    "await_session",
+]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,6 +74,30 @@ def listen_on(host: str, port: int) -> int:
     sock.bind(address)
     sock.listen(512)
     return sock.detach()
+
+
+def _session_key(session: str) -> str:
+    return f"millstream/{session}/learner"
+
+
+def mark_session(store, session: str) -> None:
+    """The learner says, in its store, that it is forming `session`'s group (see await_session)."""
+    store.set(_session_key(session), b"1")
+
+
+def await_session(host: str, port: int, session: str, timeout_s: float) -> None:
+    """Return once the store at host:port is up and its learner marked `session`; raise otherwise.
+
+    The actor calls this in a thread of its own process before it asks its engine to join. Joining
+    blocks the engine (vLLM's workers run the join inside their busy loop, so generation stops),
+    and an `AttachLearner` naming a closed port or a store of no learner would stall it for the
+    sender's whole timeout. Checked here first, a bad attach costs one idle thread, not the
+    engine.
+    """
+    from datetime import timedelta
+
+    store = open_store(host, port, 1, is_master=False, timeout_s=timeout_s)
+    store.wait([_session_key(session)], timedelta(seconds=timeout_s))
 
 
 def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float, session: str):

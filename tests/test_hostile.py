@@ -1,0 +1,348 @@
+"""A hostile peer against every role: whatever one message does, it is refused or counted and the
+role keeps serving (actor/boundary.py, learner/validate.py, ReplayBuffer.accept, the envpool
+client's reply router, shared/ratelog.py).
+
+Each finding of the hostile-peer probe is replayed against a real process: the synthetic actor
+where the engine does not matter, the vLLM actor (`real`) where it does, and a real learner
+process (DeepSpeed, `real`) fed by this test playing the envpool.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import msgspec
+import orjson
+import pytest
+import zmq
+from helpers import ROOT, start_actor, stop_group, wait_for_file, with_client
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from millstream.learner.replay import ReplayBuffer
+from millstream.learner.validate import EpisodeCheck
+from millstream.shared.config import LearnerConfig
+from millstream.shared.protocol import (
+    Abort,
+    AttachLearner,
+    Cause,
+    Codec,
+    EpisodeFailed,
+    ErrorReply,
+    GenerateRequest,
+    Hello,
+    PolicyVersion,
+    PoolDone,
+    ReplyCause,
+    Trajectory,
+)
+from millstream.shared.ratelog import RateLog
+from millstream.shared.runtime import free_port
+
+FLOOD = 70_000
+
+
+# --- pure units: the rate-limited log and the learner's checks ---------------------------------
+
+
+def test_ratelog_counts_everything_and_logs_a_sample(caplog):
+    bad = RateLog(logging.getLogger("hostile"), first=3, every_s=3600)
+    with caplog.at_level(logging.WARNING, logger="hostile"):
+        for i in range(10_000):
+            bad.event("malformed_frame", "bad frame %d", i)
+    assert bad.counts["malformed_frame"] == 10_000
+    assert len(caplog.records) == 4  # the sample of 3, then one line for the interval
+
+
+def traj(gid: str, eid: str, **changes) -> Trajectory:
+    base = Trajectory(
+        eid, gid, 7, "noop", [1, 2, 3, 4], [0, 0, 1, 1], [0.0, 0.0, -0.5, -0.7], [-1, -1, 0, 0],
+        1.0, [1.0], 1, 2, 0.1, turn_starts=[2], turn_ends=[4], anchors=["a"],
+    )  # fmt: skip
+    return msgspec.structs.replace(base, **changes)
+
+
+def accounted(buf: ReplayBuffer) -> None:
+    s = buf.statistics()
+    assert (
+        s["received"] == s["trained"] + sum(s["dropped"].values()) + sum(s["failed"].values()) + s["buffered"]
+    )
+
+
+floats = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([1e308, -1e308, 1e9]))
+hostile_trajectory = st.builds(
+    lambda g, e, size, reward, ids, versions, seed: traj(
+        f"g{g}", f"e{e}", group_size=size, reward=reward, turn_rewards=[reward], token_ids=ids,
+        versions=versions, seed=seed,
+    ),
+    st.integers(0, 40), st.integers(0, 60), st.integers(1, 3), floats,
+    st.lists(st.integers(-5, 300), min_size=0, max_size=6),
+    st.lists(st.integers(-3, 5), min_size=4, max_size=4),
+    st.integers(0, 2),
+)  # fmt: skip
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(hostile_trajectory, st.builds(
+    lambda g, e, size: EpisodeFailed(f"e{e}", f"g{g}", size, Cause.ENV_ERROR, "x"),
+    st.integers(0, 40), st.integers(0, 60), st.integers(1, 3),
+)), max_size=60), st.integers(0, 3))  # fmt: skip
+def test_random_episodes_never_raise_and_always_add_up(messages, version):
+    """Random (mostly invalid) episodes go through the learner's checks and `accept`: nothing
+    raises, nothing invalid is buffered, every episode is accounted for."""
+    check = EpisodeCheck(LearnerConfig(reward_range=[-10.0, 10.0]), vocab=256)
+    buf = ReplayBuffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=8)
+    for m in messages:
+        found = check.problem(m, version=version, admitted=30)
+        buf.accept(m, None if found is None else (found.reason, found.closes_slot))
+        accounted(buf)
+        buf.take_batch(version)
+    for group in buf._complete.values():
+        for t in group.trajectories:
+            assert math.isfinite(t.reward) and -10 <= t.reward <= 10 and max(t.versions) <= version
+    assert sum(buf.refused.values()) == buf.dropped.get("invalid_trajectory", 0)
+
+
+def test_each_learner_finding_is_a_counted_refusal():
+    check = EpisodeCheck(LearnerConfig(reward_range=[-10.0, 10.0]), vocab=256)
+    buf = ReplayBuffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=2)
+    buf.accept(traj("g2", "ok1"))
+    buf.accept(traj("g3", "ok2"))  # the buffer (max_groups=2) is full now
+    cases = [  # identity first (they touch no group), then content (each closes a slot of g3)
+        ("group_identity", traj("g2", "i", seed=8)),
+        ("buffer_full", traj("g5", "j")),
+        ("group_size", traj("g2", "a", group_size=3)),
+        ("unannounced_group", traj("g99", "d", reward=1e9)),
+        ("bad_group_id", traj("evil", "e")),
+        ("reward_not_finite", traj("g3", "b", reward=math.nan, turn_rewards=[math.nan])),
+        ("reward_out_of_range", traj("g3", "c", reward=1e308, turn_rewards=[1e308])),
+        ("version", traj("g3", "f", versions=[-1, -1, 5, 5])),
+        ("token_id", traj("g3", "g", token_ids=[1, 2, 3, 10**6])),
+        ("lengths", traj("g3", "h", logprobs=[0.0])),
+    ]
+    for reason, message in cases:
+        found = check.problem(message, version=0, admitted=10)
+        assert buf.accept(message, None if found is None else (found.reason, found.closes_slot)) == reason
+        accounted(buf)
+    assert buf.refused == {r: 1 for r, _ in cases} and buf.dropped["invalid_trajectory"] == len(cases)
+    assert buf.statistics()["complete_groups"] == 0  # g3 closed by a refusal: too small, dropped
+
+
+# --- the synthetic actor ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hostile_synthetic(tiny_model_dir, tmp_path_factory):
+    """A synthetic actor of this module's own (floods must not touch the session's actors)."""
+    address, proc, log = start_actor(
+        tiny_model_dir, tmp_path_factory.mktemp("hostile"), "actor.kind=synthetic", timeout_s=120
+    )
+    yield address, proc, log
+    stop_group(proc)
+
+
+def dealer(address: str) -> zmq.Socket:
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    return sock
+
+
+def replies(sock: zmq.Socket, wait_s: float, until: ReplyCause | None = None) -> list:
+    """What arrives within `wait_s`, or until an ErrorReply of cause `until` has."""
+    codec, out = Codec(), []
+    deadline = time.monotonic() + wait_s
+    while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        out.extend(codec.decode(sock.recv()))
+        done = until is not None and any(isinstance(m, ErrorReply) and m.cause == until for m in out)
+        if done or time.monotonic() > deadline:
+            break
+    return out
+
+
+async def one_generation(address: str, timeout_s: float = 30.0):
+    async def body(client, _tg):
+        await client.handshake(timeout_s=5, retries=2, backoff_s=0.2)
+        started = time.monotonic()
+        gen = await client.generate(
+            [1, 2, 3],
+            max_tokens=8,
+            temperature=1.0,
+            top_p=1.0,
+            seed=1,
+            stop_token_ids=[],
+            timeout_s=timeout_s,
+        )
+        return gen, time.monotonic() - started
+
+    return await with_client(address, body)
+
+
+FLOODS = {
+    "hello": lambda i: Hello("x"),
+    "abort": lambda i: Abort(f"r{i}"),
+    "generate": lambda i: GenerateRequest(f"r{i}", [1, 2], 4),
+    "unexpected": lambda i: PoolDone("x", 1, 1, 0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(FLOODS))
+def test_synthetic_actor_survives_a_frame_of_70000_messages(hostile_synthetic, kind):
+    address, proc, _ = hostile_synthetic
+    sock = dealer(address)
+    sock.send(Codec().encode([FLOODS[kind](i) for i in range(FLOOD)]))
+    got = replies(sock, 3.0)
+    sock.close()
+    assert any(isinstance(m, ErrorReply) and m.cause == ReplyCause.TOO_MANY_MESSAGES for m in got)
+    assert len(got) < 5000  # one refusal for the frame's excess, not one per message
+    assert proc.poll() is None
+    gen, _ = anyio.run(one_generation, address)
+    assert gen.finish_reason in ("stop", "length")
+
+
+def test_bad_frames_are_counted_and_logged_at_a_bounded_rate(hostile_synthetic):
+    address, proc, log = hostile_synthetic
+    before = log.stat().st_size
+    sock = dealer(address)
+    for i in range(10_000):
+        sock.send(b"\xc1garbage" + i.to_bytes(4, "little"))
+    got = replies(sock, 3.0)
+    sock.close()
+    assert sum(isinstance(m, ErrorReply) for m in got) > 0 and proc.poll() is None
+    assert log.stat().st_size - before < 20_000  # was 1.4-1.7 MB per 10,000 bad frames
+
+
+def closed_port_attach(address: str, timeout_s: float) -> zmq.Socket:
+    sock = dealer(address)
+    sock.send(Codec().encode([AttachLearner("evil", "127.0.0.1", free_port(), 2, "gloo", timeout_s)]))
+    return sock
+
+
+def test_attach_to_a_closed_port_does_not_stall_the_synthetic_actor(hostile_synthetic):
+    address, proc, _ = hostile_synthetic
+    sock = closed_port_attach(address, timeout_s=3.0)
+    time.sleep(0.3)
+    gen, took = anyio.run(one_generation, address)
+    assert gen.finish_reason in ("stop", "length") and took < 3.0
+    got = replies(sock, 20.0, until=ReplyCause.ATTACH_FAILED)
+    sock.close()
+    assert any(isinstance(m, ErrorReply) and m.cause == ReplyCause.ATTACH_FAILED for m in got)
+    assert proc.poll() is None
+
+
+# --- the vLLM actor --------------------------------------------------------------------------------
+
+
+def test_vllm_actor_survives_floods_and_a_closed_port_attach(actor):
+    """The probe's actor findings against the real engine: floods of every kind, then an attach
+    naming a closed port while a generation runs (it used to pause for the whole timeout)."""
+    for kind in ("hello", "abort", "unexpected"):
+        sock = dealer(actor.address)
+        sock.send(Codec().encode([FLOODS[kind](i) for i in range(FLOOD)]))
+        got = replies(sock, 2.0)
+        sock.close()
+        assert any(isinstance(m, ErrorReply) and m.cause == ReplyCause.TOO_MANY_MESSAGES for m in got)
+    sock = dealer(actor.address)  # bad requests: each refused as it is read, none kills a task group
+    sock.send(Codec().encode([GenerateRequest(f"r{i}", [], 4) for i in range(FLOOD)]))
+    assert replies(sock, 3.0)
+    sock.close()
+    assert actor.proc.poll() is None
+    _, plain = anyio.run(one_generation, actor.address)
+    sock = closed_port_attach(actor.address, timeout_s=8.0)
+    time.sleep(0.3)
+    gen, took = anyio.run(one_generation, actor.address)
+    assert gen.finish_reason in ("stop", "length")
+    assert took < plain + 3.0, (took, plain)
+    got = replies(sock, 30.0, until=ReplyCause.ATTACH_FAILED)
+    assert any(isinstance(m, ErrorReply) and m.cause == ReplyCause.ATTACH_FAILED for m in got)
+    sock.close()
+    assert actor.proc.poll() is None
+
+
+# --- a real learner, fed by this test playing the envpool -------------------------------------------
+
+
+def good_group(number: int, version: int) -> list[Trajectory]:
+    return [
+        traj(
+            f"g{number}", f"ok-{number}-{i}", versions=[-1, -1, version, version], reward=r, turn_rewards=[r]
+        )
+        for i, r in enumerate((0.0, 1.0))
+    ]
+
+
+@pytest.mark.real
+def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hostile_synthetic, tmp_path):
+    address, _, _ = hostile_synthetic
+    exp, ver = free_port(), free_port()
+    ready, log = tmp_path / "learner.json", tmp_path / "learner.log"
+    cmd = [
+        sys.executable, "-m", "millstream.learner", "--ready-file", str(ready),
+        f"model.path={tiny_model_dir}", f"actor.connect={address}", f"run.dir={tmp_path / 'run'}",
+        f"learner.experience_address=tcp://127.0.0.1:{exp}", f"learner.version_address=tcp://127.0.0.1:{ver}",
+        "train.steps=2", "train.group_size=2", "train.groups_per_batch=1", "envpool.workers=1",
+        "learner.max_buffer_groups=4", "learner.reward_range=[-10.0, 10.0]", "learner.idle_timeout_s=120",
+        "envpool.admission_slack=20",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True)
+    try:
+        wait_for_file(ready, proc, 300, "the learner", log=log)
+        ctx = zmq.Context.instance()
+        push, sub = ctx.socket(zmq.PUSH), ctx.socket(zmq.SUB)
+        push.connect(f"tcp://127.0.0.1:{exp}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{ver}")
+        codec, sent = Codec(), 0
+
+        def send(messages) -> None:
+            nonlocal sent
+            push.send(codec.encode(messages))
+            sent += sum(isinstance(m, (Trajectory, EpisodeFailed)) for m in messages)
+
+        def latest(wait_s: float = 2.0) -> PolicyVersion:
+            seen = None
+            deadline = time.monotonic() + wait_s
+            while seen is None or sub.poll(0):
+                if not sub.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                    break
+                seen = codec.decode(sub.recv())[0]
+            assert isinstance(seen, PolicyVersion)
+            return seen
+
+        first = latest(5.0)
+        hostile = [
+            traj("g0", "bad-size", group_size=3),
+            traj("g0", "bad-nan", reward=math.nan, turn_rewards=[math.nan]),
+            traj("g1", "bad-huge", reward=1e308, turn_rewards=[1e308]),
+            traj(f"g{first.admit_limit + 5}", "forged-1", reward=1e9, turn_rewards=[1e9]),
+            traj(f"g{first.admit_limit + 5}", "forged-2", reward=1e9, turn_rewards=[1e9]),
+        ]
+        send(hostile)
+        # More complete groups than the buffer holds (4): the excess is refused, not a crash.
+        send([t for n in range(2, 8) for t in good_group(n, first.version)])
+        deadline, number = time.monotonic() + 240, 8
+        while (v := latest()).version < 2 and not v.final and time.monotonic() < deadline:
+            send(good_group(number, v.version))
+            number += 1
+        while not latest().final and time.monotonic() < deadline:
+            pass
+        send([PoolDone("w0", sent, sent, 0)])
+        assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        stop_group(proc)
+    summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
+    assert summary["accounting_ok"] is True and summary["version"] == 2
+    refused = summary["episodes_refused"]
+    assert refused["group_size"] == 1 and refused["reward_not_finite"] == 1
+    assert refused["reward_out_of_range"] == 1 and refused["unannounced_group"] == 2
+    assert refused.get("buffer_full", 0) > 0
+    assert summary["episodes_dropped"]["invalid_trajectory"] == sum(refused.values())
+    assert log.stat().st_size < 200_000
+    assert Path(tmp_path / "run" / "trajectories.jsonl").exists()
