@@ -14,6 +14,7 @@ import math
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import anyio
@@ -21,13 +22,14 @@ import msgspec
 import orjson
 import pytest
 import zmq
-from helpers import ROOT, start_actor, stop_group, wait_for_file, with_client
+from helpers import KEYS, ROOT, keys_for, start_actor, stop_group, wait_for_file, with_client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from millstream.learner.replay import ReplayBuffer
 from millstream.learner.validate import EpisodeCheck
 from millstream.shared.config import LearnerConfig
+from millstream.shared.keys import secure
 from millstream.shared.protocol import (
     Abort,
     AttachLearner,
@@ -36,6 +38,7 @@ from millstream.shared.protocol import (
     EpisodeFailed,
     ErrorReply,
     GenerateRequest,
+    GroupStarted,
     Hello,
     PolicyVersion,
     PoolDone,
@@ -147,9 +150,12 @@ def hostile_synthetic(tiny_model_dir, tmp_path_factory):
     stop_group(proc)
 
 
-def dealer(address: str) -> zmq.Socket:
+def dealer(address: str, role: str = "envpool") -> zmq.Socket:
+    """A peer holding the run's `role` key: the hostile one is inside the run (a process without
+    the keys cannot even complete the handshake: tests/test_auth.py)."""
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    secure(sock, keys_for(role), bind=False)
     sock.connect(address)
     return sock
 
@@ -219,7 +225,7 @@ def test_bad_frames_are_counted_and_logged_at_a_bounded_rate(hostile_synthetic):
 
 
 def closed_port_attach(address: str, timeout_s: float) -> zmq.Socket:
-    sock = dealer(address)
+    sock = dealer(address, role="learner")  # the envpool's key may not attach at all
     sock.send(Codec().encode([AttachLearner("evil", "127.0.0.1", free_port(), 2, "gloo", timeout_s)]))
     return sock
 
@@ -288,7 +294,7 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
         f"learner.experience_address=tcp://127.0.0.1:{exp}", f"learner.version_address=tcp://127.0.0.1:{ver}",
         "train.steps=2", "train.group_size=2", "train.groups_per_batch=1", "envpool.workers=1",
         "learner.max_buffer_groups=4", "learner.reward_range=[-10.0, 10.0]", "learner.idle_timeout_s=120",
-        "envpool.admission_slack=20",
+        "envpool.admission_slack=20", KEYS,
     ]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True)
@@ -296,15 +302,20 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
         wait_for_file(ready, proc, 300, "the learner", log=log)
         ctx = zmq.Context.instance()
         push, sub = ctx.socket(zmq.PUSH), ctx.socket(zmq.SUB)
+        secure(push, keys_for("envpool"), bind=False)
+        secure(sub, keys_for("envpool"), bind=False)
         push.connect(f"tcp://127.0.0.1:{exp}")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"tcp://127.0.0.1:{ver}")
         codec, sent = Codec(), 0
 
         def send(messages) -> None:
+            """As a worker does: announce what it starts (GroupStarted), then the episodes."""
             nonlocal sent
-            push.send(codec.encode(messages))
-            sent += sum(isinstance(m, (Trajectory, EpisodeFailed)) for m in messages)
+            episodes = Counter(m.group_id for m in messages if isinstance(m, (Trajectory, EpisodeFailed)))
+            starts = [GroupStarted(0, "hostile-test", gid, n) for gid, n in episodes.items()]
+            push.send(codec.encode([*starts, *messages]))
+            sent += sum(episodes.values())
 
         def latest(wait_s: float = 2.0) -> PolicyVersion:
             seen = None
