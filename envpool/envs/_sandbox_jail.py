@@ -40,6 +40,7 @@ maps a user's own exit status 125 to 1 so the two cannot be confused).
 import _signal  # type: ignore[import-not-found]  # the C module: `signal` imports enum (~5 ms a run)
 import ctypes
 import os
+import resource
 import select
 import sys
 
@@ -163,6 +164,7 @@ def _supervise(init, report_r):
     if os.WIFSIGNALED(worker_status):
         sig = os.WTERMSIG(worker_status)
         _signal.signal(sig, _signal.SIG_DFL)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump this process's core
         os.kill(os.getpid(), sig)  # e.g. SIGXCPU: pytool reports "CPU limit" from the signal
         os._exit(128 + sig)
     code = os.WEXITSTATUS(worker_status) if os.WIFEXITED(worker_status) else 1
