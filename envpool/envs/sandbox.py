@@ -115,7 +115,9 @@ def _probe(mechanism: str) -> str | None:
 
 def unavailable_message(sandbox: str, mechanism: str, reason: str) -> str:
     """The refusal: what failed, why it matters, how to fix it, and the explicit opt-out."""
-    if mechanism == "namespaces":
+    if "running as root" in reason:
+        fix = 'as root use sandbox = "strict" or "namespaces" (the code then runs as nobody)'
+    elif mechanism == "namespaces":
         fix = (
             "as root this needs CAP_SYS_ADMIN for unshare(2) (a container started with "
             "--cap-add SYS_ADMIN, or without a seccomp profile that forbids unshare)"
