@@ -19,16 +19,24 @@ The seed picks a task (`random.Random(seed)`): one of the `templates` (default a
 parameters, e.g. "What is the sum of the digits of 37**11?", "How many primes are there below
 12345?"; the ground truth is computed here, in-process, at reset.
 
-The sandbox (`run_python`): `python -I -S envpool/envs/_sandbox_child.py` (isolated mode, no site
-packages: stdlib only), started with anyio in a new session, with an almost empty environment, a
-fresh temporary working directory, the code on stdin. The child limits itself before running the
-code: address space (`memory_mb`, default 256), CPU seconds (`cpu_s`), size of written files,
-open files. The parent enforces the wall clock (`timeout_s`, default 5 s) and reads at most
-`max_output_bytes`; past either it kills the whole process group. RLIMIT_NPROC is not used: it
-counts every process and thread of the user (a training process has many), and root ignores it;
-process creation is refused by the audit hook instead. That hook (PEP 578) also refuses sockets
-("network access is disabled in this sandbox") and ctypes. It is a best-effort guard against
-accidents, NOT a security boundary: untrusted code needs namespaces/seccomp or a container.
+The sandbox (`run_python`, envpool/envs/sandbox.py): `python -I -S _sandbox_child.py` (stdlib
+only) with an almost empty environment and the code on stdin, locked into new namespaces before
+the code runs. `sandbox` (default "strict") picks how, and the constructor refuses a mode that
+this machine cannot provide, naming what is missing and the opt-out:
+- "strict": "namespaces" when millstream runs as root, else "userns";
+- "namespaces" (root): mount, PID, network, IPC and UTS namespaces; the code runs as uid 65534
+  (nobody) with no capabilities;
+- "userns" (a normal user): the same inside an unprivileged user namespace mapping the user to
+  itself, every capability dropped;
+- "weak": rlimits and an audit hook only, NOT a security boundary (code you trust).
+In the first three the code has no network (a fresh namespace with loopback down), sees a
+read-only root of system directories with one writable tmpfs working directory (no checkout, no
+run directory, no keys), and nothing it forks outlives the call (its PID namespace dies with it).
+In all modes: address space (`memory_mb`, default 256), CPU seconds (`cpu_s`), size of written
+files, open files; the parent enforces the wall clock (`timeout_s`, default 5 s) and reads at
+most `max_output_bytes`. An audit hook (PEP 578) refuses sockets ("network access is disabled in
+this sandbox"), process creation and ctypes with clear messages: for honest code, since hostile
+code can remove it; the namespaces are what hold.
 
 At most `max_concurrent` (default 8) sandboxes run at once per event loop (an
 `anyio.CapacityLimiter` made lazily per loop, shared by all environments with the same limit),
@@ -44,26 +52,16 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import random
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-
-import anyio
-from anyio.lowlevel import RunVar
 
 from .base import Observation, StepResult, register
+from .sandbox import SANDBOX_MODES, RunResult, SandboxUnavailable, mechanism_for, run_python
 
+# run_python and RunResult live in sandbox.py; re-exported here, where tool users look first.
 __all__ = ["PyTool", "Task", "TEMPLATES", "make_task", "run_python", "RunResult", "parse_integer"]
-
-CHILD = Path(__file__).resolve().with_name("_sandbox_child.py")
 _ACTION = re.compile(r"<(python|answer)>(.*?)</\1>", re.S)
 _FENCE = re.compile(r"^\s*```(?:python|py)?\s*\n?(.*?)\n?\s*```\s*$", re.S)
 _INVALID = (
@@ -171,102 +169,6 @@ def parse_integer(text: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-@dataclass(frozen=True)
-class RunResult:
-    output: str  #: stdout and stderr together, decoded, at most max_output_bytes of them
-    status: str  #: "ok", "error" (nonzero exit), "timeout", "cpu_limit", "truncated", "killed"
-    returncode: int | None
-
-
-# Per event loop (a limiter belongs to the loop it was made in), per limit.
-_LIMITERS: RunVar[dict[int, anyio.CapacityLimiter]] = RunVar("pytool_sandbox_limiters")
-
-
-def _limiter(total: int) -> anyio.CapacityLimiter:
-    limiters = _LIMITERS.get(None)
-    if limiters is None:
-        limiters = {}
-        _LIMITERS.set(limiters)
-    if total not in limiters:
-        limiters[total] = anyio.CapacityLimiter(total)
-    return limiters[total]
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-async def run_python(
-    code: str,
-    *,
-    timeout_s: float = 5.0,
-    cpu_s: int = 5,
-    memory_mb: int = 256,
-    file_mb: int = 1,
-    max_output_bytes: int = 16384,
-    max_concurrent: int = 8,
-) -> RunResult:
-    """Run `code` in the sandbox described in the module docstring and collect its output."""
-    async with _limiter(max_concurrent):
-        workdir = tempfile.mkdtemp(prefix="pytool-")
-        try:
-            return await _run_in(workdir, code, timeout_s, cpu_s, memory_mb, file_mb, max_output_bytes)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-
-
-async def _run_in(
-    workdir: str, code: str, timeout_s: float, cpu_s: int, memory_mb: int, file_mb: int, max_output_bytes: int
-) -> RunResult:
-    limits = [str(memory_mb * 2**20), str(cpu_s), str(file_mb * 2**20)]
-    command = [sys.executable, "-I", "-S", str(CHILD), *limits]
-    process = await anyio.open_process(
-        command,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        cwd=workdir,
-        env={"PATH": "/usr/bin:/bin"},
-        start_new_session=True,
-    )
-    assert process.stdin is not None and process.stdout is not None
-    output = bytearray()
-    truncated = False
-    try:
-        with anyio.move_on_after(timeout_s) as deadline:
-            try:
-                await process.stdin.send(code.encode("utf-8", "replace"))
-                await process.stdin.aclose()
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass  # the child died before reading: its exit status tells why
-            async for chunk in process.stdout:
-                output += chunk[: max_output_bytes - len(output)]
-                if len(output) >= max_output_bytes:
-                    truncated = True
-                    break
-            if not truncated:
-                await process.wait()
-    finally:
-        if process.returncode is None:
-            _kill_group(process.pid)  # the child and anything it started (it leads its session)
-        with anyio.CancelScope(shield=True):
-            await process.aclose()
-    text = output.decode("utf-8", "replace")
-    returncode = process.returncode
-    if deadline.cancelled_caught:
-        return RunResult(text, "timeout", returncode)
-    if truncated:
-        return RunResult(text, "truncated", returncode)
-    if returncode == -signal.SIGXCPU:
-        return RunResult(text, "cpu_limit", returncode)
-    if returncode is not None and returncode < 0:
-        return RunResult(text, "killed", returncode)
-    return RunResult(text, "ok" if returncode == 0 else "error", returncode)
-
-
 def _shorten(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
@@ -293,6 +195,7 @@ class PyTool:
         max_output_chars: int = 300,
         max_concurrent: int = 8,
         format_penalty: float = -0.1,
+        sandbox: str = "strict",
     ) -> None:
         chosen = tuple(templates) if templates is not None else tuple(TEMPLATES)
         unknown = [t for t in chosen if t not in TEMPLATES]
@@ -311,6 +214,13 @@ class PyTool:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if sandbox not in SANDBOX_MODES:
+            raise ValueError(f"sandbox must be one of {list(SANDBOX_MODES)}, got {sandbox!r}")
+        try:  # probed once per process: refuse here, before a run starts, not mid-episode
+            self.mechanism = mechanism_for(sandbox)
+        except SandboxUnavailable as exc:
+            raise ValueError(str(exc)) from None
+        self.sandbox = sandbox
         self.templates = chosen
         self.max_runs, self.timeout_s = max_runs, float(timeout_s)
         self.cpu_s, self.memory_mb = cpu_s, memory_mb
@@ -373,6 +283,7 @@ class PyTool:
             memory_mb=self.memory_mb,
             max_output_bytes=self.max_output_bytes,
             max_concurrent=self.max_concurrent,
+            sandbox=self.sandbox,
         )
         self._outputs.append(self._show(result))
         return StepResult(
