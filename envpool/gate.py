@@ -44,18 +44,27 @@ class AdmissionGate:
         self.group_base: int | None = None
         self.next_group = 0  # set from group_base by the first announcement
         self.final = False
+        #: The learner session whose announcements this gate follows.
+        self.session = ""
         self.admitted = 0
         self.waits = 0
         self._changed = anyio.Event()
 
     def update(self, message: PolicyVersion) -> None:
-        if self.group_base is None or message.group_base != self.group_base:
-            # First announcement of a learner session: numbering starts at its base.
-            self.group_base = message.group_base
-            self.next_group = message.group_base + self.worker_index
+        new_session = message.session != self.session
+        if self.group_base is None or message.group_base != self.group_base or new_session:
+            # A learner session's first announcement, or a new base: numbering starts at the
+            # base, past the groups an earlier process of this worker started (next_groups),
+            # and never goes back within this process.
+            fresh = self.group_base is None
+            self.group_base, self.session = message.group_base, message.session
+            floor = message.group_base + self.worker_index
             if self.worker_index < len(message.next_groups):
-                # A restarted worker: continue after the groups its earlier process started.
-                self.next_group = max(self.next_group, message.next_groups[self.worker_index])
+                floor = max(floor, message.next_groups[self.worker_index])
+            if not fresh:
+                floor = max(floor, self.next_group)
+            self.next_group = self._aligned(floor)
+            self.version, self.limit = None, 0  # the new session's own bound
         # Versions and limits only grow within a session; a heartbeat repeats them.
         self.version = max(self.version or 0, message.version)
         self.limit = max(self.limit, message.admit_limit)
@@ -90,6 +99,12 @@ class AdmissionGate:
         self.next_group += self.workers
         self.admitted += 1
         return number
+
+    def _aligned(self, floor: int) -> int:
+        """The first number >= floor that is this worker's (base + index, modulo workers)."""
+        assert self.group_base is not None
+        offset = (floor - self.group_base - self.worker_index) % self.workers
+        return floor + (self.workers - offset) % self.workers
 
     def statistics(self) -> dict[str, int | None]:
         return {

@@ -142,6 +142,8 @@ class Worker:
         self.index = worker_index
         #: This process; a restarted worker (same index) is a new incarnation.
         self.incarnation = uuid.uuid4().hex[:12]
+        #: Episodes running now (their ids), for the hello to a restarted learner.
+        self.live_ids: set[str] = set()
         self.stats = WorkerStats()
         #: The context episodes are cut to: the config's, or the actor's own if it is smaller
         #: (an actor started by hand may hold a shorter one); set again after the handshake.
@@ -162,7 +164,6 @@ class Worker:
             if ready_file:
                 Path(ready_file).write_text(f'{{"worker": "{self.name}"}}')
             log.info("%s running %s, waiting for the learner's first version", self.name, self.pool.env)
-            await self.push.send(WorkerHello(self.index, self.incarnation))
             with anyio.CancelScope() as admitting:
                 io.start_soon(self._follow_versions, admitting)
                 async with anyio.create_task_group() as episodes:
@@ -227,6 +228,7 @@ class Worker:
         self.stats.groups += 1
         for member in range(size):
             spec = EpisodeSpec(f"{gid}-e{member}", gid, seed, member, size, self.pool.env)
+            self.live_ids.add(spec.episode_id)
             self.stats.started += 1
             self.stats.live += 1
             episodes.start_soon(self._episode, spec)
@@ -235,9 +237,26 @@ class Worker:
         async for _, messages in self.sub:
             for message in messages:
                 if isinstance(message, PolicyVersion):
+                    if message.session != self.gate.session:
+                        await self._say_hello(message)
                     self.gate.update(message)
             if self.gate.final:
                 stop_admitting.cancel()
+
+    async def _say_hello(self, first: PolicyVersion) -> None:
+        """Introduce this process to a new learner session (the first, or a restarted one): what
+        it started and reported so far, what still runs, where its numbering stands."""
+        log.info("%s: learner session %s, saying hello", self.name, first.session or "(unnamed)")
+        next_group = self.gate.next_group if self.gate.group_base is not None else 0
+        hello = WorkerHello(
+            self.index,
+            self.incarnation,
+            started=self.stats.started,
+            reported=self.stats.started - self.stats.live,
+            live=sorted(self.live_ids),
+            next_group=next_group,
+        )
+        await self.push.send(hello)
 
     # --- one episode -------------------------------------------------------------------------
 
@@ -266,6 +285,7 @@ class Worker:
             )
         finally:  # cancellation (the run ended) lands here with the default result above
             self.stats.settle(result)
+            self.live_ids.discard(spec.episode_id)
             self.slots.release()
             with anyio.CancelScope(shield=True):  # a cancelled episode still reports its end
                 await self.push.send(result)

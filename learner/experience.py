@@ -54,8 +54,9 @@ class Experience:
         group_base: int,
         final: bool = False,
         next_groups: list[int] | None = None,
+        session: str = "",
     ) -> None:
-        message = PolicyVersion(version, limit, group_base, final, next_groups or [])
+        message = PolicyVersion(version, limit, group_base, final, next_groups or [], session)
         self.pub.send(self.codec.encode([message]))
         self.last_announce = time.monotonic()
 

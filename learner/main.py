@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -46,8 +47,9 @@ from millstream.shared.protocol import (
     admit_limit,
 )
 from millstream.shared.ratelog import RateLog
-from millstream.shared.runtime import resolve_model_dir, run_role, write_ready
+from millstream.shared.runtime import ACCOUNTING_FAILED, resolve_model_dir, run_role, write_ready
 
+from .accounting import close_accounts
 from .actorlink import ActorLink
 from .advantages import compute_advantages, filter_groups, filter_pool_size
 from .batching import train_samples
@@ -87,8 +89,11 @@ class Leader:
         self.collapse = CollapseWatch()
         self.no_signal = NoSignalWatch()
         self.done_workers: dict[str, PoolDone] = {}
-        self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0)
-        self.received_before = 0  # episodes a resumed buffer had received in earlier sessions
+        self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0, group_size=train.group_size)
+        #: This learner process; a restarted learner is a new session, and workers say hello to it.
+        self.session = uuid.uuid4().hex[:12]
+        self.sessions = 1  # learner sessions of this run, this one included (resumes add)
+        self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
         self.dropped_before = 0  # groups a resumed buffer had dropped (incl. partials at load)
         self.check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))
         self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
@@ -98,6 +103,8 @@ class Leader:
 
     def limit(self) -> int:
         cfg = self.cfg
+        if not self._all_greeted():
+            return self.group_base  # nothing admitted before numbering is settled
         return admit_limit(
             group_base=self.group_base,
             consumed=self.trained_groups + self.buffer.dropped_groups - self.dropped_before,
@@ -140,6 +147,7 @@ class Leader:
             ready_file, experience=cfg.learner.experience_address, versions=cfg.learner.version_address
         )
         self.started = self.last_step = self.last_data = time.monotonic()
+        self.greeting_until = self.started + min(60.0, cfg.envpool.start_timeout_s)
         announced = self.limit()
         self._announce(announced)
         while trainer.version < cfg.train.steps:
@@ -158,9 +166,27 @@ class Leader:
                 )
         return self._finish()
 
+    def _all_greeted(self) -> bool:
+        """Every worker said hello to this session (or their time is up); the first time it is
+        so, numbering moves past every group any worker process has started."""
+        if self.greeting_until is None:
+            return True
+        if len(self.ledger.greeted) < self.cfg.envpool.workers and time.monotonic() < self.greeting_until:
+            return False
+        self.greeting_until = None
+        self.group_base = max([self.group_base, *self.ledger.next_groups])
+        self.ledger.rebase(self.group_base)
+        return True
+
     def _announce(self, limit: int) -> None:
-        self.admitted = max(self.admitted, limit)
-        self.exp.announce(self.trainer.version, limit, self.group_base, next_groups=self.ledger.next_groups)
+        self.admitted = max(self.admitted, limit, *self.ledger.next_groups)
+        self.exp.announce(
+            self.trainer.version,
+            limit,
+            self.group_base,
+            next_groups=self.ledger.next_groups,
+            session=self.session,
+        )
 
     def _handle(self, message) -> None:
         """One arriving message, inside its error boundary: an episode is checked, then buffered
@@ -317,7 +343,14 @@ class Leader:
         # Where the run's record files stand at this checkpoint: a resume from it marks every
         # record after these offsets rolled back (shared/rundir.py).
         records = {"metrics.jsonl": self.metrics.position(), "trajectories.jsonl": self.episodes_log.tell()}
-        extra = {"next_group": self._next_group(), "run_dir": str(self.run_dir), "records": records}
+        extra = {
+            "next_group": self._next_group(),
+            "run_dir": str(self.run_dir),
+            "records": records,
+            "ledger": self.ledger.state_dict(),
+            "admitted": self.admitted,
+            "sessions": self.sessions,
+        }
         self.team.command("save", extra)
         path = save_checkpoint(
             self.run_dir, self.trainer, self.buffer, extra, keep=self.cfg.learner.keep_checkpoints
@@ -329,9 +362,12 @@ class Leader:
         self.team.command("load", str(path))
         state = load_checkpoint(path, self.trainer, self.buffer)
         self.group_base = int(state["next_group"])
+        if "ledger" in state:
+            self.ledger.load_state_dict(state["ledger"])
+            self.admitted = int(state["admitted"])
+            self.sessions = int(state["sessions"]) + 1
         self.ledger.rebase(self.group_base)
         self.carried = int(state["restored_groups"])
-        self.received_before = self.buffer.statistics()["received"]
         self.dropped_before = self.buffer.dropped_groups
         log.info(
             "resumed from %s at policy version %d (%d groups carried, numbering from %d)",
@@ -351,45 +387,22 @@ class Leader:
         cfg, buffer = self.cfg, self.buffer
         deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
         while len(self.done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
-            self.exp.announce(self.trainer.version, 0, self.group_base, final=True)
+            self.exp.announce(self.trainer.version, 0, self.group_base, final=True, session=self.session)
             for message in self.exp.receive(0.2):
                 self._handle(message)
         checkpoint = self._save()  # before the drain: its complete groups survive a resume
         buffer.drain(DropCause.RUN_ENDED)
-        stats = buffer.statistics()
-        started = self.ledger.started_total  # every process's, the dead ones' too
-        # Each worker's final process says how many it started; the ledger must agree.
-        agreed = all(
-            done.episodes_started == self.ledger.started_by_live(_worker_index(name))
-            for name, done in self.done_workers.items()
+        accounts = close_accounts(
+            buffer, self.ledger, self.done_workers, cfg.envpool.workers, resumed=bool(cfg.run.resume)
         )
-        accounted = stats["trained"] + sum(stats["dropped"].values()) + sum(stats["failed"].values())
         summary = {
             "version": self.trainer.version,
-            "workers_done": len(self.done_workers),
-            # Over the whole run: this session's and, after a resume, the earlier sessions'
-            # episodes up to the checkpoint it resumed from.
-            "episodes_started": started + self.received_before,
-            "episodes_started_this_session": started,
-            "episodes_from_earlier_sessions": self.received_before,
-            "episodes_trained": stats["trained"],
-            "episodes_dropped": stats["dropped"],
-            "episodes_failed": stats["failed"],
-            "episodes_refused": stats["refused"],
-            "duplicates": stats["duplicates"],
-            **self.ledger.statistics(),
+            **accounts,
+            "learner_sessions": self.sessions,
             "decode_errors": self.exp.codec.errors,
             "checkpoint": str(checkpoint),
             "final_weights": str(checkpoint / "hf"),
         }
-        # Every episode this session's workers started arrived, and every episode the buffer
-        # ever received (this session's and, after a resume, earlier ones) has exactly one fate.
-        summary["accounting_ok"] = (
-            len(self.done_workers) == cfg.envpool.workers
-            and agreed
-            and started == stats["received"] - self.received_before
-            and stats["received"] == accounted
-        )
         if not summary["accounting_ok"]:
             log.error("accounting does not add up: %s", summary)
         self.team.command("stop")
@@ -438,11 +451,6 @@ def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
             raise RuntimeError(f"unknown learner command {kind!r}")
 
 
-def _worker_index(name: str) -> int:
-    """'w3' -> 3 (an envpool worker's name); -1 for anything else."""
-    return int(name[1:]) if name[:1] == "w" and name[1:].isdigit() else -1
-
-
 def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
     run_dir = Path(cfg.run.dir or f"{cfg.run.root}/{cfg.run.name}-learner")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -459,7 +467,7 @@ def main(argv: list[str] | None = None) -> None:
     def body(cfg: Config, ns: Any) -> int:
         summary = run_learner(cfg, ns.ready_file)
         log.info("learner finished: %s", summary)
-        return 0 if summary["accounting_ok"] else 3
+        return 0 if summary["accounting_ok"] else ACCOUNTING_FAILED
 
     run_role("learner", body, argv)
 

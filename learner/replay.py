@@ -324,6 +324,12 @@ class ReplayBuffer:
             self._count(self.dropped, cause, len(trajectories))
             self.buffered -= len(trajectories)
 
+    def count_unreceived(self, cause: Cause, n: int) -> None:
+        """`n` episodes that were started but can never arrive (their results died with a
+        learner process): received and failed under `cause` at once, so the identity holds."""
+        self.received += n
+        self._count(self.failed, cause, n)
+
     @staticmethod
     def _count(counter: dict[str, int], cause: Cause | DropCause, n: int) -> None:
         key = str(cause)  # the cause's value: a plain string key (JSON, checkpoints, metrics)

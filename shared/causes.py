@@ -68,6 +68,9 @@ class Cause(enum.StrEnum):
     #: The envpool worker running the episode died; the learner closed its group when the
     #: worker's next incarnation said hello (the episode never reported).
     WORKER_LOST = "worker_lost"
+    #: The episode's result reached a learner process that died before its next checkpoint;
+    #: the restarted learner counts these from the workers' totals (learner/workers.py).
+    LEARNER_LOST = "learner_lost"
 
 
 #: Failures on the actor's side: a long run of them means the actor is gone, not the episodes.

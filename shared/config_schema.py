@@ -45,8 +45,9 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_restarts: Annotated[
         int,
         _doc(
-            "Times the launcher restarts each envpool worker or the actor after it dies, before "
-            "it stops the run (0: a role that dies stops the run). The learner is not restarted.",
+            "Times the launcher restarts each role (envpool worker, actor, learner) after it dies, before "
+            "it stops the run (0: a role that dies stops the run). A learner restarts from its "
+            "latest checkpoint (none yet: the run stops).",
             ge=0,
         ),
     ] = 3
@@ -416,8 +417,9 @@ class ChaosConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = 0.0
     roles: Annotated[
-        list[Literal["actor", "envpool"]], _doc("Roles chaos may kill (each envpool worker is one).")
-    ] = msgspec.field(default_factory=lambda: ["actor", "envpool"])
+        list[Literal["actor", "envpool", "learner"]],
+        _doc("Roles chaos may kill (each envpool worker is one; the learner once it has a checkpoint)."),
+    ] = msgspec.field(default_factory=lambda: ["actor", "envpool", "learner"])
     seed: Annotated[int, _doc("Seed of which role is killed when.")] = 0
 
 

@@ -34,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import tomllib
 from dataclasses import dataclass
 from datetime import datetime
@@ -44,7 +43,7 @@ from typing import IO, Any
 import orjson
 
 from .config import Config, ConfigError, dump_config, load_config, parse_overrides
-from .healing import Healer
+from .healing import Healer, watch
 from .keys import ensure_keys
 from .lifecycle import run_processes
 from .rundir import (
@@ -206,17 +205,21 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
     print(f"millstream run: {run_dir}", file=out, flush=True)
     stop = threading.Event()
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    relay: threading.Thread | None = None
-    try:
-        _start_roles(sup, cfg, config)
+    relays: list[threading.Thread] = []
+
+    def relay_learner() -> None:  # at its start, and again after each restart
         stdout = sup.procs["learner"].stdout
         assert stdout is not None
-        relay = threading.Thread(target=_relay, args=(stdout, out), daemon=True)
-        relay.start()
-        code = _watch(sup, stop, out, Healer(cfg))
+        relays.append(threading.Thread(target=_relay, args=(stdout, out), daemon=True))
+        relays[-1].start()
+
+    try:
+        _start_roles(sup, cfg, config)
+        relay_learner()
+        code = watch(sup, stop, out, Healer(cfg, run_dir), relay_learner)
     finally:
         sup.stop(grace_s=10.0)
-        if relay is not None:
+        for relay in relays:
             relay.join(timeout=5)  # after the stop: the learner's last lines, then end of pipe
         for sig, handler in old.items():
             signal.signal(sig, handler)
@@ -251,56 +254,6 @@ def _start_roles(sup: Supervisor, cfg: Config, config: list[str]) -> None:
         sup.start("learner", "millstream.learner", config, pipe_stdout=True)
     for i in range(cfg.envpool.workers):
         sup.start(f"envpool-{i}", "millstream.envpool", [*config, "--worker-index", str(i)])
-
-
-def _watch(sup: Supervisor, stop: threading.Event, out: IO[str], healer: Healer) -> int:
-    """Poll the roles every 0.1 s until the learner finishes, a role dies beyond healing
-    (shared/healing.py), or a signal."""
-    restarts: dict[str, float] = {}  # role -> when it is started again
-    while not stop.wait(0.1):
-        now, exited = time.monotonic(), sup.exited()
-        if "learner" in exited:
-            return _learner_ended(sup, exited["learner"], out)
-        for name, code in exited.items():
-            if name in restarts or (name.startswith("envpool") and code == 0):
-                continue  # a worker may finish a moment before the learner does
-            decision = healer.on_exit(name, now)
-            why = sup.describe_exit(name, code)
-            if not decision.restart:
-                after = f" (after {decision.attempt} restarts)" if decision.attempt else ""
-                print(f"{name} exited early, stopping the run{after}: {why}", file=out, flush=True)
-                return 1
-            print(
-                f"{name} died ({why}); restarting it in {decision.at - now:.1f}s "
-                f"(restarts used: {decision.attempt} of run.max_restarts = {healer.cfg.run.max_restarts})",
-                file=out,
-                flush=True,
-            )
-            restarts[name] = decision.at
-        for name, at in list(restarts.items()):
-            if now >= at:
-                del restarts[name]
-                sup.restart(name)
-                healer.restarts += 1
-        alive = [n for n in sup.procs if n not in exited and n not in restarts]
-        victim = healer.victim(alive, now)
-        if victim is not None:
-            print(f"chaos: killing {victim} (SIGKILL)", file=out, flush=True)
-            sup.kill(victim)
-    print("interrupted: stopping every process", file=out, flush=True)
-    return 130
-
-
-def _learner_ended(sup: Supervisor, code: int, out: IO[str]) -> int:
-    if code != 0:
-        print(f"learner failed: {sup.describe_exit('learner', code)}", file=out, flush=True)
-        return 1
-    # Workers exit by themselves after the learner's final announcement.
-    deadline = time.monotonic() + 60
-    workers = [n for n in sup.procs if n.startswith("envpool")]
-    while time.monotonic() < deadline and not all(n in sup.exited() for n in workers):
-        time.sleep(0.1)
-    return 0
 
 
 def _resume_hint(run_dir: Path) -> str:
@@ -350,11 +303,8 @@ def _print_summary(run_dir: Path, out: IO[str]) -> None:
         return
     summary = orjson.loads(path.read_bytes())
     started = f"started {summary['episodes_started']}"
-    if summary.get("episodes_from_earlier_sessions"):
-        started += (
-            f" ({summary['episodes_from_earlier_sessions']} before the resume + "
-            f"{summary['episodes_started_this_session']} in this session)"
-        )
+    if summary.get("learner_sessions", 1) > 1:
+        started += f" (over {summary['learner_sessions']} learner sessions)"
     print(
         f"episodes: {started}, trained {summary['episodes_trained']}, "
         f"dropped {summary['episodes_dropped']}, failed {summary['episodes_failed']} "

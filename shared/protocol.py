@@ -281,15 +281,25 @@ class PoolDone(_Wire, tag="pool_done", frozen=True):
 
 
 class WorkerHello(_Wire, tag="worker_hello", frozen=True):
-    """An envpool worker process starts: the first message it pushes to the learner.
+    """An envpool worker process introduces itself to a learner session: the first message it
+    pushes after it sees a session's first `PolicyVersion` (a restarted learner is a new one).
 
     `incarnation` is new for every process. When worker `index` says hello with a new one, its
     previous process is gone: the learner closes that process's unfinished groups, counting
-    each missing member as `worker_lost`.
+    each missing member as `worker_lost`. The counts let a restarted learner find the episodes
+    that reached its dead predecessor after its checkpoint (`learner_lost`), and `next_group`
+    where numbering may safely continue.
     """
 
     index: int
     incarnation: str
+    #: Episodes this process started, and whose results it pushed, so far.
+    started: int = 0
+    reported: int = 0
+    #: Episodes still running, by id (`<gid>-e<m>`).
+    live: list[str] = []
+    #: The group number this process would start next.
+    next_group: int = 0
 
 
 class GroupStarted(_Wire, tag="group_started", frozen=True):
@@ -325,6 +335,8 @@ class PolicyVersion(_Wire, tag="version", frozen=True):
     #: Per worker index, the group number its next process continues from (after the groups
     #: its earlier processes started); empty until a worker started a group.
     next_groups: list[int] = []
+    #: The learner session; a new one (a restarted learner) makes every worker say hello again.
+    session: str = ""
 
 
 def admit_limit(

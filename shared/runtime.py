@@ -43,6 +43,7 @@ __all__ = [
     "free_port",
     "ENV_NAME",
     "STOPPED",
+    "ACCOUNTING_FAILED",
     "exit_file",
 ]
 
@@ -51,6 +52,9 @@ ENV_NAME = "MILLSTREAM_NAME"
 
 #: Exit status of a role stopped by SIGTERM or SIGINT (as a shell reports Ctrl-C).
 STOPPED = 130
+
+#: Exit status of a learner that finished but whose episode accounting does not add up.
+ACCOUNTING_FAILED = 3
 
 
 def role_args(

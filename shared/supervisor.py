@@ -62,13 +62,14 @@ class Supervisor:
         out.close()  # the child holds its own copy
         (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
 
-    def restart(self, name: str) -> None:
+    def restart(self, name: str, extra_args: list[str] | None = None) -> None:
         """Kill what is left of `name`'s process group (a dead actor's engine processes hold
-        its port and memory), then start it again as it was started."""
+        its port and memory), then start it again as it was started (plus `extra_args`)."""
         _signal_group(self.procs[name], signal.SIGKILL)
         self.procs[name].wait()
         module, args, pipe_stdout = self.specs[name]
-        self.start(name, module, args, pipe_stdout=pipe_stdout)
+        self.start(name, module, [*args, *(extra_args or [])], pipe_stdout=pipe_stdout)
+        self.specs[name] = (module, args, pipe_stdout)  # the extra arguments are for this start
 
     def kill(self, name: str) -> None:
         """SIGKILL `name`'s whole process group (fault injection)."""

@@ -18,6 +18,7 @@ from millstream.envpool.client import ActorUnreachable, GenerationFailed
 from millstream.envpool.envs import Observation, StepResult
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.shared.config import EnvPoolConfig
+from millstream.shared.keys import secure
 from millstream.shared.protocol import (
     Abort,
     Cause,
@@ -41,6 +42,7 @@ class ScriptedPeer:
 
     def __init__(self, script):
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        secure(self.sock, helpers.keys_for("actor"), bind=True)  # the run's keys, as an actor has
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.script, self.codec = script, Codec()
         self.requests: list[GenerateRequest] = []
@@ -71,6 +73,7 @@ def final(request, ids=(5, 6)):
 
 def test_handshake_names_an_absent_actor_after_bounded_tries():
     silent = zmq.Context.instance().socket(zmq.ROUTER)  # connected to, never answers
+    secure(silent, helpers.keys_for("actor"), bind=True)
     address = f"tcp://127.0.0.1:{silent.bind_to_random_port('tcp://127.0.0.1')}"
     started = time.monotonic()
 

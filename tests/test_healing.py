@@ -1,7 +1,8 @@
-"""A run heals (shared/healing.py): the launcher restarts an envpool worker or the actor that was
-killed with SIGKILL, nothing is lost, and every episode the dead processes left behind is counted
-by cause. The actor here is the synthetic one (the restart path is the same for vLLM; its
-start-up takes a minute on this CPU); the learner is real.
+"""A run heals (shared/healing.py): the launcher restarts an envpool worker, the actor and the
+learner, each killed once with SIGKILL; nothing is lost, and every episode the dead processes
+left behind is counted by cause (`worker_lost`, `learner_lost`). The actor here is the synthetic
+one (the restart path is the same for vLLM; its start-up takes a minute on this CPU); the
+learner is real.
 """
 
 from __future__ import annotations
@@ -32,13 +33,14 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: 
         time.sleep(0.2)
 
 
-def test_a_killed_worker_and_a_killed_actor_are_restarted_and_nothing_is_lost(tiny_model_dir, tmp_path):
+def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = start_run(
         run_dir,
         "actor.kind=synthetic",
         f"model.path={tiny_model_dir}",
         "train.steps=40",
+        "learner.checkpoint_every=5",
         "train.group_size=4",
         "train.groups_per_batch=2",
         "envpool.workers=2",
@@ -49,15 +51,20 @@ def test_a_killed_worker_and_a_killed_actor_are_restarted_and_nothing_is_lost(ti
     worker_pid = _kill(run_dir, "envpool-0")
     _wait_for_step(run_dir, 12, proc)
     actor_pid = _kill(run_dir, "actor")
-    out, _ = proc.communicate(timeout=300)
+    _wait_for_step(run_dir, 22, proc)
+    learner_pid = _kill(run_dir, "learner")
+    out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-3000:]
     assert "envpool-0 died (killed by SIGKILL); restarting it" in out
     assert "actor died (killed by SIGKILL); restarting it" in out
+    assert "learner died (killed by SIGKILL); restarting it" in out
+    assert int((run_dir / "learner.pid").read_text()) != learner_pid
     assert int((run_dir / "envpool-0.pid").read_text()) != worker_pid
     assert int((run_dir / "actor.pid").read_text()) != actor_pid
 
     summary = check_accounting(run_dir, workers=2)
     assert summary["accounting_ok"] and summary["worker_restarts"] == 1
+    assert summary["learner_sessions"] == 2  # resumed from step 20, the later steps rolled back
     assert summary["episodes_failed"].get("worker_lost", 0) == summary["worker_lost"]
     assert summary["open_groups"] == 0
     steps = steps_of(run_dir)
