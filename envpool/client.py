@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import anyio
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from millstream.shared.metrics import LatencyHistogram
 from millstream.shared.protocol import (
@@ -86,6 +88,8 @@ class ClientStats:
     #: Replies of a kind the client does not take.
     unexpected_replies: int = 0
     retries: int = 0
+    #: Times the connection to the actor dropped (its live turns were retried).
+    disconnects: int = 0
     #: Request-to-final-delta time of completed generations (turn latency as the env sees it).
     latency: LatencyHistogram = field(default_factory=LatencyHistogram, repr=False)
 
@@ -160,6 +164,34 @@ class ActorClient:
                 else:
                     self.stats.unexpected_replies += 1
                     self._bad.event("unexpected", "unexpected %s from the actor", type(message).__name__)
+
+    async def watch_connection(self, every_s: float = 0.1) -> None:
+        """Fail every live turn as `actor_lost` (retryable) when the connection to the actor
+        drops: they died with the actor's process, and waiting out `turn_timeout_s` for each
+        would stall every episode for minutes. Their retries wait in the socket until an actor
+        (a restarted one) is back. Reads the socket's monitor (ZeroMQ's connection events)."""
+        monitor = self.channel.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                while monitor.poll(0):
+                    recv_monitor_message(monitor)
+                    self._actor_lost()
+                await anyio.sleep(every_s)
+        finally:
+            self.channel.sock.disable_monitor()
+            monitor.close(linger=0)
+
+    def _actor_lost(self) -> None:
+        self.stats.disconnects += 1
+        lost = GenerationFailed(Cause.ACTOR_LOST, "the connection to the actor dropped")
+        for inbox in self._routes.values():
+            inbox.replies.append(lost)
+            if inbox.wake is not None:
+                inbox.wake.set()
+        if self._routes:
+            log.warning(
+                "%s: the actor's connection dropped; retrying %d turns", self.worker, len(self._routes)
+            )
 
     def take_latency(self) -> LatencyHistogram:
         """The turn latencies recorded since the last call (a fresh histogram starts)."""

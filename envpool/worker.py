@@ -159,6 +159,7 @@ class Worker:
             for channel in (self.dealer, self.sub, self.push):
                 io.start_soon(channel.run)
             io.start_soon(self.client.run)
+            io.start_soon(self.client.watch_connection)
             io.start_soon(self._progress)
             io.start_soon(self._record_stats)
             if ready_file:

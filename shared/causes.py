@@ -55,6 +55,9 @@ class Cause(enum.StrEnum):
     ACTOR_ENGINE_ERROR = "actor_engine_error"
     #: The actor aborted the request (not asked by the envpool).
     ACTOR_ABORT = "actor_abort"
+    #: The connection to the actor dropped while the turn ran (the actor died or restarted); the
+    #: turn is retried at once (it waits in the socket until an actor is back).
+    ACTOR_LOST = "actor_lost"
     #: The actor broke the protocol for this request (e.g. far more deltas than max_tokens allows).
     ACTOR_PROTOCOL = "actor_protocol"
     #: The episode's first prompt leaves no room for `envpool.max_tokens` in `actor.max_model_len`.
@@ -82,10 +85,11 @@ ACTOR_CAUSES = frozenset(
         Cause.ACTOR_ENGINE_ERROR,
         Cause.ACTOR_ABORT,
         Cause.ACTOR_PROTOCOL,
+        Cause.ACTOR_LOST,
     }
 )
 #: Failures that say "try later", not "this request is wrong": the envpool retries them.
-RETRYABLE_CAUSES = frozenset({Cause.ACTOR_TIMEOUT, Cause.ACTOR_OVERLOADED})
+RETRYABLE_CAUSES = frozenset({Cause.ACTOR_TIMEOUT, Cause.ACTOR_OVERLOADED, Cause.ACTOR_LOST})
 #: The episode cause of each actor-side turn error.
 TURN_CAUSE = {
     TurnError.BAD_REQUEST: Cause.ACTOR_BAD_REQUEST,
