@@ -93,6 +93,7 @@ class Leader:
         #: This learner process; a restarted learner is a new session, and workers say hello to it.
         self.session = uuid.uuid4().hex[:12]
         self.sessions = 1  # learner sessions of this run, this one included (resumes add)
+        self.early: list[Trajectory | EpisodeFailed] = []  # see _take
         self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
         self.dropped_before = 0  # groups a resumed buffer had dropped (incl. partials at load)
         self.check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))
@@ -152,8 +153,12 @@ class Leader:
         self._announce(announced)
         while trainer.version < cfg.train.steps:
             for message in self.exp.receive(0.05):
-                self._handle(message)
+                self._take(message)
                 self.last_data = time.monotonic()
+            if self.early and self._all_greeted():
+                for message in self.early:
+                    self._handle(message)
+                self.early.clear()
             self.actor.follow(self._weights, trainer.version)
             stepped = self._maybe_step()
             if stepped or time.monotonic() - self.exp.last_announce > 1.0 or self.limit() != announced:
@@ -176,6 +181,7 @@ class Leader:
         self.greeting_until = None
         self.group_base = max([self.group_base, *self.ledger.next_groups])
         self.ledger.rebase(self.group_base)
+        self.admitted = max(self.admitted, self.group_base)  # every group a worker started
         return True
 
     def _announce(self, limit: int) -> None:
@@ -187,6 +193,16 @@ class Leader:
             next_groups=self.ledger.next_groups,
             session=self.session,
         )
+
+    def _take(self, message) -> None:
+        """Episodes that arrive before every worker said hello to this session (after a learner
+        restart: results queued while it was down) wait until the hellos tell which groups the
+        workers started; anything else is handled now."""
+        waiting = self.greeting_until is not None and isinstance(message, (Trajectory, EpisodeFailed))
+        if waiting and len(self.early) < self.cfg.envpool.max_concurrent_episodes * self.cfg.envpool.workers:
+            self.early.append(message)
+        else:
+            self._handle(message)
 
     def _handle(self, message) -> None:
         """One arriving message, inside its error boundary: an episode is checked, then buffered
@@ -386,6 +402,9 @@ class Leader:
     def _finish(self) -> dict:
         cfg, buffer = self.cfg, self.buffer
         deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
+        for message in self.early:  # the run ended while greeting: they still count
+            self._handle(message)
+        self.early.clear()
         while len(self.done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
             self.exp.announce(self.trainer.version, 0, self.group_base, final=True, session=self.session)
             for message in self.exp.receive(0.2):
