@@ -156,8 +156,8 @@ class Leader:
                 self._take(message)
                 self.last_data = time.monotonic()
             if self.early and self._all_greeted():
-                for message in self.early:
-                    self._handle(message)
+                for early in self.early:
+                    self._handle(early)
                 self.early.clear()
             self.actor.follow(self._weights, trainer.version)
             stepped = self._maybe_step()
@@ -402,8 +402,8 @@ class Leader:
     def _finish(self) -> dict:
         cfg, buffer = self.cfg, self.buffer
         deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
-        for message in self.early:  # the run ended while greeting: they still count
-            self._handle(message)
+        for early in self.early:  # the run ended while greeting: they still count
+            self._handle(early)
         self.early.clear()
         while len(self.done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
             self.exp.announce(self.trainer.version, 0, self.group_base, final=True, session=self.session)
