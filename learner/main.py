@@ -39,14 +39,10 @@ from millstream.shared.keys import RunKeys, load_keys
 from millstream.shared.metrics import MetricsWriter
 from millstream.shared.protocol import (
     DropCause,
-    EpisodeFailed,
-    GroupStarted,
-    PoolDone,
+    Message,
     Trajectory,
-    WorkerHello,
     admit_limit,
 )
-from millstream.shared.ratelog import RateLog
 from millstream.shared.runtime import ACCOUNTING_FAILED, resolve_model_dir, run_role, write_ready
 
 from .accounting import close_accounts
@@ -55,8 +51,10 @@ from .advantages import compute_advantages, filter_groups, filter_pool_size
 from .batching import train_samples
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .experience import Experience, say
+from .follower import follow
+from .intake import Intake
 from .replay import Group, ReplayBuffer
-from .stats import CollapseWatch, NoSignalWatch, batch_metrics, progress_line
+from .stats import CollapseWatch, NoSignalWatch, batch_metrics, buffer_metrics, progress_line
 from .team import Team
 from .trainer import Trainer
 from .validate import EpisodeCheck, vocab_size
@@ -88,16 +86,14 @@ class Leader:
         self.generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
         self.collapse = CollapseWatch()
         self.no_signal = NoSignalWatch()
-        self.done_workers: dict[str, PoolDone] = {}
         self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0, group_size=train.group_size)
+        check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))
+        self.intake = Intake(cfg, self.buffer, self.ledger, check, self._log_episode)
         #: This learner process; a restarted learner is a new session, and workers say hello to it.
         self.session = uuid.uuid4().hex[:12]
         self.sessions = 1  # learner sessions of this run, this one included (resumes add)
-        self.early: list[Trajectory | EpisodeFailed] = []  # see _take
         self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
         self.dropped_before = 0  # groups a resumed buffer had dropped (incl. partials at load)
-        self.check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))
-        self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
         self.admitted = 0  # highest admission limit announced: no group at or above it started
 
     # --- admission -------------------------------------------------------------------------
@@ -153,12 +149,10 @@ class Leader:
         self._announce(announced)
         while trainer.version < cfg.train.steps:
             for message in self.exp.receive(0.05):
-                self._take(message)
+                self._take(message, greeting=self.greeting_until is not None)
                 self.last_data = time.monotonic()
-            if self.early and self._all_greeted():
-                for early in self.early:
-                    self._handle(early)
-                self.early.clear()
+            if self.intake.held and self._all_greeted():
+                self.intake.release(version=trainer.version, admitted=self.admitted)
             self.actor.follow(self._weights, trainer.version)
             stepped = self._maybe_step()
             if stepped or time.monotonic() - self.exp.last_announce > 1.0 or self.limit() != announced:
@@ -194,52 +188,8 @@ class Leader:
             session=self.session,
         )
 
-    def _take(self, message) -> None:
-        """Episodes that arrive before every worker said hello to this session (after a learner
-        restart: results queued while it was down) wait until the hellos tell which groups the
-        workers started; anything else is handled now."""
-        waiting = self.greeting_until is not None and isinstance(message, (Trajectory, EpisodeFailed))
-        if waiting and len(self.early) < self.cfg.envpool.max_concurrent_episodes * self.cfg.envpool.workers:
-            self.early.append(message)
-        else:
-            self._handle(message)
-
-    def _handle(self, message) -> None:
-        """One arriving message, inside its error boundary: an episode is checked, then buffered
-        or refused (counted, learner/validate.py); nothing a peer sends ends the learner."""
-        if isinstance(message, (Trajectory, EpisodeFailed)):
-            found = self.check.problem(message, version=self.trainer.version, admitted=self.admitted)
-            before = (
-                self.buffer.failed.get(str(message.cause), 0) if isinstance(message, EpisodeFailed) else 0
-            )
-            reason = self.buffer.accept(message, None if found is None else (found.reason, found.closes_slot))
-            if reason is None or (found is not None and found.closes_slot):
-                self.ledger.reported(message.episode_id, message.group_id)  # its slot is closed
-            if reason is not None:
-                detail = found.detail if found is not None else "disagrees with its group or the buffer"
-                self.refusals.event(
-                    reason, "refused episode %.40r: %s: %s", message.episode_id, reason, detail
-                )
-            elif (
-                isinstance(message, EpisodeFailed) and self.buffer.failed.get(str(message.cause), 0) > before
-            ):
-                self._log_episode(
-                    {"fate": "failed", "version": self.trainer.version, **msgspec.structs.asdict(message)}
-                )
-        elif isinstance(message, PoolDone):
-            self.done_workers[message.worker] = message
-        elif isinstance(message, GroupStarted):
-            self.ledger.group_started(message)
-        elif isinstance(message, WorkerHello):
-            lost = self.ledger.hello(message)
-            if lost:
-                log.warning("envpool worker %d restarted: %d episodes lost with it", message.index, len(lost))
-            for failure in lost:
-                self._handle(failure)
-        else:
-            self.refusals.event(
-                "unexpected", "unexpected %s on the experience socket", type(message).__name__
-            )
+    def _take(self, message: Message, *, greeting: bool) -> None:
+        self.intake.take(message, version=self.trainer.version, admitted=self.admitted, greeting=greeting)
 
     def _maybe_step(self) -> bool:
         """One training step if enough fresh complete groups wait: take, train, push, report."""
@@ -259,7 +209,7 @@ class Leader:
             **batch_metrics(batch, version, now - self.last_step, now - self.started),
             **{f"train/{k}": v for k, v in step_metrics.items()},
             **sync_metrics,
-            **self._buffer_metrics(),
+            **buffer_metrics(self.buffer.statistics()),
         }
         self._log_trained(scored, version)  # first: the metrics record counts these episodes
         self._report(record, step_metrics)
@@ -402,17 +352,15 @@ class Leader:
     def _finish(self) -> dict:
         cfg, buffer = self.cfg, self.buffer
         deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
-        for early in self.early:  # the run ended while greeting: they still count
-            self._handle(early)
-        self.early.clear()
-        while len(self.done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
+        self.intake.release(version=self.trainer.version, admitted=self.admitted)  # they count
+        while len(self.intake.done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
             self.exp.announce(self.trainer.version, 0, self.group_base, final=True, session=self.session)
             for message in self.exp.receive(0.2):
-                self._handle(message)
+                self._take(message, greeting=False)
         checkpoint = self._save()  # before the drain: its complete groups survive a resume
         buffer.drain(DropCause.RUN_ENDED)
         accounts = close_accounts(
-            buffer, self.ledger, self.done_workers, cfg.envpool.workers, resumed=bool(cfg.run.resume)
+            buffer, self.ledger, self.intake.done_workers, cfg.envpool.workers, resumed=bool(cfg.run.resume)
         )
         summary = {
             "version": self.trainer.version,
@@ -431,43 +379,8 @@ class Leader:
             closable.close()
         return summary
 
-    def _buffer_metrics(self) -> dict:
-        stats = self.buffer.statistics()
-        out = {
-            "episodes/received": stats["received"],
-            "episodes/trained": stats["trained"],
-            "episodes/buffered": stats["buffered"],
-            "groups/dropped": stats["dropped_groups"],
-        }
-        out.update({f"episodes/dropped/{k}": v for k, v in stats["dropped"].items()})
-        out.update({f"episodes/failed/{k}": v for k, v in stats["failed"].items()})
-        out.update({f"episodes/refused/{k}": v for k, v in stats["refused"].items()})
-        return out
-
     def _log_episode(self, record: dict) -> None:
         self.episodes_log.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
-
-
-def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
-    """Ranks > 0: enter each collective step rank 0 announces, until it says stop."""
-    generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
-    while True:
-        kind, payload = team.next_command()
-        if kind == "train":
-            trainer.train_step(team.shard(payload), cfg.learner, generation_budget=generation_budget)
-        elif kind == "weights":
-            for _ in trainer.named_weights():
-                pass
-        elif kind == "save":
-            save_checkpoint(
-                Path(payload["run_dir"]), trainer, None, payload, keep=cfg.learner.keep_checkpoints
-            )
-        elif kind == "load":
-            load_checkpoint(Path(payload), trainer, None)  # only rank 0 holds the buffer
-        elif kind == "stop":
-            return
-        else:
-            raise RuntimeError(f"unknown learner command {kind!r}")
 
 
 def run_learner(cfg: Config, ready_file: str | None = None) -> dict:

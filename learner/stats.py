@@ -22,7 +22,7 @@ from collections import Counter
 
 from .replay import Group
 
-__all__ = ["batch_metrics", "progress_line", "CollapseWatch", "NoSignalWatch"]
+__all__ = ["batch_metrics", "buffer_metrics", "progress_line", "CollapseWatch", "NoSignalWatch"]
 
 
 def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: float) -> dict:
@@ -119,3 +119,17 @@ class CollapseWatch:
         if not collapsing:
             self.warned = False
         return None
+
+
+def buffer_metrics(stats: dict) -> dict:
+    """The replay buffer's counters (`ReplayBuffer.statistics()`) as namespaced metrics."""
+    out = {
+        "episodes/received": stats["received"],
+        "episodes/trained": stats["trained"],
+        "episodes/buffered": stats["buffered"],
+        "groups/dropped": stats["dropped_groups"],
+    }
+    out.update({f"episodes/dropped/{k}": v for k, v in stats["dropped"].items()})
+    out.update({f"episodes/failed/{k}": v for k, v in stats["failed"].items()})
+    out.update({f"episodes/refused/{k}": v for k, v in stats["refused"].items()})
+    return out

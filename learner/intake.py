@@ -1,0 +1,91 @@
+"""What arrives on the learner's experience socket, each message inside its own error boundary.
+
+An episode (`Trajectory` or `EpisodeFailed`) is checked (learner/validate.py), then buffered or
+refused with a counted reason; nothing a peer sends ends the learner. The workers' bookkeeping
+messages feed the ledger (learner/workers.py): `GroupStarted`, `WorkerHello` (whose dead
+predecessor's unreported members come back as `worker_lost` failures) and `PoolDone`.
+
+Episodes that arrive while the learner still greets its workers (after a learner restart: the
+results queued while it was down) are held until every worker said hello, because only the
+hellos tell which groups the workers started; `release` then handles them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from millstream.shared.config import Config
+from millstream.shared.protocol import EpisodeFailed, GroupStarted, Message, PoolDone, Trajectory, WorkerHello
+from millstream.shared.ratelog import RateLog
+
+from .replay import ReplayBuffer
+from .validate import EpisodeCheck
+from .workers import WorkerLedger
+
+__all__ = ["Intake"]
+
+log = logging.getLogger("learner")
+
+
+class Intake:
+    def __init__(
+        self,
+        cfg: Config,
+        buffer: ReplayBuffer,
+        ledger: WorkerLedger,
+        check: EpisodeCheck,
+        log_episode: Callable[[dict], None],
+    ) -> None:
+        self.buffer, self.ledger, self.check = buffer, ledger, check
+        self.log_episode = log_episode
+        self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
+        self.done_workers: dict[str, PoolDone] = {}
+        self.held: list[Trajectory | EpisodeFailed] = []
+        self.max_held = cfg.envpool.max_concurrent_episodes * cfg.envpool.workers
+
+    def take(self, message: Message, *, version: int, admitted: int, greeting: bool) -> None:
+        """One message: held while `greeting` (episodes only, up to a bound), else handled."""
+        if greeting and isinstance(message, (Trajectory, EpisodeFailed)) and len(self.held) < self.max_held:
+            self.held.append(message)
+        else:
+            self.handle(message, version=version, admitted=admitted)
+
+    def release(self, *, version: int, admitted: int) -> None:
+        """Handle the held episodes (the greeting is over, or the run ends)."""
+        held, self.held = self.held, []
+        for message in held:
+            self.handle(message, version=version, admitted=admitted)
+
+    def handle(self, message: Message, *, version: int, admitted: int) -> None:
+        if isinstance(message, (Trajectory, EpisodeFailed)):
+            self._episode(message, version, admitted)
+        elif isinstance(message, PoolDone):
+            self.done_workers[message.worker] = message
+        elif isinstance(message, GroupStarted):
+            self.ledger.group_started(message)
+        elif isinstance(message, WorkerHello):
+            lost = self.ledger.hello(message)
+            if lost:
+                log.warning("envpool worker %d restarted: %d episodes lost with it", message.index, len(lost))
+            for failure in lost:
+                self._episode(failure, version, admitted)
+        else:
+            self.refusals.event(
+                "unexpected", "unexpected %s on the experience socket", type(message).__name__
+            )
+
+    def _episode(self, message: Trajectory | EpisodeFailed, version: int, admitted: int) -> None:
+        found = self.check.problem(message, version=version, admitted=admitted)
+        cause = str(message.cause) if isinstance(message, EpisodeFailed) else ""
+        before = self.buffer.failed.get(cause, 0)
+        reason = self.buffer.accept(message, None if found is None else (found.reason, found.closes_slot))
+        if reason is None or (found is not None and found.closes_slot):
+            self.ledger.reported(message.episode_id, message.group_id)  # its slot is closed
+        if reason is not None:
+            detail = found.detail if found is not None else "disagrees with its group or the buffer"
+            self.refusals.event(reason, "refused episode %.40r: %s: %s", message.episode_id, reason, detail)
+        elif isinstance(message, EpisodeFailed) and self.buffer.failed.get(cause, 0) > before:
+            self.log_episode({"fate": "failed", "version": version, **msgspec.structs.asdict(message)})
