@@ -11,7 +11,7 @@ import statistics
 
 import orjson
 import pytest
-from helpers import check_accounting, millstream_run, start_run, steps_of
+from helpers import Attacker, check_accounting, millstream_run, start_run, steps_of
 
 from millstream.shared.lifecycle import run_processes
 from millstream.shared.metrics import read_jsonl
@@ -19,13 +19,20 @@ from millstream.shared.metrics import read_jsonl
 
 @pytest.fixture(scope="module")
 def learning_run(actor, tmp_path_factory):
+    """A 20-step run, under attack all along (helpers.Attacker)."""
     run_dir = tmp_path_factory.mktemp("learn") / "run"
-    proc = millstream_run(actor, run_dir, "train.steps=20")
-    return run_dir, proc.stdout
+    with Attacker(run_dir) as attacker:
+        proc = millstream_run(actor, run_dir, "train.steps=20")
+    return run_dir, proc.stdout, attacker
 
 
-def test_the_loop_learns(learning_run):
-    run_dir, stdout = learning_run
+def test_the_loop_learns_under_attack(learning_run):
+    run_dir, stdout, attacker = learning_run
+    # The attack ran: garbage was answered as malformed, every attach refused (the envpool's key
+    # may not attach), and the learner never saw the forged episode (no key, no handshake).
+    assert attacker.sent["garbage_to_actor"] >= 40 and attacker.answers["malformed_frame"] > 0
+    assert attacker.answers["not_learner"] > 0 and "attach_failed" not in attacker.answers
+    assert "forged" not in (run_dir / "trajectories.jsonl").read_text()
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 21))
     first = statistics.fmean(r["reward/mean"] for r in steps[:5])
@@ -38,7 +45,7 @@ def test_the_loop_learns(learning_run):
 
 
 def test_learning_run_accounts_for_every_episode(learning_run):
-    run_dir, _ = learning_run
+    run_dir, _, _ = learning_run
     summary = check_accounting(run_dir)
     assert summary["episodes_failed"] == {} or set(summary["episodes_failed"]) == {"run_ended"}
 
