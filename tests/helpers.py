@@ -328,7 +328,7 @@ class Attacker:
             return
         self.stop.wait(2.0)  # the roles bind their sockets
         resolved = tomllib.loads(config.read_text())
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         actor = ctx.socket(zmq.DEALER)
         actor.setsockopt(zmq.LINGER, 0)
         secure(actor, keys_for_dir(Path(resolved["transport"]["keys_dir"]), "envpool"), bind=False)
