@@ -40,8 +40,15 @@ def import_deepspeed() -> Any:
 
 
 def init_distributed(deepspeed: Any) -> list[str]:
-    """Join (or, with no launcher, create) the default process group; return env keys we set."""
+    """Join (or, with no launcher, create) the default process group; return env keys we set.
+
+    The group's TCPStore is ours, listening on MASTER_ADDR only: DeepSpeed's env:// store, like
+    any TCPStore that opens its own socket, would listen on every interface. `millstream run`
+    starts the ranks of a data-parallel learner itself for this reason (torchrun's agent store
+    has the same problem); under torchrun its store is used as it is.
+    """
     ours: list[str] = []
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized() and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # No launcher: be rank 0 of 1 (else DeepSpeed tries MPI discovery through mpi4py).
         env = dict(
@@ -49,12 +56,14 @@ def init_distributed(deepspeed: Any) -> list[str]:
         )
         os.environ.update(env)
         ours = [k for k in env if k != "LOCAL_RANK"]  # every engine init reads LOCAL_RANK
-        # Our own store on loopback only; DeepSpeed then finds the group already formed
-        # (its env:// store would listen on every interface).
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
         store = open_store("127.0.0.1", 0, 1, is_master=True, timeout_s=300)
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    elif not dist.is_initialized() and "TORCHELASTIC_RUN_ID" not in os.environ:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        store = open_store(host, port, world, is_master=rank == 0, timeout_s=300)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+    deepspeed.init_distributed(dist_backend=backend)
     return ours
 
 

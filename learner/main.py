@@ -1,7 +1,7 @@
 """The learner process: receive episodes, train on complete groups, push weights, announce.
 
     millstream learner [--config run.toml] actor.connect=tcp://... run.dir=runs/x
-    torchrun --nproc_per_node 2 -m millstream.learner ...        (the launcher does this for learner.ranks=2)
+    torchrun --nproc_per_node 2 -m millstream.learner ...        (by hand; the launcher starts each rank)
 
 One loop on rank 0, synchronous on purpose (training is the slow part; ZeroMQ queues arriving
 experience in its own I/O thread meanwhile):

@@ -1,7 +1,9 @@
 """Several learner ranks, one voice: rank 0 leads, the others follow its commands.
 
-With `learner.ranks > 1` the launcher starts the learner under torchrun and DeepSpeed trains data
-parallel (ZeRO-2/3 shard optimizer state, gradients, parameters across ranks). Only rank 0 talks
+With `learner.ranks > 1` the launcher starts one learner process per rank (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set as torchrun would; rank 0 hosts the group's store on loopback) and
+DeepSpeed trains data parallel (ZeRO-2/3 shard optimizer state, gradients, parameters across
+ranks). Only rank 0 talks
 to the outside world: it owns the experience sockets, the replay buffer and the link to the actor.
 Every collective step must still be entered by all ranks in the same order, so rank 0 announces
 each one as a command, broadcast over the DeepSpeed world (gloo on CPU, NCCL on GPU):

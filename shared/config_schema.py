@@ -357,7 +357,9 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = 10
     keep_checkpoints: Annotated[int, _doc("Most recent checkpoints kept on disk.", ge=1)] = 2
-    ranks: Annotated[int, _doc("Learner processes (DeepSpeed data parallel; >1 starts torchrun).", ge=1)] = 1
+    ranks: Annotated[
+        int, _doc("Learner processes (DeepSpeed data parallel; the launcher starts each rank).", ge=1)
+    ] = 1
     zero_stage: Annotated[int, _doc("DeepSpeed ZeRO stage.", ge=0, le=3)] = 2
     sync_backend: Annotated[
         Literal["auto", "gloo", "nccl"],

@@ -132,8 +132,8 @@ def watch(
         if exited.get("learner") == 0:
             return _learner_finished(sup)
         for name, code in exited.items():
-            if name in restarts or (name.startswith("envpool") and code == 0):
-                continue  # a worker may finish a moment before the learner does
+            if name in restarts or (name.startswith(("envpool", "learner-rank")) and code == 0):
+                continue  # a worker or a follower rank may finish a moment before the learner
             if not _schedule_restart(sup, healer, name, code, now, restarts, out):
                 return 1
         for name, at in list(restarts.items()):

@@ -233,25 +233,26 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
 def _start_roles(sup: Supervisor, cfg: Config, config: list[str]) -> None:
     if not cfg.actor.connect:
         sup.start("actor", "millstream.actor", config)
-    if cfg.learner.ranks > 1:  # data-parallel learner: torchrun starts the ranks
-        sup.start(
-            "learner",
-            "torch.distributed.run",
-            [
-                "--nproc_per_node",
-                str(cfg.learner.ranks),
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(free_port()),
-                "-m",
-                "millstream.learner",
-                *config,
-            ],
-            pipe_stdout=True,
+    # Rank 0 is "learner" (it talks to the run and prints the progress lines); the other ranks
+    # of a data-parallel learner follow it. Not torchrun: its agent's TCPStore listens on every
+    # interface; rank 0 hosts the group's store on loopback instead (learner/dssetup.py).
+    port = str(free_port())
+    for rank in range(cfg.learner.ranks):
+        env = dict(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(cfg.learner.ranks),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
         )
-    else:
-        sup.start("learner", "millstream.learner", config, pipe_stdout=True)
+        name = "learner" if rank == 0 else f"learner-rank{rank}"
+        sup.start(
+            name,
+            "millstream.learner",
+            config,
+            pipe_stdout=rank == 0,
+            env=env if cfg.learner.ranks > 1 else None,
+        )
     for i in range(cfg.envpool.workers):
         sup.start(f"envpool-{i}", "millstream.envpool", [*config, "--worker-index", str(i)])
 

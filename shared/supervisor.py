@@ -38,17 +38,26 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: dict[str, Path] = {}
         #: How each child was started, so `restart` can start it again.
-        self.specs: dict[str, tuple[str, list[str], bool]] = {}
+        self.specs: dict[str, tuple[str, list[str], bool, dict[str, str] | None]] = {}
 
-    def start(self, name: str, module: str, args: list[str], *, pipe_stdout: bool = False) -> None:
+    def start(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        *,
+        pipe_stdout: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
         self.logs[name] = log
-        self.specs[name] = (module, args, pipe_stdout)
+        self.specs[name] = (module, args, pipe_stdout, env)
         exit_file(self.run_dir, name).unlink(missing_ok=True)  # a previous session's
         out: IO[bytes] = log.open("ab")
-        env = dict(
+        child_env = dict(
             os.environ,
             PYTHONUNBUFFERED="1",
+            **(env or {}),
             **{ENV_PARENT: str(os.getpid()), ENV_RUN: str(self.run_dir.resolve()), ENV_NAME: name},
         )
         self.procs[name] = subprocess.Popen(
@@ -56,7 +65,7 @@ class Supervisor:
             stdout=subprocess.PIPE if pipe_stdout else out,
             stderr=out,
             stdin=subprocess.DEVNULL,
-            env=env,
+            env=child_env,
             start_new_session=True,
         )
         out.close()  # the child holds its own copy
@@ -67,9 +76,9 @@ class Supervisor:
         its port and memory), then start it again as it was started (plus `extra_args`)."""
         _signal_group(self.procs[name], signal.SIGKILL)
         self.procs[name].wait()
-        module, args, pipe_stdout = self.specs[name]
-        self.start(name, module, [*args, *(extra_args or [])], pipe_stdout=pipe_stdout)
-        self.specs[name] = (module, args, pipe_stdout)  # the extra arguments are for this start
+        module, args, pipe_stdout, env = self.specs[name]
+        self.start(name, module, [*args, *(extra_args or [])], pipe_stdout=pipe_stdout, env=env)
+        self.specs[name] = (module, args, pipe_stdout, env)  # the extra arguments: this start only
 
     def kill(self, name: str) -> None:
         """SIGKILL `name`'s whole process group (fault injection)."""

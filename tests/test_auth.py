@@ -4,7 +4,8 @@ the run's keys change nothing, a process holding the envpool's key still cannot 
 learner, and nothing the run started listens beyond loopback.
 
 The run uses the synthetic actor (the weights path and the learner are real; vLLM adds nothing
-to what is checked here) and keys of its own in `<run.dir>/keys`.
+to what is checked here), a data-parallel learner of two ranks (so the DeepSpeed group's store
+is checked too) and keys of its own in `<run.dir>/keys`.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def test_a_run_admits_only_its_own_keys(tiny_model_dir, tmp_path):
         f"model.path={tiny_model_dir}",
         "train.steps=60",
         "train.group_size=4",
+        "learner.ranks=2",  # the data-parallel group's store too
         until="step    2/",
     )
     resolved = tomllib.loads((run_dir / "config.toml").read_text())
