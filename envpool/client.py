@@ -231,7 +231,11 @@ class ActorClient:
                 )
                 self.stats.retries += 1
                 await anyio.sleep(backoff_s * 2**attempt)
-        raise ActorUnreachable(f"the actor did not answer Hello in {retries + 1} tries of {timeout_s}s each")
+        hint = " (with transport.curve on it must use this run's keys: transport.keys_dir)"
+        raise ActorUnreachable(
+            f"the actor did not answer Hello in {retries + 1} tries of {timeout_s}s each"
+            f"{hint if self.channel.authenticated else ''}"
+        )
 
     async def generate(
         self,

@@ -127,8 +127,15 @@ class WeightSender:
                         f"actor at {self.address} refused {what}: {reply.cause}: {reply.message}"
                     )
                 log.warning("ignoring %s while waiting for %s", type(reply).__name__, expect.__name__)
+        hint = (
+            " (is it running, and does it use this run's keys? An actor started elsewhere needs "
+            "the same transport.keys_dir)"
+            if self._keys is not None and what == "Hello"
+            else ""
+        )
         raise WeightSyncError(
-            f"no {expect.__name__} from the actor at {self.address} within {timeout_s:.0f}s after {what}"
+            f"no {expect.__name__} from the actor at {self.address} within {timeout_s:.0f}s "
+            f"after {what}{hint}"
         )
 
     def attach(self) -> ActorInfo:

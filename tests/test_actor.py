@@ -90,28 +90,32 @@ def test_cancelled_generation_is_aborted_on_the_actor(actor):
 
 
 @pytest.mark.parametrize(
-    "prompt, max_tokens, message",
+    "prompt, max_tokens, temperature, stop, message",
     [
-        ([], 4, "empty prompt"),
-        ([1, 2, 999_999], 4, "outside the vocabulary"),
-        ([1, 2, 3], 5000, "exceeds max_model_len"),
+        ([], 4, 1.0, [], "empty prompt"),
+        ([1, 2, 999_999], 4, 1.0, [], "outside the vocabulary"),
+        ([1, 2, 3], 5000, 1.0, [], "exceeds max_model_len"),
+        # The hostile probe's: vLLM itself raises on these, outside any request's boundary.
+        ([1, 2, 3], 4, 1e30, [], "bad sampling parameters temperature=1e[+]30"),
+        ([1, 2, 3], 4, 1.0, [999_999], "stop token id 999999 outside the vocabulary"),
     ],
 )
-def test_bad_requests_fail_with_a_named_cause(actor, prompt, max_tokens, message):
+def test_bad_requests_fail_with_a_named_cause(actor, prompt, max_tokens, temperature, stop, message):
     async def run(client, _tg):
         return await client.generate(
             prompt,
             max_tokens=max_tokens,
-            temperature=1.0,
+            temperature=temperature,
             top_p=1.0,
             seed=None,
-            stop_token_ids=[],
+            stop_token_ids=stop,
             timeout_s=60,
         )
 
     with pytest.raises(GenerationFailed, match=message) as info:
         anyio.run(with_client, actor.address, run, backend="trio")
     assert info.value.cause == "actor_bad_request"
+    assert actor.proc.poll() is None  # refused, and the actor still serves
 
 
 def test_weight_broadcast_makes_actor_match_learner_weights(actor, hf_model):
