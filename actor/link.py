@@ -130,10 +130,14 @@ class LearnerLink:
                 peer, ErrorReply(ReplyCause.BUSY, f"{self._exchanges} learner exchanges already running")
             )
             return
-        if isinstance(message, AttachLearner):
-            tg.start_soon(self._exchange, self.attach, peer, message)
-        elif isinstance(message, WeightUpdate):
-            tg.start_soon(self._exchange, self.update, peer, message)
+        if isinstance(message, (AttachLearner, WeightUpdate)):
+            self._exchanges += 1  # counted now: a frame of many must not pass the check above
+            tg.start_soon(
+                self._exchange,
+                self.attach if isinstance(message, AttachLearner) else self.update,
+                peer,
+                message,
+            )
 
     def _from_learner(self, peer: bytes) -> bool:
         """With CURVE, only the learner's key may attach or push weights; without it (loopback
@@ -141,7 +145,6 @@ class LearnerLink:
         return not self.channel.authenticated or self.channel.peer_role(peer) == "learner"
 
     async def _exchange(self, task: Callable[..., Any], peer: bytes, message: Message) -> None:
-        self._exchanges += 1
         try:
             await self.boundary.guarded(task, peer, message)
         finally:

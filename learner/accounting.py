@@ -1,8 +1,8 @@
 """The run's closing account: every episode any worker process started has exactly one fate.
 
     started (all worker processes, all learner sessions: learner/workers.py)
-      == received (replay buffer, restored across sessions)
-      == trained + dropped + failed + buffered (0 after the final drain)
+      == received (replay buffer, restored across sessions) - foreign (refused, never started)
+    received == trained + dropped + failed + buffered (0 after the final drain)
 
 A worker that died is covered by its `worker_lost` failures, synthesized when its successor said
 hello. A learner that died took with it the results that reached it after its last checkpoint;
@@ -32,11 +32,18 @@ def worker_index(name: str) -> int:
 
 
 def close_accounts(
-    buffer: ReplayBuffer, ledger: WorkerLedger, done: dict[str, PoolDone], workers: int, resumed: bool
+    buffer: ReplayBuffer,
+    ledger: WorkerLedger,
+    done: dict[str, PoolDone],
+    workers: int,
+    resumed: bool,
+    foreign: int = 0,
 ) -> dict[str, Any]:
-    """Count what a dead learner lost, check every identity; the summary's accounting part."""
+    """Count what a dead learner lost, check every identity; the summary's accounting part.
+    `foreign`: refused episodes no worker started (learner/intake.py), received but not the
+    run's."""
     started = ledger.started_total
-    unreceived = started - buffer.statistics()["received"]
+    unreceived = started - (buffer.statistics()["received"] - foreign)
     if resumed and unreceived > 0:
         buffer.count_unreceived(Cause.LEARNER_LOST, unreceived)
     stats = buffer.statistics()
@@ -46,6 +53,7 @@ def close_accounts(
         "workers_done": len(done),
         "episodes_started": started,
         "episodes_received": stats["received"],
+        "episodes_foreign": foreign,
         "episodes_trained": stats["trained"],
         "episodes_dropped": stats["dropped"],
         "episodes_failed": stats["failed"],
@@ -55,7 +63,7 @@ def close_accounts(
         "accounting_ok": (
             len(done) == workers
             and agreed
-            and started == stats["received"]
+            and started == stats["received"] - foreign
             and stats["received"] == accounted
         ),
     }

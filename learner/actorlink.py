@@ -20,6 +20,7 @@ is an error, as before.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -33,6 +34,9 @@ log = logging.getLogger("learner")
 
 Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
+#: A Hello left unanswered this long is sent again on a fresh socket.
+HELLO_EVERY_S = 5.0
+
 
 class ActorLink:
     def __init__(self, sync: WeightSender, pid_file: Path | None) -> None:
@@ -43,6 +47,7 @@ class ActorLink:
         #: True between losing the actor and catching the new one up.
         self.down = False
         self.restarts_seen = 0
+        self._asked = 0.0  # when the current Hello was sent
 
     def push(self, weights: Weights, version: int) -> dict[str, float]:
         """Push `version`; {} if the actor is down (it gets the weights once it is back)."""
@@ -61,15 +66,24 @@ class ActorLink:
         """Once per loop iteration: notice a restarted actor, catch a ready one up. True when the
         actor was just brought to `version`."""
         pid = self._read_pid()
-        if pid != self._pid:
+        if pid != self._pid:  # a new actor process, even one that replaced a replacement
             self._pid = pid
-            if not self.down:
-                log.warning("the actor restarted (pid %s): re-attaching once it answers", pid)
-                self._lose()
-        if not self.down or not self.sync.answers_hello():
+            log.warning("the actor restarted (pid %s): re-attaching once it answers", pid)
+            self._lose()
+        if not self.down:
             return False
-        self.sync.attach()
-        self.sync.push(weights(), version)
+        if time.monotonic() - self._asked > HELLO_EVERY_S:  # the Hello may have gone to a dead one
+            self.sync.reconnect()
+            self._asked = time.monotonic()
+        if not self.sync.answers_hello():
+            return False
+        try:
+            self.sync.attach()
+            self.sync.push(weights(), version)
+        except (WeightSyncError, RuntimeError) as exc:  # it died again, or is not ready yet
+            log.warning("re-attaching the actor failed (%s); trying again", exc)
+            self._lose()
+            return False
         self.down = False
         log.info("the restarted actor is attached and at policy version %d", version)
         return True
@@ -78,6 +92,7 @@ class ActorLink:
         self.down = True
         self.restarts_seen += 1
         self.sync.reconnect()
+        self._asked = time.monotonic()
 
     def _read_pid(self) -> str | None:
         if self.pid_file is None:

@@ -42,6 +42,7 @@ from millstream.shared.protocol import (
     Message,
     Trajectory,
     admit_limit,
+    group_number,
 )
 from millstream.shared.runtime import ACCOUNTING_FAILED, resolve_model_dir, run_role, write_ready
 
@@ -81,8 +82,7 @@ class Leader:
         bound = train.max_staleness if learner.staleness_policy == "drop" else learner.decoupled_max_staleness
         self.buffer = ReplayBuffer(train.group_size, train.groups_per_batch, bound, learner.max_buffer_groups)
         self.group_base = 0  # first group number of this session (continues after a resume)
-        self.carried = 0  # complete groups restored from a checkpoint, holding admission slots
-        self.trained_groups = 0  # groups trained in this session
+        self.trained_groups = 0  # groups admitted and trained in this session (>= group_base)
         self.generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
         self.collapse = CollapseWatch()
         self.no_signal = NoSignalWatch()
@@ -93,7 +93,6 @@ class Leader:
         self.session = uuid.uuid4().hex[:12]
         self.sessions = 1  # learner sessions of this run, this one included (resumes add)
         self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
-        self.dropped_before = 0  # groups a resumed buffer had dropped (incl. partials at load)
         self.admitted = 0  # highest admission limit announced: no group at or above it started
 
     # --- admission -------------------------------------------------------------------------
@@ -104,8 +103,8 @@ class Leader:
             return self.group_base  # nothing admitted before numbering is settled
         return admit_limit(
             group_base=self.group_base,
-            consumed=self.trained_groups + self.buffer.dropped_groups - self.dropped_before,
-            carried=self.carried,
+            consumed=self.trained_groups + self.buffer.dropped_from_floor,
+            carried=self.buffer.held_below_floor(),
             groups_per_batch=cfg.train.groups_per_batch,
             max_staleness=cfg.train.max_staleness,
             slack=cfg.envpool.admission_slack,
@@ -167,19 +166,27 @@ class Leader:
 
     def _all_greeted(self) -> bool:
         """Every worker said hello to this session (or their time is up); the first time it is
-        so, numbering moves past every group any worker process has started."""
+        so, numbering moves past every group any worker process has started, and the groups
+        started before (a restarted learner's: restored, still running, or held results) are
+        not this session's: consuming one admits nothing new, and while the buffer holds one it
+        holds an admission slot (`ReplayBuffer.floor`). Otherwise each would admit a group too
+        many, for good, and the excess would be dropped stale step after step."""
         if self.greeting_until is None:
             return True
-        if len(self.ledger.greeted) < self.cfg.envpool.workers and time.monotonic() < self.greeting_until:
+        waiting = (
+            len(self.ledger.greeted) < self.cfg.envpool.workers and time.monotonic() < self.greeting_until
+        )
+        if waiting and len(self.intake.held) < self.intake.max_held:  # full: judge them now
             return False
         self.greeting_until = None
         self.group_base = max([self.group_base, *self.ledger.next_groups])
         self.ledger.rebase(self.group_base)
         self.admitted = max(self.admitted, self.group_base)  # every group a worker started
+        self.buffer.floor, self.buffer.dropped_from_floor = self.group_base, 0
         return True
 
     def _announce(self, limit: int) -> None:
-        self.admitted = max(self.admitted, limit, *self.ledger.next_groups)
+        self.admitted = max(self.admitted, limit)
         self.exp.announce(
             self.trainer.version,
             limit,
@@ -199,7 +206,7 @@ class Leader:
             return False
         scored = self._score(batch)
         step_metrics = self._train(scored)
-        self.trained_groups += len(batch)
+        self.trained_groups += sum(1 for g in batch if group_number(g.group_id) >= self.buffer.floor)
         sync_metrics = self._push_weights()
         now = time.monotonic()
         record = {
@@ -316,6 +323,7 @@ class Leader:
             "ledger": self.ledger.state_dict(),
             "admitted": self.admitted,
             "sessions": self.sessions,
+            "foreign": self.intake.foreign,
         }
         self.team.command("save", extra)
         path = save_checkpoint(
@@ -332,14 +340,13 @@ class Leader:
             self.ledger.load_state_dict(state["ledger"])
             self.admitted = int(state["admitted"])
             self.sessions = int(state["sessions"]) + 1
+            self.intake.foreign = int(state["foreign"])
         self.ledger.rebase(self.group_base)
-        self.carried = int(state["restored_groups"])
-        self.dropped_before = self.buffer.dropped_groups
         log.info(
             "resumed from %s at policy version %d (%d groups carried, numbering from %d)",
             path,
             self.trainer.version,
-            self.carried,
+            int(state["restored_groups"]),
             self.group_base,
         )
 
@@ -360,7 +367,12 @@ class Leader:
         checkpoint = self._save()  # before the drain: its complete groups survive a resume
         buffer.drain(DropCause.RUN_ENDED)
         accounts = close_accounts(
-            buffer, self.ledger, self.intake.done_workers, cfg.envpool.workers, resumed=bool(cfg.run.resume)
+            buffer,
+            self.ledger,
+            self.intake.done_workers,
+            cfg.envpool.workers,
+            resumed=bool(cfg.run.resume),
+            foreign=self.intake.foreign,
         )
         summary = {
             "version": self.trainer.version,

@@ -59,6 +59,14 @@ _OVERFLOW = DropCause.GROUP_OVERFLOW
 _OPEN, _LATE, _DUPLICATE = 0, 1, 2
 
 
+def _number(gid: str) -> int:
+    """A group's number; -1 for an id that is not one (it never counts as this session's)."""
+    try:
+        return group_number(gid)
+    except ValueError:
+        return -1
+
+
 class BufferFull(RuntimeError):
     """More groups than `max_groups` would be buffered: the upstream admission gate failed."""
 
@@ -140,6 +148,11 @@ class ReplayBuffer:
         self.duplicates = 0
         self.buffered = 0
         self.dropped_groups = 0
+        #: Groups numbered below `floor` were admitted by an earlier learner session; the
+        #: learner's admission counts only drops of its own (`dropped_from_floor`) and the older
+        #: groups still held (`held_below_floor`). Not saved: a session's own.
+        self.floor = 0
+        self.dropped_from_floor = 0
         self.dropped: dict[str, int] = {}
         self.failed: dict[str, int] = {}
         #: Episodes refused on arrival, by reason (all counted in dropped["invalid_trajectory"]).
@@ -268,7 +281,7 @@ class ReplayBuffer:
         del self._pending[group_id]
         self._closed[group_id] = _OVERFLOW
         if len(group.trajectories) < self.min_group_size:
-            self._drop_group(group.trajectories, DropCause.GROUP_TOO_SMALL)
+            self._drop_group(group_id, group.trajectories, DropCause.GROUP_TOO_SMALL)
             return
         assert group.oldest is not None  # min_group_size >= 1, so a trajectory arrived
         self._complete[group_id] = Group(group_id, group.trajectories, group.failed, group.oldest)
@@ -282,12 +295,12 @@ class ReplayBuffer:
         for gid, done in list(self._complete.items()):
             if version - done.oldest_version > self.max_staleness:
                 del self._complete[gid]
-                self._drop_group(done.trajectories, DropCause.STALE)
+                self._drop_group(gid, done.trajectories, DropCause.STALE)
         for gid, group in list(self._pending.items()):
             if group.oldest is not None and version - group.oldest > self.max_staleness:
                 del self._pending[gid]
                 self._closed[gid] = DropCause.STALE  # its late members are stale too
-                self._drop_group(group.trajectories, DropCause.STALE)
+                self._drop_group(gid, group.trajectories, DropCause.STALE)
         if len(self._complete) < count:
             return None
         batch = [self._complete.popitem(last=False)[1] for _ in range(count)]
@@ -304,22 +317,24 @@ class ReplayBuffer:
             n = len(group.trajectories)
             self.trained -= n
             self.buffered += n
-            self._drop_group(group.trajectories, cause)
+            self._drop_group(group.group_id, group.trajectories, cause)
 
     def drain(self, cause: DropCause = DropCause.RUN_ENDED) -> int:
         """Drops every buffered episode (complete and partial groups); returns how many."""
         before = self.buffered
-        for done in self._complete.values():
-            self._drop_group(done.trajectories, cause)
+        for gid, done in self._complete.items():
+            self._drop_group(gid, done.trajectories, cause)
         for gid, group in self._pending.items():
             self._closed[gid] = cause  # late members of a drained partial group: same cause
-            self._drop_group(group.trajectories, cause)
+            self._drop_group(gid, group.trajectories, cause)
         self._complete.clear()
         self._pending.clear()
         return before - self.buffered
 
-    def _drop_group(self, trajectories: list[Trajectory], cause: DropCause) -> None:
+    def _drop_group(self, gid: str, trajectories: list[Trajectory], cause: DropCause) -> None:
         self.dropped_groups += 1
+        if _number(gid) >= self.floor:
+            self.dropped_from_floor += 1
         if trajectories:
             self._count(self.dropped, cause, len(trajectories))
             self.buffered -= len(trajectories)
@@ -440,8 +455,12 @@ class ReplayBuffer:
         self._last_staleness = list(state.get("last_staleness", []))
         for gid, group in partial.items():
             self._closed[gid] = drop_partial_cause
-            self._drop_group(group.trajectories, drop_partial_cause)
+            self._drop_group(gid, group.trajectories, drop_partial_cause)
         return len(self._complete)
+
+    def held_below_floor(self) -> int:
+        """Groups of earlier sessions still here (complete or partial): they hold admission slots."""
+        return sum(1 for gid in (*self._complete, *self._pending) if _number(gid) < self.floor)
 
     def max_group_number(self) -> int | None:
         """The highest `shared.protocol.group_number` of any group this buffer has seen

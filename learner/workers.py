@@ -62,8 +62,8 @@ class WorkerLedger:
         self.next_groups = [max(n, group_base + i) for i, n in enumerate(self.next_groups)]
 
     def hello(self, msg: WorkerHello) -> list[EpisodeFailed]:
-        """A worker process introduced itself; returns the failures of a dead predecessor's
-        unreported members."""
+        """A worker process introduced itself (its index is in range: learner/intake.py);
+        returns the failures of a dead predecessor's unreported members."""
         self.greeted.add(msg.index)
         before = self.incarnations.get(msg.index)
         self.incarnations[msg.index] = msg.incarnation
@@ -87,6 +87,11 @@ class WorkerLedger:
             self.next_groups[msg.index] = max(
                 self.next_groups[msg.index], group_number(msg.group_id) + self.workers
             )
+
+    def expects(self, episode_id: str, group_id: str) -> bool:
+        """Whether a worker started this episode and it has not reported yet."""
+        group = self.open.get(group_id)
+        return group is not None and episode_id in group.pending
 
     def reported(self, episode_id: str, group_id: str) -> None:
         group = self.open.get(group_id)

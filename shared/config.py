@@ -24,6 +24,7 @@ context) run after the types (`check_config`), still before any role starts.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import re
 import tomllib
@@ -259,7 +260,10 @@ def _is_local(address: str) -> bool:
     if match is None or not address.startswith("tcp://"):
         return address.startswith(("ipc://", "inproc://"))
     host = match.group(1).strip("[]")
-    return host == "localhost" or host.startswith("127.") or host == "::1"
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve anywhere
+        return False
 
 
 def _check_address(key: str, address: str) -> None:

@@ -9,12 +9,14 @@ running meanwhile:
   groups its predecessor left unfinished, counting each missing member as `worker_lost`
   (learner/workers.py); numbering continues after its predecessor's groups;
 - a restarted actor is noticed by the learner, which attaches again and pushes the current
-  weights (learner/actorlink.py); the envpool retries turns that timed out meanwhile.
+  weights (learner/actorlink.py); the envpool retries at once the turns the dead one held
+  (`actor_lost`, envpool/client.py);
 - a restarted learner resumes from its latest checkpoint in the run directory (records after it
   are marked rolled back first, as `run.resume` does); envpool and actor wait for it at the
   admission gate, every worker says hello to the new session, and the results that reached the
   dead learner after its checkpoint are counted as `learner_lost` (learner/workers.py). Without
-  a checkpoint yet, a dead learner stops the run.
+  a checkpoint yet, a dead learner stops the run, and so does any rank of a data-parallel
+  learner (`learner.ranks > 1`): its ranks cannot rejoin a group halfway (resume the run).
 
 Chaos (`chaos.kill_every_s`) kills one random role of `chaos.roles` (SIGKILL to its process
 group) on a seeded schedule. Its kills do not use up the role's restarts: they test healing,
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from .config import Config
+from .config import Config, ConfigError
 from .rundir import find_checkpoint, mark_rolled_back, plan_resume, retire_later_checkpoints
 from .runtime import ACCOUNTING_FAILED
 from .supervisor import Supervisor
@@ -40,6 +42,10 @@ __all__ = ["Healer", "Decision", "watch"]
 
 #: Longest backoff before a restart.
 MAX_BACKOFF_S = 60.0
+
+
+class HealingFailed(RuntimeError):
+    """A restart that cannot be done; the run stops."""
 
 
 @dataclass
@@ -69,6 +75,8 @@ class Healer:
 
     def restartable(self, name: str) -> bool:
         if name == "learner":
+            if self.cfg.learner.ranks > 1:
+                return False  # its follower ranks cannot rejoin a group halfway: resume instead
             try:
                 find_checkpoint(self.run_dir)
             except FileNotFoundError:
@@ -139,7 +147,11 @@ def watch(
         for name, at in list(restarts.items()):
             if now >= at:
                 del restarts[name]
-                _restart(sup, healer, name, learner_started)
+                try:
+                    _restart(sup, healer, name, learner_started)
+                except HealingFailed as exc:
+                    print(f"{name} exited early, stopping the run: {exc}", file=out, flush=True)
+                    return 1
         alive = [n for n in sup.procs if n not in exited and n not in restarts]
         victim = healer.victim(alive, now)
         if victim is not None:
@@ -185,7 +197,10 @@ def _restart(sup: Supervisor, healer: Healer, name: str, learner_started: Callab
         return
     # As `run.resume` does: the records after the checkpoint are rolled back, later checkpoints
     # retired, and the learner loads the checkpoint.
-    resume = plan_resume(str(healer.run_dir))
+    try:
+        resume = plan_resume(str(healer.run_dir))
+    except ConfigError as exc:  # its checkpoint went missing: the run cannot go on
+        raise HealingFailed(f"cannot restart the learner: {exc}") from None
     retire_later_checkpoints(healer.run_dir, resume.step)
     mark_rolled_back(healer.run_dir, resume.records)
     sup.restart(name, extra_args=[f"run.resume={healer.run_dir}"])

@@ -20,6 +20,13 @@ process) that checks the key and names the peer by role. The name reaches the ap
 message's `User-Id` property, so the actor can take `AttachLearner` from the learner's key only,
 whatever else holds the envpool's key.
 
+What this does not do: separate the roles from each other. Every role reads the one folder (a
+binding role needs the server's secret, and all run as one user), so a process that runs as the
+run's user, or as root, can read every key; the role check keeps a peer holding only the
+envpool's key from attaching, not such a process. And the TCPStores of the weight broadcast and
+of DeepSpeed have no authentication at all: they listen on the configured host only (loopback
+by default), so they are open to the processes of this machine.
+
 Why one server key for all binding sockets rather than one per role: a role's client then needs
 one public key, whatever it connects to, and the trust is the same, the run's own processes.
 """
@@ -41,6 +48,9 @@ from zmq.auth.thread import ThreadAuthenticator
 from .config import Config, ConfigError
 
 __all__ = ["RunKeys", "ensure_keys", "keys_dir", "load_keys", "secure", "CLIENT_ROLES"]
+
+#: The ZAP domain of a run's binding sockets.
+ZAP_DOMAIN = "millstream"
 
 #: The client identities of a run; the actor takes weights only from "learner".
 CLIENT_ROLES = ("learner", "envpool", "actor")
@@ -170,7 +180,7 @@ def _authenticator(context: zmq.Context, keys: RunKeys) -> None:
             return
         auth = _RunAuthenticator(context, keys.clients)
         auth.start()
-        auth.configure_curve_callback(domain="*", credentials_provider=_Admit(keys.clients))
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Admit(keys.clients))
         _authenticators[id(context)] = auth
 
 
@@ -180,6 +190,10 @@ def secure(sock: zmq.Socket, keys: RunKeys | None, *, bind: bool) -> None:
         return
     if bind:
         _authenticator(sock.context, keys)
+        # With a domain enforced, a missing ZAP handler refuses every peer (without, libzmq
+        # would admit any client that knows the server's public key).
+        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
         sock.curve_secretkey = keys.server_secret
         sock.curve_publickey = keys.server_public
         sock.curve_server = True

@@ -75,7 +75,10 @@ class Supervisor:
         """Kill what is left of `name`'s process group (a dead actor's engine processes hold
         its port and memory), then start it again as it was started (plus `extra_args`)."""
         _signal_group(self.procs[name], signal.SIGKILL)
-        self.procs[name].wait()
+        try:
+            self.procs[name].wait(timeout=30)
+        except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver): start anyway
+            pass
         module, args, pipe_stdout, env = self.specs[name]
         self.start(name, module, [*args, *(extra_args or [])], pipe_stdout=pipe_stdout, env=env)
         self.specs[name] = (module, args, pipe_stdout, env)  # the extra arguments: this start only

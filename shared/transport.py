@@ -204,7 +204,7 @@ class Channel:
             return self.sock.recv_multipart(zmq.NOBLOCK, copy=True)
         # Frame objects carry the ZAP User-Id; only a ROUTER with CURVE pays for them.
         parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        if len(parts) > 1 and parts[0].bytes not in self._roles:
+        if len(parts) > 1:  # every frame: a routing id can pass to another peer after a reconnect
             self._roles[parts[0].bytes] = str(parts[-1].get("User-Id"))
         return [part.bytes for part in parts]
 

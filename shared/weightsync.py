@@ -94,8 +94,6 @@ def await_session(host: str, port: int, session: str, timeout_s: float) -> None:
     sender's whole timeout. Checked here first, a bad attach costs one idle thread, not the
     engine.
     """
-    from datetime import timedelta
-
     store = open_store(host, port, 1, is_master=False, timeout_s=timeout_s)
     store.wait([_session_key(session)], timedelta(seconds=timeout_s))
 

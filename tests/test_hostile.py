@@ -14,7 +14,6 @@ import math
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import anyio
@@ -44,6 +43,7 @@ from millstream.shared.protocol import (
     PoolDone,
     ReplyCause,
     Trajectory,
+    WorkerHello,
 )
 from millstream.shared.ratelog import RateLog
 from millstream.shared.runtime import free_port
@@ -135,6 +135,34 @@ def test_each_learner_finding_is_a_counted_refusal():
         accounted(buf)
     assert buf.refused == {r: 1 for r, _ in cases} and buf.dropped["invalid_trajectory"] == len(cases)
     assert buf.statistics()["complete_groups"] == 0  # g3 closed by a refusal: too small, dropped
+
+
+def test_bookkeeping_messages_are_checked_and_never_raise():
+    """The workers' own messages (GroupStarted, WorkerHello) are checked like episodes: a forged
+    one cannot open its own admission, and none ends the learner."""
+    from millstream.learner.intake import Intake
+    from millstream.learner.workers import WorkerLedger
+    from millstream.shared.config import load_config
+
+    cfg = load_config(None, ["train.group_size=2", "envpool.workers=2"])
+    buf = ReplayBuffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=4)
+    ledger = WorkerLedger(2, group_base=0, group_size=2)
+    intake = Intake(cfg, buf, ledger, EpisodeCheck(LearnerConfig(), vocab=256), lambda record: None)
+    hostile = [
+        GroupStarted(0, "w", "not-a-group", 2),
+        GroupStarted(0, "w", "g999999", 2),  # never admitted
+        GroupStarted(0, "w", "g1", 10**9),  # not the run's group size (and a huge set)
+        GroupStarted(7, "w", "g1", 2),  # no such worker
+        WorkerHello(99, "w"),
+    ]
+    for message in hostile:
+        intake.handle(message, version=0, admitted=10)
+    assert ledger.open == {} and ledger.started_total == 0 and ledger.next_groups == [0, 1]
+    assert intake.refusals.counts == {"bad_group_started": 4, "bad_hello": 1}
+    intake.handle(GroupStarted(0, "w", "g2", 2), version=0, admitted=10)  # a real one is taken
+    assert ledger.started_total == 2 and set(ledger.open) == {"g2"}
+    intake.handle(traj("g7", "forged", reward=1e9), version=0, admitted=10)  # unannounced: foreign
+    assert intake.foreign == 1
 
 
 # --- the synthetic actor ---------------------------------------------------------------------------
@@ -276,9 +304,7 @@ def test_vllm_actor_survives_floods_and_a_closed_port_attach(actor):
 
 def good_group(number: int, version: int) -> list[Trajectory]:
     return [
-        traj(
-            f"g{number}", f"ok-{number}-{i}", versions=[-1, -1, version, version], reward=r, turn_rewards=[r]
-        )
+        traj(f"g{number}", f"g{number}-e{i}", versions=[-1, -1, version, version], reward=r, turn_rewards=[r])
         for i, r in enumerate((0.0, 1.0))
     ]
 
@@ -309,13 +335,14 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
         sub.connect(f"tcp://127.0.0.1:{ver}")
         codec, sent = Codec(), 0
 
-        def send(messages) -> None:
-            """As a worker does: announce what it starts (GroupStarted), then the episodes."""
+        def send(messages, announce: bool = True) -> None:
+            """As a worker does: announce the groups it starts (GroupStarted), then the episodes.
+            Forged ones are not announced: no worker started them."""
             nonlocal sent
-            episodes = Counter(m.group_id for m in messages if isinstance(m, (Trajectory, EpisodeFailed)))
-            starts = [GroupStarted(0, "hostile-test", gid, n) for gid, n in episodes.items()]
+            groups = sorted({m.group_id for m in messages if isinstance(m, (Trajectory, EpisodeFailed))})
+            starts = [GroupStarted(0, "hostile-test", gid, 2) for gid in groups] if announce else []
             push.send(codec.encode([*starts, *messages]))
-            sent += sum(episodes.values())
+            sent += 2 * len(starts)
 
         def latest(wait_s: float = 2.0) -> PolicyVersion:
             seen = None
@@ -327,7 +354,11 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
             assert isinstance(seen, PolicyVersion)
             return seen
 
-        first = latest(5.0)
+        latest(5.0)
+        push.send(codec.encode([WorkerHello(0, "hostile-test")]))  # as a worker greets a session
+        first, greeted_by = latest(5.0), time.monotonic() + 30
+        while first.admit_limit == 0 and time.monotonic() < greeted_by:
+            first = latest()
         hostile = [
             traj("g0", "bad-size", group_size=3),
             traj("g0", "bad-nan", reward=math.nan, turn_rewards=[math.nan]),
@@ -335,7 +366,7 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
             traj(f"g{first.admit_limit + 5}", "forged-1", reward=1e9, turn_rewards=[1e9]),
             traj(f"g{first.admit_limit + 5}", "forged-2", reward=1e9, turn_rewards=[1e9]),
         ]
-        send(hostile)
+        send(hostile, announce=False)
         # More complete groups than the buffer holds (4): the excess is refused, not a crash.
         send([t for n in range(2, 8) for t in good_group(n, first.version)])
         deadline, number = time.monotonic() + 240, 8
@@ -350,6 +381,7 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
         stop_group(proc)
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert summary["accounting_ok"] is True and summary["version"] == 2
+    assert summary["episodes_foreign"] == 5  # the hostile ones: received, refused, not the run's
     refused = summary["episodes_refused"]
     assert refused["group_size"] == 1 and refused["reward_not_finite"] == 1
     assert refused["reward_out_of_range"] == 1 and refused["unannounced_group"] == 2

@@ -62,4 +62,6 @@ def test_curve_off_only_on_loopback():
         load_config(None, ["transport.curve=false", "actor.connect=tcp://10.1.2.3:5555"])
     with pytest.raises(ConfigError, match="learner.version_address"):
         load_config(None, ["transport.curve=false", "learner.version_address=tcp://*:5556"])
+    with pytest.raises(ConfigError, match="actor.connect"):  # a name, not a loopback address
+        load_config(None, ["transport.curve=false", "actor.connect=tcp://127.evil.example:5555"])
     load_config(None, ["actor.connect=tcp://10.1.2.3:5555"])  # with CURVE, any address
