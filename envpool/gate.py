@@ -14,7 +14,9 @@ corrections need its counts:
 - groups it dropped (stale, too many failed members, filtered) never fill a batch, so each one
   frees a slot, or the gate would wait forever for batches that cannot fill;
 - after a resume, numbering continues at `group_base` (past every group the previous session
-  saw), and complete groups restored into the buffer already hold their slots.
+  saw); groups of an earlier session that are consumed in this one (restored from the
+  checkpoint, or still running when a learner restarted) free no slot, so a restart
+  over-admits once, by the groups then in flight, never for good.
 `envpool.admission_slack` extra batches may be admitted on purpose (over-generation), e.g. to
 test the learner's bound. The formula is `shared.protocol.admit_limit`.
 

@@ -104,7 +104,7 @@ class Leader:
         return admit_limit(
             group_base=self.group_base,
             consumed=self.trained_groups + self.buffer.dropped_from_floor,
-            carried=self.buffer.held_below_floor(),
+            carried=0,  # earlier sessions' groups hold no slot (see _all_greeted)
             groups_per_batch=cfg.train.groups_per_batch,
             max_staleness=cfg.train.max_staleness,
             slack=cfg.envpool.admission_slack,
@@ -168,9 +168,11 @@ class Leader:
         """Every worker said hello to this session (or their time is up); the first time it is
         so, numbering moves past every group any worker process has started, and the groups
         started before (a restarted learner's: restored, still running, or held results) are
-        not this session's: consuming one admits nothing new, and while the buffer holds one it
-        holds an admission slot (`ReplayBuffer.floor`). Otherwise each would admit a group too
-        many, for good, and the excess would be dropped stale step after step."""
+        not this session's: consuming one admits nothing new (`ReplayBuffer.floor`). Otherwise
+        each would admit a group too many, for good, and the excess would be dropped stale step
+        after step. They hold no slot either: some can never complete (their other members died
+        with the old learner), and a slot held by one of those would never come back. So a
+        restart over-admits once, by the groups then in flight."""
         if self.greeting_until is None:
             return True
         waiting = (

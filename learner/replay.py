@@ -149,8 +149,8 @@ class ReplayBuffer:
         self.buffered = 0
         self.dropped_groups = 0
         #: Groups numbered below `floor` were admitted by an earlier learner session; the
-        #: learner's admission counts only drops of its own (`dropped_from_floor`) and the older
-        #: groups still held (`held_below_floor`). Not saved: a session's own.
+        #: learner's admission counts only drops of its own (`dropped_from_floor`). Not saved:
+        #: a session's own.
         self.floor = 0
         self.dropped_from_floor = 0
         self.dropped: dict[str, int] = {}
@@ -457,10 +457,6 @@ class ReplayBuffer:
             self._closed[gid] = drop_partial_cause
             self._drop_group(gid, group.trajectories, drop_partial_cause)
         return len(self._complete)
-
-    def held_below_floor(self) -> int:
-        """Groups of earlier sessions still here (complete or partial): they hold admission slots."""
-        return sum(1 for gid in (*self._complete, *self._pending) if _number(gid) < self.floor)
 
     def max_group_number(self) -> int | None:
         """The highest `shared.protocol.group_number` of any group this buffer has seen

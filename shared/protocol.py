@@ -344,8 +344,9 @@ def admit_limit(
 ) -> int:
     """The `PolicyVersion.admit_limit` the learner announces (envpool/gate.py explains why).
 
-    `consumed`: groups trained or dropped in this learner session; `carried`: groups restored
-    into the buffer at resume. For a fresh run this is AReaL's `(v + k + 1 + slack) * B` plus
+    `consumed`: groups of this learner session trained or dropped; `carried`: groups that hold
+    a slot without having been admitted by this session (the learner passes 0: see
+    learner/main.py `_all_greeted`). For a fresh run this is AReaL's `(v + k + 1 + slack) * B` plus
     the dropped groups.
     """
     return group_base + (max_staleness + 1 + slack) * groups_per_batch + consumed - carried
