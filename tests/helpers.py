@@ -47,9 +47,10 @@ atexit.register(shutil.rmtree, KEYS_DIR.parent, ignore_errors=True)
 KEYS = f"transport.keys_dir={KEYS_DIR}"
 
 
-def keys_for(role: str) -> RunKeys:
-    """The session's keys as `role` ("learner", "envpool", "actor") holds them."""
-    keys = load_keys(Config(transport=TransportConfig(keys_dir=str(KEYS_DIR))), role)
+def keys_for(role: str, folder: Path = KEYS_DIR) -> RunKeys:
+    """The keys in `folder` (default: the session's) as `role` ("learner", "envpool",
+    "actor") holds them."""
+    keys = load_keys(Config(transport=TransportConfig(keys_dir=str(folder))), role)
     assert keys is not None
     return keys
 
@@ -331,7 +332,7 @@ class Attacker:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         actor = ctx.socket(zmq.DEALER)
         actor.setsockopt(zmq.LINGER, 0)
-        secure(actor, keys_for_dir(Path(resolved["transport"]["keys_dir"]), "envpool"), bind=False)
+        secure(actor, keys_for("envpool", Path(resolved["transport"]["keys_dir"])), bind=False)
         actor.connect(resolved["actor"]["connect"] or resolved["actor"]["address"])
         learner = ctx.socket(zmq.PUSH)
         learner.setsockopt(zmq.LINGER, 0)
@@ -361,9 +362,3 @@ class Attacker:
         finally:
             actor.close()
             learner.close()
-
-
-def keys_for_dir(folder: Path, role: str) -> RunKeys:
-    keys = load_keys(Config(transport=TransportConfig(keys_dir=str(folder))), role)
-    assert keys is not None
-    return keys
