@@ -10,6 +10,7 @@ The learner drives three exchanges over the actor's ROUTER socket:
     Hello          -> ActorInfo        who are you (model, version, weight ranks, dtype)
     AttachLearner  -> ActorInfo        join my weight-broadcast group (a new one per session)
     WeightUpdate   -> WeightsApplied   a flat buffer of weights follows by broadcast
+    DigestWeights  -> WeightsDigest    sums over the weights the engine holds (a check)
 
 What differs between the vLLM engine and the synthetic one is only how the group is joined and
 how the broadcast is received and loaded; that is a `WeightEngine`. The order, the session
@@ -42,11 +43,13 @@ from anyio.abc import TaskGroup
 from millstream.shared.protocol import (
     ActorInfo,
     AttachLearner,
+    DigestWeights,
     ErrorReply,
     Hello,
     Message,
     ReplyCause,
     WeightsApplied,
+    WeightsDigest,
     WeightUpdate,
 )
 from millstream.shared.transport import Channel
@@ -69,6 +72,9 @@ class WeightEngine(Protocol):
         """Receive the broadcast of `msg` and load it, generation paused meanwhile; raise on
         failure (generation must be running again either way)."""
 
+    async def digest(self) -> tuple[float, float, int]:
+        """Sum, sum of magnitudes and count of the weights the engine holds."""
+
 
 class LearnerLink:
     """Serves Hello / AttachLearner / WeightUpdate for one actor; owns its policy version."""
@@ -82,6 +88,7 @@ class LearnerLink:
         engine: WeightEngine,
         describe: Callable[[int], ActorInfo],
         boundary: Boundary | None = None,
+        tokens: Callable[[], int] = lambda: 0,
     ) -> None:
         self.channel = channel
         self.engine = engine
@@ -90,6 +97,7 @@ class LearnerLink:
         # Threads that wait for a learner's store; bounded so attaches cannot take every thread.
         self._checks = anyio.CapacityLimiter(self.MAX_EXCHANGES)
         self._describe = describe
+        self._tokens = tokens
         #: Policy version of the weights the engine generates with now.
         self.version = 0
         #: The attached learner session ("" before the first attach).
@@ -107,7 +115,7 @@ class LearnerLink:
 
     @staticmethod
     def handles(message: Message) -> bool:
-        return isinstance(message, (Hello, AttachLearner, WeightUpdate))
+        return isinstance(message, (Hello, AttachLearner, WeightUpdate, DigestWeights))
 
     def dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
         """Hello is answered at once; attach and updates run as tasks (a slow group never blocks
@@ -130,14 +138,14 @@ class LearnerLink:
                 peer, ErrorReply(ReplyCause.BUSY, f"{self._exchanges} learner exchanges already running")
             )
             return
-        if isinstance(message, (AttachLearner, WeightUpdate)):
-            self._exchanges += 1  # counted now: a frame of many must not pass the check above
-            tg.start_soon(
-                self._exchange,
-                self.attach if isinstance(message, AttachLearner) else self.update,
-                peer,
-                message,
-            )
+        tasks: dict[type, Callable[..., Any]] = {
+            AttachLearner: self.attach,
+            WeightUpdate: self.update,
+            DigestWeights: self.digest,
+        }
+        task = tasks[type(message)]
+        self._exchanges += 1  # counted now: a frame of many must not pass the check above
+        tg.start_soon(self._exchange, task, peer, message)
 
     def _from_learner(self, peer: bytes) -> bool:
         """With CURVE, only the learner's key may attach or push weights; without it (loopback
@@ -187,7 +195,12 @@ class LearnerLink:
             self.updates += 1
             self.last_update_paused_s = paused
             log.info("now at policy version %d (paused %.3fs)", msg.version, paused)
-            self.boundary.reply(peer, WeightsApplied(msg.version, paused))
+            self.boundary.reply(peer, WeightsApplied(msg.version, paused, self._tokens()))
+
+    async def digest(self, peer: bytes, msg: DigestWeights) -> None:
+        async with self.lock:  # never in the middle of a load
+            total, abs_total, numel = await self.engine.digest()
+            self.boundary.reply(peer, WeightsDigest(self.version, total, abs_total, numel))
 
     async def _refuse(self, peer: bytes, cause: ReplyCause, exc: Exception) -> None:
         reply = ErrorReply(cause, f"{type(exc).__name__}: {exc}"[:500])

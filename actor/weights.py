@@ -64,13 +64,22 @@ class WeightSyncExtension:
     # Provided by the vLLM worker this class is mixed into (declared for the type checker).
     device: Any
     reload_weights: Callable[..., Any]
+    get_model: Callable[[], torch.nn.Module]
 
     def millstream_join(
-        self, session: str, host: str, port: int, world_size: int, backend: str, timeout_s: float
+        self,
+        session: str,
+        host: str,
+        port: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+        first_rank: int = 1,
     ) -> int:
-        """Join the learner's broadcast group as rank 1 + this worker's rank."""
+        """Join the learner's broadcast group as `first_rank` + this worker's rank (every replica
+        of a run is in one group, at its own offset)."""
         _quiet_derived_buffers()
-        rank = 1 + int(getattr(self, "rank", 0))
+        rank = first_rank + int(getattr(self, "rank", 0))
         started = time.monotonic()
         store = open_store(host, port, world_size, is_master=False, timeout_s=timeout_s)
         group = make_group(store, rank, world_size, backend, timeout_s, session)
@@ -112,3 +121,15 @@ class WeightSyncExtension:
         )
         self.reload_weights(weights_iterator=views)
         return time.monotonic() - started
+
+    def millstream_digest(self) -> tuple[float, float, int]:
+        """Sum, sum of magnitudes (float64) and count of every weight this worker holds."""
+        total = abs_total = 0.0
+        numel = 0
+        with torch.no_grad():
+            for param in self.get_model().parameters():
+                as64 = param.detach().to(torch.float64)
+                total += float(as64.sum())
+                abs_total += float(as64.abs().sum())
+                numel += param.numel()
+        return total, abs_total, numel

@@ -25,7 +25,9 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import zmq
@@ -47,7 +49,7 @@ from millstream.shared.protocol import (
 from millstream.shared.ratelog import RateLog
 from millstream.shared.transport import Channel
 
-__all__ = ["ActorClient", "ActorUnreachable", "Generation", "GenerationFailed", "ClientStats"]
+__all__ = ["ActorClient", "ActorUnreachable", "Generation", "GenerationFailed", "ClientStats", "TurnClient"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,26 @@ class ClientStats:
     latency: LatencyHistogram = field(default_factory=LatencyHistogram, repr=False)
 
 
+class TurnClient(Protocol):
+    """What an episode needs to generate its turns: `ActorClient` (one actor) or
+    `envpool.router.Router` (the run's replicas)."""
+
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop_token_ids: list[int],
+        timeout_s: float,
+        retries: int = 0,
+        backoff_s: float = 1.0,
+        affinity: str | None = None,
+    ) -> Generation: ...
+
+
 class _Inbox:
     """Replies of one live request, in order, and the event its episode waits on.
 
@@ -129,6 +151,13 @@ class ActorClient:
         self.info: ActorInfo | None = None
         self._info_event = anyio.Event()
         self._bad = RateLog(log)
+        #: True while the connection is up (its handshake succeeded, it has not dropped since).
+        self.connected = False
+        #: Requests other clients held on the actor at its last final delta (what the actor
+        #: reported, less this client's own): the router's view of the actor's load.
+        self.others_load = 0
+        #: Called on every connection change (the router re-routes).
+        self.on_change: Callable[[], None] = lambda: None
 
     async def run(self) -> None:
         async for _, messages in self.channel:
@@ -168,14 +197,19 @@ class ActorClient:
     async def watch_connection(self, every_s: float = 0.1) -> None:
         """Fail every live turn as `actor_lost` (retryable) when the connection to the actor
         drops: they died with the actor's process, and waiting out `turn_timeout_s` for each
-        would stall every episode for minutes. Their retries wait in the socket until an actor
-        (a restarted one) is back. Reads the socket's monitor (ZeroMQ's connection events)."""
-        monitor = self.channel.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        would stall every episode for minutes. Their retries go to another replica, or wait
+        until this one is back (envpool/router.py). Reads the socket's monitor (ZeroMQ's
+        connection events), which also says when the connection is up (`connected`)."""
+        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+        monitor = self.channel.sock.get_monitor_socket(events)
         try:
             while True:
                 while monitor.poll(0):
-                    recv_monitor_message(monitor)
-                    self._actor_lost()
+                    event = recv_monitor_message(monitor)["event"]
+                    self.connected = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                    if not self.connected:
+                        self._actor_lost()
+                    self.on_change()
                 await anyio.sleep(every_s)
         finally:
             self.channel.sock.disable_monitor()
@@ -249,8 +283,11 @@ class ActorClient:
         timeout_s: float,
         retries: int = 0,
         backoff_s: float = 1.0,
+        affinity: str | None = None,
     ) -> Generation:
         """Request a generation and collect its stream; raises `GenerationFailed`.
+
+        `affinity` (the episode) matters to the router only: one actor serves every episode.
 
         A request that gets no final delta within `timeout_s` (an actor that is unreachable,
         restarting or overloaded), or that the actor refused as `overloaded`, is sent again, up to
@@ -260,7 +297,7 @@ class ActorClient:
         """
         for attempt in range(retries + 1):
             try:
-                return await self._generate_once(
+                return await self.generate_once(
                     prompt_token_ids,
                     max_tokens=max_tokens,
                     temperature=temperature,
@@ -276,7 +313,7 @@ class ActorClient:
                 await anyio.sleep(backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
-    async def _generate_once(
+    async def generate_once(
         self,
         prompt_token_ids: list[int],
         *,
@@ -327,6 +364,8 @@ class ActorClient:
                     if reply.finish_reason is not None:
                         out.finish_reason = reply.finish_reason
                         done = True
+                        if reply.load >= 0:  # the actor's live requests, ours among them
+                            self.others_load = max(0, reply.load - self.stats.live)
             if scope.cancelled_caught:
                 raise GenerationFailed(Cause.ACTOR_TIMEOUT, f"no final delta within {timeout_s}s")
             if out.finish_reason == "abort":

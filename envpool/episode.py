@@ -35,7 +35,7 @@ from millstream.shared.config import EnvPoolConfig
 from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory, Truncation
 
 from .chat import ChatFormat
-from .client import ActorClient, GenerationFailed
+from .client import GenerationFailed, TurnClient
 from .envs import Env
 
 __all__ = ["EpisodeSpec", "run_episode", "sampling_seed"]
@@ -78,7 +78,7 @@ async def run_episode(
     spec: EpisodeSpec,
     env: Env,
     chat: ChatFormat,
-    client: ActorClient,
+    client: TurnClient,
     cfg: EnvPoolConfig,
     max_model_len: int,
     starting: anyio.CapacityLimiter | None = None,
@@ -139,7 +139,7 @@ async def _play(
     spec: EpisodeSpec,
     env: Env,
     chat: ChatFormat,
-    client: ActorClient,
+    client: TurnClient,
     cfg: EnvPoolConfig,
     max_model_len: int,
     started: float,
@@ -176,6 +176,7 @@ async def _play(
             timeout_s=cfg.turn_timeout_s,
             retries=cfg.actor_retries,
             backoff_s=cfg.actor_retry_backoff_s,
+            affinity=spec.episode_id,
         )
         starts.append(len(ctx.ids))
         anchors.append(obs.anchor)

@@ -2,7 +2,8 @@
 
     millstream envpool [--config run.toml] [--worker-index I]
 
-Sockets: one DEALER to the actor (every episode's requests, multiplexed), one SUB for the
+Sockets: one DEALER per actor replica (every episode's requests, multiplexed, routed by
+envpool/router.py among the replicas the learner announces), one SUB for the
 learner's `PolicyVersion`s (they drive the admission gate), one PUSH of `Trajectory` /
 `EpisodeFailed` to the learner.
 
@@ -50,10 +51,10 @@ from millstream.shared.protocol import (
 from millstream.shared.transport import open_channel
 
 from .chat import ChatFormat
-from .client import ActorClient
 from .envs import make_env
 from .episode import EpisodeSpec, run_episode
 from .gate import AdmissionGate
+from .router import Router
 
 __all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable", "tokenizer_dir", "group_seed"]
 
@@ -130,14 +131,11 @@ class Worker:
         self.chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
         self.actor_address = actor_address or cfg.actor.connect or cfg.actor.address
         keys = load_keys(cfg, "envpool")
-        self.dealer = open_channel(
-            "dealer", self.actor_address, bind=False, cfg=cfg.transport, keys=keys, recv_queue=4096
-        )
         self.sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport, keys=keys)
         self.push = open_channel(
             "push", cfg.learner.experience_address, bind=False, cfg=cfg.transport, keys=keys
         )
-        self.client = ActorClient(self.dealer, self.name)
+        self.client = Router(cfg.transport, self.name, keys, self.actor_address)
         self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
         self.index = worker_index
         #: This process; a restarted worker (same index) is a new incarnation.
@@ -156,10 +154,9 @@ class Worker:
 
     async def run(self, ready_file: str | None = None) -> WorkerStats:
         async with anyio.create_task_group() as io:
-            for channel in (self.dealer, self.sub, self.push):
+            for channel in (self.sub, self.push):
                 io.start_soon(channel.run)
             io.start_soon(self.client.run)
-            io.start_soon(self.client.watch_connection)
             io.start_soon(self._progress)
             io.start_soon(self._record_stats)
             if ready_file:
@@ -241,6 +238,7 @@ class Worker:
                     if message.session != self.gate.session:
                         await self._say_hello(message)
                     self.gate.update(message)
+                    self.client.update(message.replicas)
             if self.gate.final:
                 stop_admitting.cancel()
 
@@ -287,6 +285,7 @@ class Worker:
         finally:  # cancellation (the run ended) lands here with the default result above
             self.stats.settle(result)
             self.live_ids.discard(spec.episode_id)
+            self.client.release(spec.episode_id)
             self.slots.release()
             with anyio.CancelScope(shield=True):  # a cancelled episode still reports its end
                 await self.push.send(result)
@@ -311,11 +310,11 @@ class Worker:
                 "live": stats.live,
                 "groups": stats.groups,
                 "rss_bytes": rss_bytes(),
-                "turns": client.stats.completed,
+                "turns": client.completed,
                 "turn_latency": client.take_latency().to_dict(),
                 "gate": self.gate.statistics(),
                 "client": client.statistics(),
-                "actor_socket": self.dealer.statistics().counters(),
+                "actor_socket": client.socket_counters(),
                 "learner_socket": self.push.statistics().counters(),
             }
         )

@@ -11,7 +11,8 @@ stays cheap):
     dssetup     DeepSpeed set-up: accelerator, process group, engine config
     hfexport    the policy as a Hugging Face model directory
     checkpoint  resumable checkpoints (engine, buffer, RNG states)
-    weights     flattening and broadcasting weights to the actor
+    weights     flattening and broadcasting weights to the actor replicas (one group)
+    fleet       the run's replicas: which hold the current weights, joins, losses, restarts
     team        several ranks, one voice (rank 0 leads)
     stats       per-step statistics, the collapse and no-signal warnings
     experience  rank 0's sockets to the envpool, and its progress lines

@@ -23,7 +23,15 @@ import zmq
 
 from millstream.shared.config import Config
 from millstream.shared.keys import RunKeys, secure
-from millstream.shared.protocol import Codec, Message, PolicyVersion, ProtocolError
+from millstream.shared.protocol import (
+    Codec,
+    Message,
+    PolicyVersion,
+    ProtocolError,
+    ReplicaJoin,
+    ReplicaLeave,
+    ReplicaRef,
+)
 from millstream.shared.ratelog import RateLog
 
 __all__ = ["Experience", "say"]
@@ -37,6 +45,7 @@ class Experience:
     def __init__(self, cfg: Config, keys: RunKeys | None) -> None:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.codec = Codec()
+        self.secure = keys is not None
         self.pull = ctx.socket(zmq.PULL)
         self.pull.setsockopt(zmq.RCVHWM, cfg.transport.high_water_mark)
         secure(self.pull, keys, bind=True)
@@ -55,8 +64,9 @@ class Experience:
         final: bool = False,
         next_groups: list[int] | None = None,
         session: str = "",
+        replicas: list[ReplicaRef] | None = None,
     ) -> None:
-        message = PolicyVersion(version, limit, group_base, final, next_groups or [], session)
+        message = PolicyVersion(version, limit, group_base, final, next_groups or [], session, replicas)
         self.pub.send(self.codec.encode([message]))
         self.last_announce = time.monotonic()
 
@@ -67,10 +77,22 @@ class Experience:
             left = deadline - time.monotonic()
             if not self.pull.poll(max(0, int(left * 1000))):
                 return
+            frame = self.pull.recv(copy=False)
             try:
-                yield from self.codec.decode(self.pull.recv())
+                messages = self.codec.decode(frame.buffer)
             except ProtocolError as exc:  # counted in codec.errors; a PULL cannot answer
                 self.bad.event("malformed_frame", "dropped a bad experience frame: %s", exc)
+                continue
+            for message in messages:
+                if isinstance(message, (ReplicaJoin, ReplicaLeave)) and not self._from_actor(frame):
+                    self.bad.event("not_actor", "dropped %s from a non-actor key", type(message).__name__)
+                    continue
+                yield message
+
+    def _from_actor(self, frame: zmq.Frame) -> bool:
+        """With CURVE, only the actor key may add or remove replicas (a replica gets the
+        weights, so a worker's key must not name one)."""
+        return not self.secure or frame.get("User-Id") == "actor"
 
     def close(self) -> None:
         self.pull.close(linger=0)

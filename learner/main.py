@@ -40,6 +40,8 @@ from millstream.shared.metrics import MetricsWriter
 from millstream.shared.protocol import (
     DropCause,
     Message,
+    ReplicaJoin,
+    ReplicaLeave,
     Trajectory,
     admit_limit,
     group_number,
@@ -47,11 +49,11 @@ from millstream.shared.protocol import (
 from millstream.shared.runtime import ACCOUNTING_FAILED, resolve_model_dir, run_role, write_ready
 
 from .accounting import close_accounts
-from .actorlink import ActorLink
 from .advantages import compute_advantages, filter_groups, filter_pool_size
 from .batching import train_samples
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from .experience import Experience, say
+from .fleet import Fleet, replica_weights
 from .follower import follow
 from .intake import Intake
 from .replay import Group, ReplayBuffer
@@ -59,7 +61,6 @@ from .stats import CollapseWatch, NoSignalWatch, batch_metrics, buffer_metrics, 
 from .team import Team
 from .trainer import Trainer
 from .validate import EpisodeCheck, vocab_size
-from .weights import WeightSender
 from .workers import WorkerLedger
 
 __all__ = ["run_learner", "main"]
@@ -116,18 +117,14 @@ class Leader:
         cfg, trainer = self.cfg, self.trainer
         if cfg.run.resume:
             self._resume(find_checkpoint(cfg.run.resume))
-        self.sync = WeightSender(
-            cfg.actor.connect or cfg.actor.address,
-            cfg.learner,
-            dtype=cfg.model.dtype,
-            keys=self.keys,
-            hello_timeout_s=cfg.actor.startup_timeout_s,
+        self.fleet = Fleet(cfg, self.keys, self.run_dir)
+        pushed = self.fleet.start(self._weights, trainer.version)
+        log.info(
+            "policy version %d pushed to %d replicas in %.2fs",
+            trainer.version,
+            len(self.fleet.members),
+            pushed.get("sync/total_s", 0.0),
         )
-        self.sync.attach()
-        supervised = self.run_dir / "actor.pid" if cfg.run.max_restarts and not cfg.actor.connect else None
-        self.actor = ActorLink(self.sync, supervised)
-        pushed = self._push_weights()
-        log.info("policy version %d pushed in %.2fs", trainer.version, pushed.get("sync/total_s", 0.0))
         self.exp = Experience(cfg, self.keys)
         self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
         self.episodes_log = (self.run_dir / "trajectories.jsonl").open("ab")
@@ -152,9 +149,14 @@ class Leader:
                 self.last_data = time.monotonic()
             if self.intake.held and self._all_greeted():
                 self.intake.release(version=trainer.version, admitted=self.admitted)
-            self.actor.follow(self._weights, trainer.version)
+            replicas_changed = self.fleet.follow(self._weights, trainer.version)
             stepped = self._maybe_step()
-            if stepped or time.monotonic() - self.exp.last_announce > 1.0 or self.limit() != announced:
+            if (
+                stepped
+                or replicas_changed
+                or time.monotonic() - self.exp.last_announce > 1.0
+                or self.limit() != announced
+            ):
                 announced = self.limit()
                 self._announce(announced)
             if not stepped and time.monotonic() - self.last_data > cfg.learner.idle_timeout_s:
@@ -195,9 +197,13 @@ class Leader:
             self.group_base,
             next_groups=self.ledger.next_groups,
             session=self.session,
+            replicas=self.fleet.announced(),
         )
 
     def _take(self, message: Message, *, greeting: bool) -> None:
+        if isinstance(message, (ReplicaJoin, ReplicaLeave)):
+            self.fleet.take(message)
+            return
         self.intake.take(message, version=self.trainer.version, admitted=self.admitted, greeting=greeting)
 
     def _maybe_step(self) -> bool:
@@ -218,6 +224,7 @@ class Leader:
             **batch_metrics(batch, version, now - self.last_step, now - self.started),
             **{f"train/{k}": v for k, v in step_metrics.items()},
             **sync_metrics,
+            **self.fleet.metrics(),
             **buffer_metrics(self.buffer.statistics()),
         }
         self._log_trained(scored, version)  # first: the metrics record counts these episodes
@@ -307,7 +314,7 @@ class Leader:
     # --- collective steps (every rank enters them) -----------------------------------------
 
     def _push_weights(self) -> dict:
-        return self.actor.push(self._weights, self.trainer.version)
+        return self.fleet.push(self._weights, self.trainer.version)
 
     def _weights(self) -> Iterable[tuple[str, Any]]:
         self.team.command("weights")  # every rank walks the weights (ZeRO-3 gathers them)
@@ -363,7 +370,14 @@ class Leader:
         deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
         self.intake.release(version=self.trainer.version, admitted=self.admitted)  # they count
         while len(self.intake.done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
-            self.exp.announce(self.trainer.version, 0, self.group_base, final=True, session=self.session)
+            self.exp.announce(
+                self.trainer.version,
+                0,
+                self.group_base,
+                final=True,
+                session=self.session,
+                replicas=self.fleet.announced(),
+            )
             for message in self.exp.receive(0.2):
                 self._take(message, greeting=False)
         checkpoint = self._save()  # before the drain: its complete groups survive a resume
@@ -383,13 +397,14 @@ class Leader:
             "decode_errors": self.exp.codec.errors,
             "checkpoint": str(checkpoint),
             "final_weights": str(checkpoint / "hf"),
+            "replica_weights": replica_weights(self.fleet.digests(), self.fleet.flat.flat),
         }
         if not summary["accounting_ok"]:
             log.error("accounting does not add up: %s", summary)
         self.team.command("stop")
         self.metrics.write({"summary": summary})
         (self.run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-        for closable in (self.episodes_log, self.metrics, self.sync, self.exp):
+        for closable in (self.episodes_log, self.metrics, self.fleet, self.exp):
             closable.close()
         return summary
 

@@ -68,6 +68,9 @@ def progress_line(record: dict, steps: int, no_signal_after: int = 3) -> str:
         f"{record['perf/tokens_per_s']:.0f} tok/s | dropped {dropped} failed {failed} | "
         f"{_sync(record)} | {record['perf/elapsed_s']:.0f}s"
     )
+    replicas, up = record.get("fleet/replicas", 1), record.get("fleet/up", 1)
+    if replicas > 1 or up < replicas:
+        line += f" | replicas {up:.0f}/{replicas:.0f}"
     quiet = record.get("warning/no_signal_steps", 0)
     if quiet >= no_signal_after:
         line += f" | NO SIGNAL: equal rewards in every group for {quiet} steps"

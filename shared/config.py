@@ -220,9 +220,12 @@ def check_config(cfg: Config) -> None:
         "learner.experience_address": cfg.learner.experience_address,
         "learner.version_address": cfg.learner.version_address,
     }
+    for i, address in enumerate(cfg.actor.replica_addresses):
+        addresses[f"actor.replica_addresses[{i}]"] = address
     for key, address in addresses.items():
         if address or key != "actor.connect":
             _check_address(key, address)
+    _check_replicas(cfg)
     if not cfg.transport.curve:
         wide = {k: a for k, a in addresses.items() if a and not _is_local(a)}
         if wide:
@@ -251,6 +254,22 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "
             f"= {cfg.envpool.max_concurrent_episodes}, so a group could never start"
+        )
+
+
+def _check_replicas(cfg: Config) -> None:
+    listed = cfg.actor.replica_addresses
+    if listed and len(listed) != cfg.actor.replicas:
+        raise ConfigError(
+            f"actor.replica_addresses lists {len(listed)} addresses for actor.replicas = "
+            f"{cfg.actor.replicas}: one per replica (or none: the launcher fills them in)"
+        )
+    if len(set(listed)) != len(listed):
+        raise ConfigError(f"actor.replica_addresses = {listed}: two replicas cannot bind one address")
+    if cfg.actor.connect and cfg.actor.replicas > 1:
+        raise ConfigError(
+            f"actor.replicas = {cfg.actor.replicas} with actor.connect set: the launcher starts no "
+            "actor then; more replicas join a run with `millstream actor --join`"
         )
 
 

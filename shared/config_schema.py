@@ -100,6 +100,32 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         str, _doc("ROUTER address the actor binds (port 0: the launcher picks a free one).")
     ] = "tcp://127.0.0.1:0"
     connect: Annotated[str, _doc("Address of an actor already running; the launcher then starts none.")] = ""
+    replicas: Annotated[
+        int,
+        _doc(
+            "Actor replicas the launcher starts, each one engine in its own process, with its own "
+            "address (actor.replica_addresses). Envpool workers route each episode to one of them "
+            "(new episodes to the least loaded) and the learner sends every update to all; a "
+            "replica that dies is restarted (run.max_restarts) while the others serve.",
+            ge=1,
+        ),
+    ] = 1
+    replica_addresses: Annotated[
+        list[str],
+        _doc(
+            "Where each replica binds, in order; set by the launcher from actor.address (a free "
+            "port for each when its port is 0, else consecutive ports). Empty: one replica at "
+            "actor.address."
+        ),
+    ] = msgspec.field(default_factory=list)
+    drain_timeout_s: Annotated[
+        float,
+        _doc(
+            "On SIGTERM a replica stops taking requests, leaves the run's replica list, and waits "
+            "this long for its live requests to finish; the rest are retried on other replicas.",
+            ge=0,
+        ),
+    ] = 30.0
     device: Annotated[
         Literal["auto", "cpu", "cuda"], _doc("Where the engine runs; 'auto' picks cuda when available.")
     ] = "auto"

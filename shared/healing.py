@@ -8,9 +8,10 @@ running meanwhile:
 - a restarted envpool worker says hello with a new incarnation, and the learner closes the
   groups its predecessor left unfinished, counting each missing member as `worker_lost`
   (learner/workers.py); numbering continues after its predecessor's groups;
-- a restarted actor is noticed by the learner, which attaches again and pushes the current
-  weights (learner/actorlink.py); the envpool retries at once the turns the dead one held
-  (`actor_lost`, envpool/client.py);
+- a restarted actor replica is noticed by the learner, which forms its weight group again and
+  pushes the current weights, then announces the replica again (learner/fleet.py); the envpool
+  retries at once, on another replica if there is one, the turns the dead one held
+  (`actor_lost`, envpool/router.py);
 - a restarted learner resumes from its latest checkpoint in the run directory (records after it
   are marked rolled back first, as `run.resume` does); envpool and actor wait for it at the
   admission gate, every worker says hello to the new session, and the results that reached the
@@ -82,7 +83,7 @@ class Healer:
             except FileNotFoundError:
                 return False
             return True
-        return name == "actor" or name.startswith("envpool")
+        return name.startswith(("actor", "envpool"))
 
     def on_exit(self, name: str, now: float, code: int = 1) -> Decision:
         """A role ended before the run did: restart it (when) or give up."""

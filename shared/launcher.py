@@ -42,10 +42,11 @@ from typing import IO, Any
 
 import orjson
 
-from .config import Config, ConfigError, dump_config, load_config, parse_overrides
+from .config import Config, ConfigError, dump_config, load_config, parse_overrides, toml_value
 from .healing import Healer, watch
 from .keys import ensure_keys
 from .lifecycle import run_processes
+from .replicas import replica_name
 from .rundir import (
     Resume,
     checkpoint_step,
@@ -89,7 +90,11 @@ def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
         # Resuming without a config file continues the run as it was configured (ports are
         # picked afresh); overrides still apply, and are checked against it below.
         base = resume.run_dir / "config.toml"
-        overrides = [f"{key}={_q(_port_zero(_get(resume.previous, key)))}" for key in _PICKED] + overrides
+        overrides = [
+            *(f"{key}={_q(_port_zero(_get(resume.previous, key)))}" for key in _PICKED),
+            "actor.replica_addresses=[]",  # picked afresh from actor.address
+            *overrides,
+        ]
     cfg = load_config(base, overrides)
     run_dir = resume.run_dir if resume else _new_run_dir(cfg)
     cfg = load_config(base, overrides + _resolved(cfg, run_dir))
@@ -155,12 +160,29 @@ def _resolved(cfg: Config, run_dir: Path) -> list[str]:
     if cfg.transport.curve:
         keys = Path(cfg.transport.keys_dir or run_dir / "keys").resolve()
         resolved.append(f"transport.keys_dir={_q(str(keys))}")
-    resolved += [
-        f"{key}={_q(_with_port(_get(cfg, key)))}"
-        for key in _PICKED
-        if key != "actor.address" or not cfg.actor.connect
-    ]
+    resolved += [f"{key}={_q(_with_port(_get(cfg, key)))}" for key in _PICKED if key != "actor.address"]
+    if not cfg.actor.connect:
+        addresses = _replica_addresses(cfg)
+        resolved += [f"actor.address={_q(addresses[0])}", f"actor.replica_addresses={toml_value(addresses)}"]
     return resolved
+
+
+def _replica_addresses(cfg: Config) -> list[str]:
+    """One bind address per replica: those listed (ports 0 filled in), else from actor.address:
+    a free port each when its port is 0, else consecutive ports from it."""
+    if cfg.actor.replica_addresses:
+        return [_with_port(a) for a in cfg.actor.replica_addresses]
+    base = cfg.actor.address
+    if not base.startswith("tcp://"):  # ipc://path: path, path-1, path-2, ...
+        return [base] + [f"{base}-{i}" for i in range(1, cfg.actor.replicas)]
+    if base.endswith(":0"):
+        picked: list[str] = []
+        while len(picked) < cfg.actor.replicas:  # the OS may hand out a port twice
+            address = _with_port(base)
+            picked += [] if address in picked else [address]
+        return picked
+    host, port = base.rsplit(":", 1)
+    return [f"{host}:{int(port) + i}" for i in range(cfg.actor.replicas)]
 
 
 def _check_run_dir(run_dir: Path, resume: Resume | None) -> None:
@@ -232,7 +254,8 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
 
 def _start_roles(sup: Supervisor, cfg: Config, config: list[str]) -> None:
     if not cfg.actor.connect:
-        sup.start("actor", "millstream.actor", config)
+        for index in range(cfg.actor.replicas):
+            sup.start(replica_name(index), "millstream.actor", [*config, "--worker-index", str(index)])
     # Rank 0 is "learner" (it talks to the run and prints the progress lines); the other ranks
     # of a data-parallel learner follow it. Not torchrun: its agent's TCPStore listens on every
     # interface; rank 0 hosts the group's store on loopback instead (learner/dssetup.py).

@@ -62,12 +62,18 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
-async def run_until_signal(fn: Callable[..., Awaitable[T]], *args: Any) -> tuple[T | None, int | None]:
+async def run_until_signal(
+    fn: Callable[..., Awaitable[T]],
+    *args: Any,
+    drain: Callable[[], Awaitable[Any]] | None = None,
+) -> tuple[T | None, int | None]:
     """Async roles: run `fn(*args)`, cancelled at the first SIGTERM or SIGINT.
 
     Returns `(result, None)` when `fn` returned, `(None, signal number)` when a signal stopped it.
     The signal is received inside the event loop (anyio's signal receiver works under trio and
-    asyncio alike), so cancellation unwinds every task and its `finally` blocks.
+    asyncio alike), so cancellation unwinds every task and its `finally` blocks. With `drain`,
+    the first signal runs `drain()` (while `fn` goes on) before cancelling: an actor replica
+    finishes its live requests there; a second signal cancels at once.
     """
     result: list[T] = []
     stopped: list[int] = []
@@ -81,6 +87,11 @@ async def run_until_signal(fn: Callable[..., Awaitable[T]], *args: Any) -> tuple
             async for signum in signals:
                 log.warning("%s: stopping", signal.Signals(signum).name)
                 stopped.append(signum)
+                if drain is not None and len(stopped) == 1:
+                    async with anyio.create_task_group() as draining:
+                        draining.start_soon(_cancel_on_signal, signals, draining.cancel_scope)
+                        await drain()
+                        draining.cancel_scope.cancel()
                 scope.cancel()
                 return
 
@@ -88,6 +99,13 @@ async def run_until_signal(fn: Callable[..., Awaitable[T]], *args: Any) -> tuple
         tg.start_soon(watch, tg.cancel_scope)
         tg.start_soon(body, tg.cancel_scope)
     return (result[0] if result else None), (stopped[0] if stopped else None)
+
+
+async def _cancel_on_signal(signals: Any, scope: anyio.CancelScope) -> None:
+    async for signum in signals:
+        log.warning("%s again: stopping without draining", signal.Signals(signum).name)
+        scope.cancel()
+        return
 
 
 def watch_parent(

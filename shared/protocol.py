@@ -23,8 +23,14 @@ Channels, and who sends what:
     envpool DEALER  ◀──TokenDelta / GenerateError──  actor ROUTER
     learner DEALER  ──Hello / AttachLearner / WeightUpdate──▶  actor ROUTER
     learner DEALER  ◀──ActorInfo / WeightsApplied / ErrorReply──  actor ROUTER
+    any DEALER      ──DigestWeights──▶  actor ROUTER ──WeightsDigest──▶
     envpool PUSH    ──Trajectory / EpisodeFailed / PoolDone──▶  learner PULL
-    learner PUB     ──PolicyVersion──▶  envpool SUB
+    actor PUSH      ──ReplicaJoin / ReplicaLeave──▶  learner PULL
+    learner PUB     ──PolicyVersion (with the live replicas)──▶  envpool SUB
+
+An actor replica is one engine behind one ROUTER. A run has one or more; the learner keeps the
+list of those that hold its current weights and announces it in every `PolicyVersion`, and each
+envpool worker routes its episodes among them (envpool/router.py).
 """
 
 from __future__ import annotations
@@ -68,6 +74,11 @@ __all__ = [
     "WorkerHello",
     "GroupStarted",
     "PolicyVersion",
+    "ReplicaRef",
+    "ReplicaJoin",
+    "ReplicaLeave",
+    "DigestWeights",
+    "WeightsDigest",
     "group_id",
     "group_number",
     "admit_limit",
@@ -80,7 +91,7 @@ __all__ = [
 
 #: Bumped on any incompatible change of a message below. A peer with another version is refused
 #: with a clear error instead of misreading fields.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(ValueError):
@@ -155,6 +166,9 @@ class TokenDelta(_Wire, tag="delta", gc=False, frozen=True):
     version: int
     #: None while the request runs; "stop", "length" or "abort" on the last delta.
     finish_reason: str | None = None
+    #: On the last delta: requests the replica held live as it sent it (-1: not reported).
+    #: The envpool's router sends new episodes to the replica with the least of them.
+    load: int = -1
 
 
 class GenerateError(_Wire, tag="gen_error", frozen=True):
@@ -171,9 +185,10 @@ class GenerateError(_Wire, tag="gen_error", frozen=True):
 class AttachLearner(_Wire, tag="attach", frozen=True):
     """Join the learner's weight-broadcast group (a fresh one per learner session).
 
-    The learner is rank 0 and hosts the TCPStore at `host:port`; actor workers take ranks
-    1..weight_ranks. Attaching again with a new `session` replaces the previous group, so a
-    restarted (or resumed) learner can re-attach to a running actor.
+    The learner is rank 0 and hosts the TCPStore at `host:port`; this replica's workers take
+    ranks `first_rank .. first_rank + weight_ranks - 1` (every replica of the run is in the one
+    group, each at its own offset). Attaching again with a new `session` replaces the previous
+    group, so a restarted learner, or a fleet that gained or lost a replica, forms a new one.
     """
 
     session: str
@@ -182,6 +197,7 @@ class AttachLearner(_Wire, tag="attach", frozen=True):
     world_size: int
     backend: str
     timeout_s: float
+    first_rank: int = 1
 
 
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
@@ -212,6 +228,26 @@ class WeightsApplied(_Wire, tag="weights_applied", frozen=True):
     version: int
     #: Time generation was paused for the update, seconds.
     paused_s: float
+    #: Tokens this replica generated since it started (the learner reports each one's share).
+    tokens: int = 0
+
+
+class DigestWeights(_Wire, tag="digest", frozen=True):
+    """Asks the actor for a digest of the weights its engine holds; answered by `WeightsDigest`."""
+
+
+class WeightsDigest(_Wire, tag="weights_digest", frozen=True):
+    """Sums over every weight element the engine holds, in float64, and their count.
+
+    Concatenating tensors (vLLM fuses q, k and v) keeps all three, so they compare with the
+    learner's own sums: equal (to float rounding) means the replica holds the learner's weights.
+    `numel` differs where the engine pads or shards tensors (tensor parallelism): not comparable.
+    """
+
+    version: int
+    total: float
+    abs_total: float
+    numel: int
 
 
 # --- experience (envpool -> learner) -----------------------------------------------------------
@@ -337,6 +373,39 @@ class PolicyVersion(_Wire, tag="version", frozen=True):
     next_groups: list[int] = []
     #: The learner session; a new one (a restarted learner) makes every worker say hello again.
     session: str = ""
+    #: The actor replicas that hold this version's weights and take requests. None: the learner
+    #: names none, and workers use the configured `actor.connect` / `actor.address`.
+    replicas: list[ReplicaRef] | None = None
+
+
+class ReplicaRef(msgspec.Struct, array_like=True, frozen=True):
+    """A replica the learner attached: where it listens, and `epoch`, which grows every time the
+    learner (re)attaches it. A worker whose connection to a replica dropped sends it nothing
+    until a larger epoch says that the learner brought it (or its restart) to its weights."""
+
+    name: str
+    address: str
+    epoch: int
+
+
+class ReplicaJoin(_Wire, tag="replica_join", frozen=True):
+    """An actor replica started by hand (`millstream actor --join`) asks the run to take it.
+
+    The learner attaches it, pushes the current weights, then announces it; only then does any
+    episode send it a request. Sent again every few seconds until the learner attaches.
+    """
+
+    name: str
+    address: str
+    incarnation: str
+
+
+class ReplicaLeave(_Wire, tag="replica_leave", frozen=True):
+    """A replica is draining (SIGTERM): the learner stops announcing it and forms its weight
+    group without it; its live turns finish, or move to other replicas."""
+
+    name: str
+    incarnation: str
 
 
 def admit_limit(
@@ -388,6 +457,10 @@ Message = (
     | WorkerHello
     | GroupStarted
     | PolicyVersion
+    | ReplicaJoin
+    | ReplicaLeave
+    | DigestWeights
+    | WeightsDigest
     | ErrorReply
 )
 

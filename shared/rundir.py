@@ -173,7 +173,14 @@ def plan_resume(where: str) -> Resume:
 
 #: Keys that belong to one session, not to the run: never compared.
 _SESSION_KEYS = frozenset(
-    {"run.dir", "run.resume", "actor.address", "learner.experience_address", "learner.version_address"}
+    {
+        "run.dir",
+        "run.resume",
+        "actor.address",
+        "actor.replica_addresses",
+        "learner.experience_address",
+        "learner.version_address",
+    }
 )
 
 

@@ -58,12 +58,19 @@ ACCOUNTING_FAILED = 3
 
 
 def role_args(
-    role: str, argv: list[str] | None = None, *, check: str = ""
+    role: str,
+    argv: list[str] | None = None,
+    *,
+    check: str = "",
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> tuple[Config, argparse.Namespace]:
-    """Parse a role's arguments and load its config; `check` documents the role's `--check`."""
+    """Parse a role's arguments and load its config; `check` documents the role's `--check`,
+    `options` adds the role's own flags."""
     parser = argparse.ArgumentParser(prog=f"millstream {role}", description=f"run the {role} role")
     if check:
         parser.add_argument("--check", action="store_true", help=check)
+    if options is not None:
+        options(parser)
     parser.add_argument("--config", default=None, help="TOML config file (default: embedded)")
     parser.add_argument("--ready-file", default=None, help="write JSON here once serving")
     parser.add_argument("--worker-index", type=int, default=0, help="index among same-role workers")
@@ -80,10 +87,11 @@ def run_role(
     argv: list[str] | None = None,
     *,
     check: str = "",
+    options: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> NoReturn:
     """Parse the role's arguments, run `body(cfg, ns)`, and exit with its status (see above)."""
     try:
-        cfg, ns = role_args(role, argv, check=check)
+        cfg, ns = role_args(role, argv, check=check, options=options)
     except ConfigError as exc:
         print(f"millstream {role}: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -8,6 +8,7 @@ learner is real.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import time
@@ -74,7 +75,12 @@ def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, 
     steps = steps_of(run_dir)
     assert [s["step"] for s in steps] == list(range(1, 41))  # no step lost or repeated
     learner_log = (run_dir / "logs" / "learner.log").read_text()
-    assert "the restarted actor is attached and at policy version" in learner_log
+    # The restarted actor was attached again and given the current weights (not version 0)
+    # before it was announced, and it ends holding the learner's final weights.
+    rejoined = re.findall(r"weight group of 1 replicas \(actor\) at version (\d+)", learner_log)
+    assert len(rejoined) >= 2 and int(rejoined[1]) > 0, rejoined
+    assert summary["replica_weights"]["actor"]["matches"] is True
+    assert stats[-1]["client"]["retries_by_cause"].get("actor_lost", 0) >= 1
     assert run_processes(run_dir) == []
     lost = [
         r

@@ -1,0 +1,140 @@
+"""The envpool's router (envpool/router.py) against two real actor processes (synthetic ones:
+the routing rules do not depend on the engine): episodes stick to a replica, new ones spread by
+load, an overloaded replica sheds, a dead one's turns move and it gets nothing until the
+learner announces it again."""
+
+from __future__ import annotations
+
+import signal
+from collections import Counter, defaultdict
+
+import anyio
+from helpers import keys_for, start_synthetic_actor, stop_group
+
+from millstream.envpool.router import Router
+from millstream.shared.config import TransportConfig
+from millstream.shared.protocol import ReplicaRef
+
+SLOW = "actor.synthetic_step_s=0.01"  # turns last long enough to overlap
+
+
+async def _episodes(router: Router, count: int, turns: int, log: dict[str, list[str]]) -> None:
+    async def one(i: int) -> None:
+        episode = f"e{i}"
+        for turn in range(turns):
+            await router.generate(
+                [1, 2, 3, 4],
+                max_tokens=8,
+                temperature=1.0,
+                top_p=1.0,
+                seed=i * 100 + turn,
+                stop_token_ids=[],
+                timeout_s=30,
+                retries=3,
+                backoff_s=0.1,
+                affinity=episode,
+            )
+            log[episode].append(router._sticky[episode])
+        router.release(episode)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(count):
+            tg.start_soon(one, i)
+
+
+async def _with_router(refs: list[ReplicaRef], body):
+    router = Router(TransportConfig(), "test", keys_for("envpool"), refs[0].address)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(router.run)
+        await anyio.sleep(0)
+        router.update(refs)
+        with anyio.fail_after(20):
+            while not all(router.usable(r) for r in router.replicas.values()):
+                await anyio.sleep(0.05)
+        result = await body(router)
+        tg.cancel_scope.cancel()
+    return result
+
+
+def test_episodes_stick_to_one_replica_and_spread_by_load(tiny_model_dir, tmp_path):
+    a, pa = start_synthetic_actor(tiny_model_dir, tmp_path, SLOW)
+    b, pb = start_synthetic_actor(tiny_model_dir, tmp_path, SLOW)
+    try:
+        served: dict[str, list[str]] = defaultdict(list)
+
+        async def body(router: Router) -> dict:
+            await _episodes(router, 40, 3, served)
+            return router.statistics()
+
+        stats = anyio.run(_with_router, [ReplicaRef("r0", a, 1), ReplicaRef("r1", b, 1)], body)
+    finally:
+        stop_group(pa)
+        stop_group(pb)
+    assert len(served) == 40 and all(len(set(turns)) == 1 for turns in served.values())  # sticky
+    first = Counter(turns[0] for turns in served.values())
+    assert min(first.values()) >= 12, first  # least loaded: neither replica takes most of them
+    per_replica = stats["replicas"]
+    assert per_replica["r0"]["requests"] + per_replica["r1"]["requests"] == 120
+    assert stats["retries_by_cause"] == {} and stats["episodes_moved"] == 0
+
+
+def test_an_overloaded_replica_sheds_to_the_other(tiny_model_dir, tmp_path):
+    tight, pa = start_synthetic_actor(tiny_model_dir, tmp_path, SLOW, "actor.max_live_requests=2")
+    roomy, pb = start_synthetic_actor(tiny_model_dir, tmp_path, SLOW)
+    try:
+        served: dict[str, list[str]] = defaultdict(list)
+
+        async def body(router: Router) -> dict:
+            await _episodes(router, 30, 2, served)
+            return router.statistics()
+
+        stats = anyio.run(_with_router, [ReplicaRef("tight", tight, 1), ReplicaRef("roomy", roomy, 1)], body)
+    finally:
+        stop_group(pa)
+        stop_group(pb)
+    assert sum(len(t) for t in served.values()) == 60  # every turn was served
+    assert stats["replicas"]["tight"]["refusals"] > 0
+    assert stats["retries_by_cause"].get("actor_overloaded", 0) == stats["replicas"]["tight"]["refusals"]
+    assert stats["replicas"]["roomy"]["requests"] > stats["replicas"]["tight"]["requests"]
+
+
+def test_a_dead_replicas_turns_move_and_it_waits_for_a_new_epoch(tiny_model_dir, tmp_path):
+    """Kill one replica mid-turn: its turns finish on the other. Restarted at its address, it
+    gets no request until the learner announces it with a larger epoch (it would otherwise
+    generate with version-0 weights before the learner re-attached it)."""
+    a, pa = start_synthetic_actor(tiny_model_dir, tmp_path, "actor.synthetic_step_s=0.05")
+    b, pb = start_synthetic_actor(tiny_model_dir, tmp_path, "actor.synthetic_step_s=0.05")
+    restarted = None
+    try:
+
+        async def body(router: Router) -> tuple[dict, dict, dict]:
+            nonlocal restarted
+            served: dict[str, list[str]] = defaultdict(list)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_episodes, router, 20, 2, served)
+                await anyio.sleep(0.5)  # turns are live on both
+                stop_group(pa, signal.SIGKILL)
+            after_kill = router.statistics()
+            _, restarted = await anyio.to_thread.run_sync(
+                lambda: start_synthetic_actor(tiny_model_dir, tmp_path, address=a)
+            )
+            with anyio.fail_after(20):  # its connection is back...
+                while not router.replicas["r0"].client.connected:
+                    await anyio.sleep(0.05)
+            await _episodes(router, 10, 1, defaultdict(list))
+            before_epoch = router.statistics()  # ...but it got nothing
+            router.update([ReplicaRef("r0", a, 2), ReplicaRef("r1", b, 1)])
+            await _episodes(router, 20, 1, defaultdict(list))
+            return after_kill, before_epoch, router.statistics()
+
+        after_kill, before_epoch, final = anyio.run(
+            _with_router, [ReplicaRef("r0", a, 1), ReplicaRef("r1", b, 1)], body
+        )
+    finally:
+        for proc in (pa, pb, restarted):
+            if proc is not None:
+                stop_group(proc)
+    assert after_kill["retries_by_cause"].get("actor_lost", 0) >= 1
+    assert after_kill["replicas"]["r0"]["lost"] == 1
+    assert before_epoch["replicas"]["r0"]["requests"] == after_kill["replicas"]["r0"]["requests"]
+    assert final["replicas"]["r0"]["requests"] > before_epoch["replicas"]["r0"]["requests"]
