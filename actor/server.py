@@ -154,11 +154,13 @@ class VllmWeights:
         self.rpc_timeout_s = rpc_timeout_s
 
     async def join(self, msg: AttachLearner) -> None:
-        await self.engine.collective_rpc(
+        # One answer per vLLM worker (one per tensor-parallel rank): the group ranks they took.
+        ranks = await self.engine.collective_rpc(
             "millstream_join",
             timeout=msg.timeout_s + 30,
             args=(msg.session, msg.host, msg.port, msg.world_size, msg.backend, msg.timeout_s),
         )
+        log.info("vLLM workers joined weight group %s as ranks %s of %d", msg.session, ranks, msg.world_size)
 
     async def load(self, msg: WeightUpdate) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=True)
