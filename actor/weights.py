@@ -13,6 +13,15 @@ describes the layout once per update in the `WeightUpdate` message.
 How the group is formed (stateless, its own TCPStore, rebuilt per learner session) is in
 `shared/weightsync.py`, which the learner uses too.
 
+Tensor parallelism (`actor.tensor_parallel_size` > 1): vLLM runs one worker per TP rank, each
+holding a shard of every split layer. Each worker joins the group (rank 1 + its vLLM rank, so
+the group has 1 + TP members) and receives the *whole* flat buffer; `reload_weights` runs the
+model's own `load_weights`, whose per-layer loaders cut out this worker's shard (the same path
+that loads a checkpoint). The learner therefore sends the same unsharded tensors whatever the
+TP size, and needs no knowledge of how vLLM splits a model. The cost: every worker briefly holds
+a full copy of the weights next to its shard (on GPU: model-size free memory per GPU during an
+update, beyond `gpu_memory_utilization`'s share), and the broadcast has TP receivers, not one.
+
 Nothing here imports the actor server: this module must be importable alone in vLLM's spawned
 worker processes.
 

@@ -130,6 +130,18 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Literal["auto", "cpu", "cuda"], _doc("Where the engine runs; 'auto' picks cuda when available.")
     ] = "auto"
     max_num_seqs: Annotated[int, _doc("vLLM continuous-batching width (sequences).", ge=1)] = 64
+    tensor_parallel_size: Annotated[
+        int,
+        _doc(
+            "vLLM tensor parallelism: the model's layers are split across this many worker "
+            "processes (GPUs on CUDA; processes sharing the cores on CPU). Must divide the "
+            "model's attention heads and key/value heads. The weight-broadcast group then has "
+            "1 + tensor_parallel_size members: every TP worker receives the full flat buffer "
+            "and loads only its own shard through vLLM's reload, so the learner sends the "
+            "same unsharded weights whatever the TP size.",
+            ge=1,
+        ),
+    ] = 1
     max_model_len: Annotated[int, _doc("Longest prompt + generation, tokens.", ge=16)] = 1024
     max_live_requests: Annotated[
         int,

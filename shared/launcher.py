@@ -5,11 +5,12 @@
 What it does:
 1. **checks everything it can before anything starts** (`prepare`): the config's keys, types,
    choices and addresses (shared/config.py); the model directory (the tiny model is built if
-   `model.path` is empty); the envpool's own settings, by running `millstream envpool --check`
-   (the environment's name and arguments, the tokenizer, a first prompt against
-   `actor.max_model_len`); and for `run.resume`, that the checkpoint's run used the same model,
-   environment and algorithm (shared/rundir.py). A problem is one line naming the key, exit
-   status 2, and no run directory is made.
+   `model.path` is empty) and that the actor's `tensor_parallel_size` can split that model; the
+   envpool's own settings, by running `millstream envpool --check` (the environment's name and
+   arguments, the tokenizer, a first prompt against `actor.max_model_len`); and for
+   `run.resume`, that the checkpoint's run used the same model, environment and algorithm
+   (shared/rundir.py). A problem is one line naming the key, exit status 2, and no run
+   directory is made.
 2. makes the run directory (a resumed run continues in its own, and the records written after
    its checkpoint are marked rolled back) and writes `config.toml`, the resolved config every
    role reads;
@@ -56,7 +57,7 @@ from .rundir import (
     resume_conflicts,
     retire_later_checkpoints,
 )
-from .runtime import free_port, resolve_model_dir
+from .runtime import check_tensor_parallel, free_port, resolve_model_dir
 from .supervisor import Supervisor
 
 __all__ = ["launch", "prepare", "Plan"]
@@ -102,6 +103,7 @@ def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
     if plan.finished:
         return plan
     _check_run_dir(run_dir, resume)
+    _check_actor(cfg)
     _check_envpool(cfg)
     if resume is not None:
         refused, plan.changed = resume_conflicts(resume.previous, cfg)
@@ -183,6 +185,12 @@ def _replica_addresses(cfg: Config) -> list[str]:
         return picked
     host, port = base.rsplit(":", 1)
     return [f"{host}:{int(port) + i}" for i in range(cfg.actor.replicas)]
+
+
+def _check_actor(cfg: Config) -> None:
+    """What the actor this run starts would refuse only after its engine's processes started."""
+    if not cfg.actor.connect and cfg.actor.kind == "vllm":
+        check_tensor_parallel(cfg.model.path, cfg.actor.tensor_parallel_size)
 
 
 def _check_run_dir(run_dir: Path, resume: Resume | None) -> None:

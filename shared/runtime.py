@@ -38,6 +38,7 @@ __all__ = [
     "setup_logging",
     "resolve_model_dir",
     "check_model_dir",
+    "check_tensor_parallel",
     "raise_fd_limit",
     "write_ready",
     "free_port",
@@ -176,6 +177,45 @@ def check_model_dir(path: str | Path, key: str = "model.path") -> Path:
             f"{key} = {str(path)!r}: not a model directory millstream can use (no {', '.join(missing)})"
         )
     return where
+
+
+def check_tensor_parallel(model_dir: str | Path, size: int, key: str = "actor.tensor_parallel_size") -> None:
+    """Can vLLM split this model across `size` workers? A ConfigError naming the key if not.
+
+    vLLM gives each tensor-parallel worker an equal share of the attention heads, so `size` must
+    divide them; key/value heads are split the same way when there are at least `size` of them
+    and copied to several workers when there are fewer (then `size` must be a multiple of them).
+    vLLM checks this only after its worker processes started (a minute on CPU) and words it
+    without our key; read from the model's config.json, it costs nothing before any role starts.
+    A config.json without the usual head counts is left for vLLM to judge.
+    """
+    if size == 1:
+        return
+    config_path = Path(model_dir).expanduser() / "config.json"
+    try:
+        config = orjson.loads(config_path.read_bytes())
+    except (OSError, orjson.JSONDecodeError) as exc:
+        raise ConfigError(f"{key} = {size}: cannot read {config_path} ({exc})") from None
+    config = config.get("text_config", config)  # multimodal models nest the language model's
+    heads = config.get("num_attention_heads")
+    if not isinstance(heads, int):
+        return
+    kv_heads = config.get("num_key_value_heads", heads)
+    where = f"(from {config_path})"
+    if heads % size:
+        raise ConfigError(
+            f"{key} = {size}: must divide the model's {heads} attention heads {where}; "
+            f"choose one of {_divisors(heads)}"
+        )
+    if isinstance(kv_heads, int) and (kv_heads % size if kv_heads >= size else size % kv_heads):
+        raise ConfigError(
+            f"{key} = {size}: the model's {kv_heads} key/value heads must be split evenly "
+            f"(a size dividing them) or copied evenly (a multiple of them) {where}"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def resolve_model_dir(cfg: Config) -> str:

@@ -45,6 +45,7 @@ def test_file_then_overrides(tmp_path):
         (["trian.steps=3"], "unknown key 'trian'; did you mean 'train'?"),
         (["nosuch.key=1"], "unknown key 'nosuch'"),
         (["train.group_size=1"], "train.group_size = 1: expected int >= 2"),
+        (["actor.tensor_parallel_size=0"], "actor.tensor_parallel_size = 0: expected int >= 1"),
         (["train.steps=many"], 'train.steps = "many": expected int, got str'),
         (["learner.lr=-1"], "learner.lr = -1: expected float > 0.0"),
         (["train"], "override 'train' needs '=': write train=VALUE"),

@@ -71,6 +71,10 @@ def test_a_resume_from_nowhere(tmp_path, tiny_model_dir):
         ),
         (["envpool.temperature=3"], "envpool.temperature = 3: expected float <= 2.0"),
         (["envpool.env=frozenlak"], "envpool.env = 'frozenlak': unknown environment"),
+        (
+            ["actor.tensor_parallel_size=3"],
+            "actor.tensor_parallel_size = 3: must divide the model's 4 attention heads",
+        ),
     ],
 )
 def test_the_command_says_one_line_and_starts_nothing(tmp_path, tiny_model_dir, args, message):
