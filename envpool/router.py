@@ -278,11 +278,11 @@ class Router:
 
     async def handshake(self, *, timeout_s: float, retries: int, backoff_s: float) -> ActorInfo:
         """The first usable replica's `ActorInfo` (model, context length), as ActorClient's."""
-        deadline = anyio.current_time() + timeout_s * (retries + 1) + backoff_s * 2 ** (retries + 1)
+        wait_s = timeout_s * (retries + 1) + backoff_s * 2 ** (retries + 1)
         try:
-            replica = await self._pick(None, deadline)
+            replica = await self._pick(None, anyio.current_time() + wait_s)
         except GenerationFailed:
-            raise ActorUnreachable(f"no actor replica became available in {deadline:.0f}s") from None
+            raise ActorUnreachable(f"no actor replica became available in {wait_s:.0f}s") from None
         self.info = await replica.client.handshake(timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)
         return self.info
 

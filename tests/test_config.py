@@ -87,6 +87,25 @@ def test_file_then_overrides(tmp_path):
             ["train.group_size=16", "envpool.max_concurrent_episodes=8"],
             "train.group_size = 16: exceeds envpool.max_concurrent_episodes = 8",
         ),
+        # The fleet: one address per replica, none twice; extra replicas of a connected actor
+        # join by hand.
+        (
+            ["actor.replicas=3", 'actor.replica_addresses=["tcp://127.0.0.1:5001"]'],
+            "actor.replica_addresses lists 1 addresses for actor.replicas = 3",
+        ),
+        (
+            ["actor.replicas=2", 'actor.replica_addresses=["tcp://127.0.0.1:5", "tcp://127.0.0.1:5"]'],
+            "actor.replica_addresses = ['tcp://127.0.0.1:5', 'tcp://127.0.0.1:5']: two replicas",
+        ),
+        (
+            ['actor.replica_addresses=["udp://x:1"]'],
+            'actor.replica_addresses[0] = "udp://x:1": expected tcp://HOST:PORT',
+        ),
+        (
+            ["actor.replicas=2", "actor.connect=tcp://127.0.0.1:5555"],
+            "actor.replicas = 2 with actor.connect set",
+        ),
+        (["actor.replicas=0"], "actor.replicas = 0: expected int >= 1"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, message):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import MILLSTREAM, ROOT
 
-from millstream.shared.config import ConfigError
+from millstream.shared.config import ConfigError, load_config
 from millstream.shared.launcher import prepare
 from millstream.shared.lifecycle import ENV_RUN
 
@@ -126,3 +126,19 @@ def test_a_run_directory_that_holds_a_run_is_not_reused_by_accident(tmp_path, ti
     assert str(caught.value) == (
         f"run.dir = '{old}': already holds a run; resume it with run.resume={old}, or choose another run.dir"
     )
+
+
+def test_the_launcher_gives_every_replica_its_own_address(tiny_model_dir):
+    from millstream.shared.launcher import _replica_addresses
+    from millstream.shared.replicas import replica_address, replica_name
+
+    free = load_config(None, ["actor.replicas=3"])
+    picked = _replica_addresses(free)
+    assert len(set(picked)) == 3 and all(a.startswith("tcp://127.0.0.1:") for a in picked)
+    fixed = load_config(None, ["actor.replicas=3", "actor.address=tcp://127.0.0.1:7000"])
+    assert _replica_addresses(fixed) == [f"tcp://127.0.0.1:{7000 + i}" for i in range(3)]
+    pinned = load_config(
+        None, ["actor.replicas=2", f"actor.replica_addresses={picked[:2]!r}".replace("'", '"')]
+    )
+    assert [replica_address(pinned, i) for i in range(2)] == picked[:2]
+    assert [replica_name(i) for i in range(3)] == ["actor", "actor-1", "actor-2"]
