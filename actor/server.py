@@ -171,10 +171,11 @@ class VllmWeights:
         log.info("vLLM workers joined weight group %s as ranks %s of %d", msg.session, ranks, msg.world_size)
 
     async def digest(self) -> tuple[float, float, int]:
-        """Summed over the workers: with tensor parallelism each holds its shard (and a copy of
-        the replicated tensors, so `numel` then exceeds the learner's: not comparable)."""
+        """What the workers loaded last; with tensor parallelism each loaded the whole buffer
+        (and kept its shard), so each must have the learner's digest: the first that differs
+        is returned, else the common one."""
         parts = await self.engine.collective_rpc("millstream_digest", timeout=self.rpc_timeout_s)
-        return (sum(p[0] for p in parts), sum(p[1] for p in parts), sum(p[2] for p in parts))
+        return next((tuple(p) for p in parts if tuple(p) != tuple(parts[0])), tuple(parts[0]))
 
     async def load(self, msg: WeightUpdate) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=True)

@@ -252,15 +252,14 @@ class _DiscardingWeights:
     async def load(self, msg: WeightUpdate) -> None:
         import torch
 
-        from millstream.shared.weightsync import DTYPES, broadcast
+        from millstream.shared.weightsync import DTYPES, broadcast, flat_digest
 
         flat = torch.empty(msg.numel, dtype=DTYPES[msg.dtype])
         await anyio.to_thread.run_sync(broadcast, self._group, flat, self._timeout_s)
         await self.actor.flush_all()  # tokens made under the old version go out first
         # All this engine keeps of the weights: their digest (`digest`), so a test or a user can
         # check that every replica received what the learner sent.
-        as64 = flat.to(torch.float64)
-        self._digest = (float(as64.sum()), float(as64.abs().sum()), msg.numel)
+        self._digest = flat_digest(flat)
 
     async def digest(self) -> tuple[float, float, int]:
         return self._digest

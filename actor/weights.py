@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from millstream.shared.weightsync import DTYPES, broadcast, make_group, open_store
+from millstream.shared.weightsync import DTYPES, broadcast, flat_digest, make_group, open_store
 
 __all__ = ["WeightSyncExtension"]
 
@@ -73,7 +73,6 @@ class WeightSyncExtension:
     # Provided by the vLLM worker this class is mixed into (declared for the type checker).
     device: Any
     reload_weights: Callable[..., Any]
-    get_model: Callable[[], torch.nn.Module]
 
     def millstream_join(
         self,
@@ -129,16 +128,10 @@ class WeightSyncExtension:
             (name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in tensors
         )
         self.reload_weights(weights_iterator=views)
+        self._ms_digest = flat_digest(flat)  # only once vLLM's reload returned
         return time.monotonic() - started
 
     def millstream_digest(self) -> tuple[float, float, int]:
-        """Sum, sum of magnitudes (float64) and count of every weight this worker holds."""
-        total = abs_total = 0.0
-        numel = 0
-        with torch.no_grad():
-            for param in self.get_model().parameters():
-                as64 = param.detach().to(torch.float64)
-                total += float(as64.sum())
-                abs_total += float(as64.abs().sum())
-                numel += param.numel()
-        return total, abs_total, numel
+        """The digest of the weights this worker loaded last (see `flat_digest`); zeros
+        before its first update."""
+        return getattr(self, "_ms_digest", (0.0, 0.0, 0))

@@ -45,7 +45,7 @@ from millstream.shared.protocol import (
     WeightsDigest,
 )
 from millstream.shared.replicas import replica_addresses, replica_name
-from millstream.shared.weightsync import pick_backend
+from millstream.shared.weightsync import flat_digest, pick_backend
 
 from .weights import FlatWeights, ReplicaLink, WeightGroup, WeightSyncError, attach_group, push_group
 
@@ -320,12 +320,11 @@ class Fleet:
 
 def replica_weights(digests: dict[str, WeightsDigest | str], flat: torch.Tensor | None) -> dict[str, Any]:
     """Each replica's digest against the weights the learner last sent (`flat`, in the
-    actor's dtype): `matches` is True when they agree to float rounding, None when the replica
-    holds its tensors in another shape (padded or sharded) so that sums cannot be compared."""
+    actor's dtype): `matches` is True when what every worker of the replica loaded last is what
+    the learner sent last, to float rounding."""
     if flat is None:
         return {}
-    as64 = flat.detach().to("cpu", torch.float64)
-    total, abs_total, numel = float(as64.sum()), float(as64.abs().sum()), flat.numel()
+    total, abs_total, numel = flat_digest(flat.detach())
     out: dict[str, Any] = {"learner": {"total": total, "abs_total": abs_total, "numel": numel}}
     for name, digest in digests.items():
         if isinstance(digest, str):
@@ -338,6 +337,6 @@ def replica_weights(digests: dict[str, WeightsDigest | str], flat: torch.Tensor 
             "total": digest.total,
             "abs_total": digest.abs_total,
             "numel": digest.numel,
-            "matches": same if digest.numel == numel else None,
+            "matches": same and digest.numel == numel,
         }
     return out

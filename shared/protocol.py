@@ -233,16 +233,19 @@ class WeightsApplied(_Wire, tag="weights_applied", frozen=True):
 
 
 class DigestWeights(_Wire, tag="digest", frozen=True):
-    """Asks the actor for a digest of the weights its engine holds; answered by `WeightsDigest`."""
+    """Asks the actor for a digest of the weights its engine loaded last; answered by
+    `WeightsDigest`."""
 
 
 class WeightsDigest(_Wire, tag="weights_digest", frozen=True):
-    """Sums over every weight element the engine holds, in float64, and their count.
+    """Sum and sum of magnitudes (float64) and count of the flat buffer every worker of the
+    replica loaded at its last update, taken once vLLM's reload returned (each TP worker loads
+    the whole buffer and keeps its shard). Equal to the learner's digest of what it sent: the
+    replica loaded exactly the learner's weights of `version`.
 
-    Concatenating tensors (vLLM fuses q, k and v) keeps all three, so they compare with the
-    learner's own sums: equal (to float rounding) means the replica holds the learner's weights.
-    `numel` differs where the engine pads or shards tensors (tensor parallelism): not comparable.
-    """
+    Why not read the weights back: vLLM's CPU backend repacks linear layers into its own
+    kernels' layout (their tensors are no longer the model's parameters), and padded or sharded
+    tensors would not sum to the learner's anyway."""
 
     version: int
     total: float

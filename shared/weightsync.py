@@ -33,6 +33,7 @@ __all__ = [
     "pick_backend",
     "mark_session",
     "await_session",
+    "flat_digest",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -132,3 +133,14 @@ def flat_layout(
         layout.append((name, list(shape), offset))
         offset += numel
     return layout, offset
+
+
+def flat_digest(flat: torch.Tensor, chunk: int = 1 << 26) -> tuple[float, float, int]:
+    """Sum and sum of magnitudes (in float64, chunk by chunk: no float64 copy of a whole model)
+    and element count of a flat weight buffer: what the learner sent, or what a replica loaded."""
+    total = abs_total = 0.0
+    for start in range(0, flat.numel(), chunk):
+        part = flat[start : start + chunk].to(torch.float64)
+        total += float(part.sum())
+        abs_total += float(part.abs().sum())
+    return total, abs_total, flat.numel()
