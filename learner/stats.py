@@ -54,7 +54,7 @@ def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: fl
 
 def _sync(record: dict) -> str:
     if "sync/total_s" not in record:
-        return "sync waiting for the actor"  # learner/actorlink.py: pushed once it is back
+        return "sync waiting for a replica"  # learner/fleet.py: pushed once one is back
     return f"sync {record['sync/total_s']:.2f}s"
 
 

@@ -69,10 +69,6 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 
-#: How long a push that broke waits for the other members' answers (who is still alive).
-_BROKEN_WAIT_S = 5.0
-
-
 class WeightSyncError(RuntimeError):
     """A replica refused or failed an attach or a weight update, or did not answer in time.
 
@@ -235,9 +231,8 @@ def attach_group(
         first += info.weight_ranks
     try:
         group = make_group(store, 0, world, backend, cfg.sync_timeout_s, session)
-    except RuntimeError as exc:
-        failed = _refusals(links, ActorInfo, _BROKEN_WAIT_S, "AttachLearner")
-        raise WeightSyncError(f"the weight group did not form: {exc}", failed) from exc
+    except RuntimeError as exc:  # who is at fault is for a Hello to tell (learner/fleet.py)
+        raise WeightSyncError(f"the weight group did not form: {exc}") from exc
     failed = _refusals(links, ActorInfo, cfg.sync_timeout_s, "AttachLearner")
     if failed:
         raise WeightSyncError(f"{len(failed)} of {len(links)} replicas failed to attach", failed)
@@ -255,9 +250,10 @@ def push_group(
         link.send(update)
     try:
         broadcast(group.group, flat.flat, cfg.sync_timeout_s)
-    except RuntimeError as exc:  # a member died: find who is still there
-        failed = _refusals(group.links, WeightsApplied, _BROKEN_WAIT_S, "WeightUpdate")
-        raise WeightSyncError(f"the broadcast of version {version} failed: {exc}", failed) from exc
+    except RuntimeError as exc:
+        # A member died. The others' receives end once this side drops the group (the caller
+        # does), and which of them still lives is for a Hello to tell (learner/fleet.py).
+        raise WeightSyncError(f"the broadcast of version {version} failed: {exc}") from exc
     applied: list[WeightsApplied] = []
     failed = []
     deadline = time.monotonic() + cfg.sync_timeout_s
