@@ -64,6 +64,8 @@ __all__ = ["RaySupervisor", "RAY_WORKER_DIED"]
 
 #: Exit code of a role whose Ray actor died.
 RAY_WORKER_DIED = -9
+#: Longest wait for a host to deliver a signal (a live one answers at once).
+SIGNAL_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -275,7 +277,7 @@ class RaySupervisor:
         import ray
 
         try:
-            return int(ray.get(ref, timeout=self.timeout_s))
+            return int(ray.get(ref, timeout=SIGNAL_TIMEOUT_S))  # ready: no wait
         except ray.exceptions.RayError as exc:
             self._died[name] = first_line(exc)
             return RAY_WORKER_DIED
@@ -292,7 +294,7 @@ class RaySupervisor:
         import ray
 
         try:
-            ray.get(method.remote(*args), timeout=self.timeout_s)
+            ray.get(method.remote(*args), timeout=SIGNAL_TIMEOUT_S)
         except ray.exceptions.RayError:
             pass
 
