@@ -71,7 +71,7 @@ class RoleHost:
                 f"run directory {run_dir} is not on node {socket.gethostname()}: run.dir must be on a "
                 "filesystem every node mounts at the same path"
             )
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **job.env)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **job.env}
         env.update({ENV_PARENT: str(os.getpid()), ENV_RUN: job.run_dir, ENV_NAME: job.name})
         with (run_dir / "logs" / f"{job.name}.log").open("ab") as log:
             self._proc = subprocess.Popen(

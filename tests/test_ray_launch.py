@@ -140,6 +140,7 @@ def test_the_default_job_runs_on_ray(cluster, tiny_model_dir, tmp_path):
     _ends_clean(run_dir, cluster)
 
 
+@pytest.mark.real  # the DeepSpeed learner
 def test_a_killed_ray_worker_is_healed(cluster, tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = _ray_run(
