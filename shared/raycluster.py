@@ -158,6 +158,10 @@ def _node_ip(host: str | None) -> str | None:
 
 
 def first_line(exc: BaseException) -> str:
-    """An exception's first line (Ray's run to pages), at most 300 characters."""
+    """An exception's first line (Ray's run to pages), at most 300 characters; for an error
+    raised inside a Ray actor's method, the original one's."""
+    cause = getattr(exc, "cause", None)  # ray.exceptions.RayTaskError
+    if isinstance(cause, BaseException):
+        exc = cause
     text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+    return f"{type(exc).__name__}: {text[0][:300]}" if text else type(exc).__name__

@@ -96,7 +96,7 @@ class RaySupervisor:
         self._groups: list[PlacementGroup] = []
         self._pending: list[str] | None = None  # inside `starting()`
         self._codes: dict[str, int] = {}  # roles that ended, for their current start
-        self._died: dict[str, str] = {}  # roles whose Ray actor died, and how
+        self._died: dict[str, str] = {}  # roles whose Ray actor died or failed to start, and how
         self._streams: list[_RemoteLines] = []  # `output()`s, read to their end before `stop`
 
     @contextmanager
@@ -177,7 +177,7 @@ class RaySupervisor:
 
     def describe_exit(self, name: str, code: int) -> str:
         if name in self._died:
-            return f"its Ray worker died: {self._died[name]}"
+            return self._died[name]
         return describe_exit(self.run_dir, name, code, self.logs[name])
 
     # --- inside ------------------------------------------------------------------------------------
@@ -234,7 +234,7 @@ class RaySupervisor:
                 old = self.procs.get(name)  # whose leftovers the next start still kills
                 self.procs[name] = _Role(host, None, old.pid if old else 0, old.node if old else "")
                 self._codes[name] = RAY_WORKER_DIED
-                self._died[name] = f"its Ray actor could not start the role: {first_line(exc)}"
+                self._died[name] = f"its Ray actor could not start it: {first_line(exc)}"
                 continue
             self.procs[name] = _Role(host, host.wait.remote(), pid, node)
             (self.run_dir / f"{name}.pid").write_text(str(pid))
@@ -279,7 +279,7 @@ class RaySupervisor:
         try:
             return int(ray.get(ref, timeout=SIGNAL_TIMEOUT_S))  # ready: no wait
         except ray.exceptions.RayError as exc:
-            self._died[name] = first_line(exc)
+            self._died[name] = f"its Ray worker died: {first_line(exc)}"
             return RAY_WORKER_DIED
 
     def _end(self, role: _Role) -> None:

@@ -27,7 +27,7 @@ from helpers import MILLSTREAM, ROOT, check_accounting, start_run
 
 from millstream.shared.config import load_config
 from millstream.shared.lifecycle import run_processes, session_processes
-from millstream.shared.raycluster import node_pins
+from millstream.shared.raycluster import first_line, node_pins
 from millstream.shared.runtime import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -225,3 +225,11 @@ def test_the_multihost_example_is_a_valid_config():
     cfg = load_config(ROOT / "docs" / "examples" / "multihost.toml")
     assert cfg.launcher.kind == "ray" and cfg.launcher.ray_address == "10.0.0.1:6379"
     assert node_pins(cfg, "10.0.0.1") == {"actor": "10.0.0.2", "learner": "10.0.0.1", "envpool": None}
+
+
+def test_an_error_inside_a_ray_actor_is_told_by_its_cause():
+    class TaskError(Exception):  # as ray.exceptions.RayTaskError carries it
+        cause = FileNotFoundError("run directory /x is not on node n7")
+
+    wrapped = TaskError("ray::RoleHost.start() (pid=1, ip=127.0.0.1)\n  File ...\nFileNotFoundError: ...")
+    assert first_line(wrapped) == "FileNotFoundError: run directory /x is not on node n7"
