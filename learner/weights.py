@@ -69,6 +69,7 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 
+
 class WeightSyncError(RuntimeError):
     """A replica refused or failed an attach or a weight update, or did not answer in time.
 

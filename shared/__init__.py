@@ -14,6 +14,8 @@ Layout:
 - `rundir.py`     the run directory: layout, checkpoints, what a resume may change;
 - `supervisor.py` the processes of one run: start, watch, explain an exit, stop;
 - `launcher.py`   `millstream run`: checks everything, then starts and supervises the roles;
+- `raylaunch.py`  `launcher.kind = "ray"`: the supervisor whose roles are Ray actors' processes,
+  with `raycluster.py` (joining the cluster, where roles may go) and `rayhost.py` (on each node);
 - `cli.py`        the `millstream` command.
 
 Import the module you need; this file imports nothing, so `import millstream.shared` stays cheap (torch is

@@ -39,6 +39,7 @@ from .config_schema import (
     ChaosConfig,
     Config,
     EnvPoolConfig,
+    LauncherConfig,
     LearnerConfig,
     ModelConfig,
     RunConfig,
@@ -56,6 +57,7 @@ __all__ = [
     "LearnerConfig",
     "TransportConfig",
     "ChaosConfig",
+    "LauncherConfig",
     "ConfigError",
     "load_config",
     "check_config",
@@ -250,6 +252,8 @@ def check_config(cfg: Config) -> None:
             f"transport.coalesce_max = {cfg.transport.coalesce_max}, the actor would refuse the "
             "envpool's own frames"
         )
+    if cfg.launcher.kind == "ray" and cfg.launcher.ray_address != "auto":
+        _check_ray_address(cfg.launcher.ray_address)
     if cfg.train.group_size > cfg.envpool.max_concurrent_episodes:
         raise ConfigError(
             f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "
@@ -283,6 +287,15 @@ def _is_local(address: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name other than localhost: it may resolve anywhere
         return False
+
+
+def _check_ray_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) <= 65535):
+        raise ConfigError(
+            f"launcher.ray_address = {_show(address)}: expected HOST:PORT of the Ray head "
+            "(as `ray start --head` printed it) or 'auto'"
+        )
 
 
 def _check_address(key: str, address: str) -> None:

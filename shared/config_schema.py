@@ -24,6 +24,7 @@ __all__ = [
     "LearnerConfig",
     "TransportConfig",
     "ChaosConfig",
+    "LauncherConfig",
 ]
 
 
@@ -463,6 +464,63 @@ class ChaosConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     seed: Annotated[int, _doc("Seed of which role is killed when.")] = 0
 
 
+class LauncherConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where the roles run: child processes of the launcher, or Ray actors on a Ray cluster
+    (shared/raylaunch.py; docs/multihost.md). Ray only places and supervises the processes: the
+    data path is ZeroMQ and gloo/NCCL either way, at the addresses configured above."""
+
+    kind: Annotated[
+        Literal["local", "ray"],
+        _doc(
+            "local: every role is a child process of the launcher, on this host; ray: every role "
+            "is a process started by a Ray actor on a Ray cluster that is already running."
+        ),
+    ] = "local"
+    ray_address: Annotated[
+        str,
+        _doc(
+            "kind = ray: the cluster's head, HOST:PORT as `ray start --head` printed it, or 'auto' "
+            "(RAY_ADDRESS, else the cluster started on this host). The launcher never starts a "
+            "cluster; none reachable is an error before any role starts."
+        ),
+    ] = "auto"
+    # Ray CPUs are a reservation for placement, not a limit. The defaults reserve 1.75 CPUs for
+    # the default job (one actor, one learner, one envpool worker), so it fits a 2-CPU node.
+    actor_cpus: Annotated[
+        float,
+        _doc(
+            "kind = ray: CPUs reserved for each actor process (fractions allowed; Ray sets the "
+            "role's OMP_NUM_THREADS to it, at least 1).",
+            gt=0,
+        ),
+    ] = 1.0
+    actor_gpus: Annotated[
+        float, _doc("kind = ray: GPUs reserved for each actor process (Ray sets CUDA_VISIBLE_DEVICES).", ge=0)
+    ] = 0.0
+    learner_cpus: Annotated[float, _doc("kind = ray: CPUs reserved for each learner rank.", gt=0)] = 0.5
+    learner_gpus: Annotated[
+        float, _doc("kind = ray: GPUs reserved for each learner rank (1 per rank on GPU).", ge=0)
+    ] = 0.0
+    envpool_cpus: Annotated[
+        float, _doc("kind = ray: CPUs reserved for each envpool worker process.", gt=0)
+    ] = 0.25
+    placement_strategy: Annotated[
+        Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"],
+        _doc(
+            "kind = ray: how the run's placement group spreads its bundles (one per role process) "
+            "over nodes: PACK fills few nodes, SPREAD many; STRICT_ variants fail rather than bend."
+        ),
+    ] = "PACK"
+    ray_start_timeout_s: Annotated[
+        float,
+        _doc(
+            "kind = ray: longest wait to connect to the cluster, to reserve the run's placement "
+            "group, and for each role's Ray actor to start.",
+            gt=0,
+        ),
+    ] = 60.0
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -472,3 +530,4 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     learner: LearnerConfig = msgspec.field(default_factory=LearnerConfig)
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     chaos: ChaosConfig = msgspec.field(default_factory=ChaosConfig)
+    launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)

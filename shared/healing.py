@@ -37,7 +37,7 @@ from typing import IO
 from .config import Config, ConfigError
 from .rundir import find_checkpoint, mark_rolled_back, plan_resume, retire_later_checkpoints
 from .runtime import ACCOUNTING_FAILED
-from .supervisor import Supervisor
+from .supervisor import RoleProcesses
 
 __all__ = ["Healer", "Decision", "watch"]
 
@@ -127,7 +127,7 @@ class Healer:
 
 
 def watch(
-    sup: Supervisor,
+    sup: RoleProcesses,
     stop: threading.Event,
     out: IO[str],
     healer: Healer,
@@ -163,7 +163,7 @@ def watch(
 
 
 def _schedule_restart(
-    sup: Supervisor,
+    sup: RoleProcesses,
     healer: Healer,
     name: str,
     code: int,
@@ -191,7 +191,7 @@ def _schedule_restart(
     return True
 
 
-def _restart(sup: Supervisor, healer: Healer, name: str, learner_started: Callable[[], None]) -> None:
+def _restart(sup: RoleProcesses, healer: Healer, name: str, learner_started: Callable[[], None]) -> None:
     healer.restarts += 1
     if name != "learner":
         sup.restart(name)
@@ -208,7 +208,7 @@ def _restart(sup: Supervisor, healer: Healer, name: str, learner_started: Callab
     learner_started()
 
 
-def _learner_finished(sup: Supervisor) -> int:
+def _learner_finished(sup: RoleProcesses) -> int:
     # Workers exit by themselves after the learner's final announcement.
     deadline = time.monotonic() + 60
     workers = [n for n in sup.procs if n.startswith("envpool")]

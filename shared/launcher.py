@@ -23,7 +23,9 @@ What it does:
    (shared/lifecycle.py).
 
 The launcher imports no role package: roles are processes, joined only by the addresses in the
-config, so the same roles can be placed on other hosts by a cluster manager instead.
+config, so the same roles can be placed on other hosts by a cluster manager instead:
+`launcher.kind = "ray"` has Ray actors start them on a Ray cluster (shared/raylaunch.py,
+docs/multihost.md); the watching and healing above stay the same.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from .rundir import (
     retire_later_checkpoints,
 )
 from .runtime import check_tensor_parallel, free_port, resolve_model_dir
-from .supervisor import Supervisor
+from .supervisor import LineStream, RoleProcesses, Supervisor
 
 __all__ = ["launch", "prepare", "Plan"]
 
@@ -104,6 +106,10 @@ def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
         return plan
     _check_run_dir(run_dir, resume)
     _check_actor(cfg)
+    if cfg.launcher.kind == "ray":
+        from .raycluster import check_cluster  # ray is an optional dependency
+
+        check_cluster(cfg)
     _check_envpool(cfg)
     if resume is not None:
         refused, plan.changed = resume_conflicts(resume.previous, cfg)
@@ -231,20 +237,19 @@ def _make_run_dir(plan: Plan, out: IO[str]) -> None:
 
 def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
     config = ["--config", str(run_dir / "config.toml")]
-    sup = Supervisor(run_dir)
+    sup = _supervisor(cfg, run_dir)
     print(f"millstream run: {run_dir}", file=out, flush=True)
     stop = threading.Event()
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     relays: list[threading.Thread] = []
 
     def relay_learner() -> None:  # at its start, and again after each restart
-        stdout = sup.procs["learner"].stdout
-        assert stdout is not None
-        relays.append(threading.Thread(target=_relay, args=(stdout, out), daemon=True))
+        relays.append(threading.Thread(target=_relay, args=(sup.output("learner"), out), daemon=True))
         relays[-1].start()
 
     try:
-        _start_roles(sup, cfg, config)
+        with sup.starting():  # Ray reserves every role's resources at once, then starts them
+            _start_roles(sup, cfg, config)
         relay_learner()
         code = watch(sup, stop, out, Healer(cfg, run_dir), relay_learner)
     finally:
@@ -260,7 +265,16 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
     return code
 
 
-def _start_roles(sup: Supervisor, cfg: Config, config: list[str]) -> None:
+def _supervisor(cfg: Config, run_dir: Path) -> RoleProcesses:
+    """Children of this process (`launcher.kind = "local"`) or Ray actors' (`"ray"`)."""
+    if cfg.launcher.kind == "ray":
+        from .raylaunch import RaySupervisor
+
+        return RaySupervisor(cfg, run_dir)
+    return Supervisor(run_dir)
+
+
+def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> None:
     if not cfg.actor.connect:
         for index in range(cfg.actor.replicas):
             sup.start(replica_name(index), "millstream.actor", [*config, "--worker-index", str(index)])
@@ -323,7 +337,7 @@ def _check_envpool(cfg: Config) -> None:
         raise ConfigError(f"the envpool's check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
-def _relay(stream: IO[bytes], out: IO[str]) -> None:
+def _relay(stream: LineStream, out: IO[str]) -> None:
     for line in iter(stream.readline, b""):
         out.write(line.decode(errors="replace"))
         out.flush()

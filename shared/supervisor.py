@@ -10,6 +10,10 @@ three things in its environment (shared/lifecycle.py and shared/runtime.py read 
 
 `describe_exit` turns an exit into words: the cause the role wrote (`logs/<name>.exit.json`),
 else the signal that killed it, else its exit status and the end of its log.
+
+`RoleProcesses` is what the launcher and `healing.watch` ask of a supervisor: `Supervisor` here
+(children of the launcher, on this host) or `RaySupervisor` (shared/raylaunch.py: the same roles
+started by Ray actors on a Ray cluster, `launcher.kind = "ray"`).
 """
 
 from __future__ import annotations
@@ -19,15 +23,62 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol
 
 import orjson
 
 from .lifecycle import ENV_PARENT, ENV_RUN
 from .runtime import ENV_NAME, STOPPED, exit_file
 
-__all__ = ["Supervisor"]
+__all__ = ["Supervisor", "RoleProcesses", "LineStream", "describe_exit", "tail_log"]
+
+
+class LineStream(Protocol):
+    """A role's stdout, line by line: `readline()` gives b"" once it ended."""
+
+    def readline(self) -> bytes: ...
+
+
+class RoleProcesses(Protocol):
+    """The processes of one run as the launcher and `healing.watch` use them."""
+
+    @property
+    def procs(self) -> Mapping[str, object]:
+        """Every role started, by name (the values are the supervisor's own)."""
+        ...
+
+    def starting(self) -> AbstractContextManager[None]:
+        """Around the first `start` calls: a supervisor may reserve their resources together."""
+        ...
+
+    def start(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        *,
+        pipe_stdout: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None: ...
+
+    def restart(self, name: str, extra_args: list[str] | None = None) -> None: ...
+
+    def kill(self, name: str) -> None: ...
+
+    def exited(self) -> dict[str, int]: ...
+
+    def output(self, name: str) -> LineStream:
+        """The stdout of a role started with `pipe_stdout`."""
+        ...
+
+    def stop(self, grace_s: float = 15.0) -> None: ...
+
+    def tail(self, name: str, lines: int = 15) -> str: ...
+
+    def describe_exit(self, name: str, code: int) -> str: ...
 
 
 class Supervisor:
@@ -71,6 +122,16 @@ class Supervisor:
         out.close()  # the child holds its own copy
         (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
 
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Children start at once: nothing to reserve."""
+        yield
+
+    def output(self, name: str) -> LineStream:
+        stdout = self.procs[name].stdout
+        assert stdout is not None, f"{name} was started without pipe_stdout"
+        return stdout
+
     def restart(self, name: str, extra_args: list[str] | None = None) -> None:
         """Kill what is left of `name`'s process group (a dead actor's engine processes hold
         its port and memory), then start it again as it was started (plus `extra_args`)."""
@@ -104,22 +165,30 @@ class Supervisor:
             proc.wait()
 
     def tail(self, name: str, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.logs[name].read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
+        return tail_log(self.logs[name], lines)
 
     def describe_exit(self, name: str, code: int) -> str:
-        """Why `name` ended, in one line (plus the log's end when nothing better is known)."""
-        cause = exit_file(self.run_dir, name)
-        if cause.is_file():
-            record = orjson.loads(cause.read_bytes())
-            return f"{record['error']}: {record['message']}"
-        if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
-        if code == STOPPED:
-            return "stopped by a signal (SIGTERM or SIGINT)"
-        return f"exit status {code}; its log {self.logs[name]} ends:\n{self.tail(name)}"
+        return describe_exit(self.run_dir, name, code, self.logs[name])
+
+
+def tail_log(log: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def describe_exit(run_dir: Path, name: str, code: int, log: Path) -> str:
+    """Why `name` ended, in one line (plus the log's end when nothing better is known)."""
+    cause = exit_file(run_dir, name)
+    if cause.is_file():
+        record = orjson.loads(cause.read_bytes())
+        return f"{record['error']}: {record['message']}"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    if code == STOPPED:
+        return "stopped by a signal (SIGTERM or SIGINT)"
+    return f"exit status {code}; its log {log} ends:\n{tail_log(log)}"
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
