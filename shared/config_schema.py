@@ -459,7 +459,10 @@ class ChaosConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 0.0
     roles: Annotated[
         list[Literal["actor", "envpool", "learner"]],
-        _doc("Roles chaos may kill (each envpool worker is one; the learner once it has a checkpoint)."),
+        _doc(
+            "Roles chaos may kill (each envpool worker and each actor replica is one; the learner "
+            "once it has a checkpoint)."
+        ),
     ] = msgspec.field(default_factory=lambda: ["actor", "envpool", "learner"])
     seed: Annotated[int, _doc("Seed of which role is killed when.")] = 0
 

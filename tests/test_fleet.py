@@ -19,10 +19,13 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 from helpers import KEYS, ROOT, check_accounting, start_run, steps_of, wait_for_file
 
 from millstream.shared.lifecycle import run_processes
 from millstream.shared.metrics import read_jsonl
+
+pytestmark = pytest.mark.real  # the learner is DeepSpeed
 
 SYNTHETIC = ("actor.kind=synthetic", "actor.synthetic_step_s=0.004", "train.group_size=4")
 
