@@ -141,6 +141,10 @@ class ActorClient:
     """
 
     MAX_DELTAS = 4096
+    #: What `watch_connection` reads; open the channel with `monitor_events=MONITOR_EVENTS` so
+    #: that the first handshake cannot pass before the monitor exists (`connected` would stay
+    #: False, and the router would never use the replica).
+    MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
     def __init__(self, channel: Channel, worker: str) -> None:
         self.channel = channel
@@ -200,8 +204,7 @@ class ActorClient:
         would stall every episode for minutes. Their retries go to another replica, or wait
         until this one is back (envpool/router.py). Reads the socket's monitor (ZeroMQ's
         connection events), which also says when the connection is up (`connected`)."""
-        events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
-        monitor = self.channel.sock.get_monitor_socket(events)
+        monitor = self.channel.monitor or self.channel.sock.get_monitor_socket(self.MONITOR_EVENTS)
         try:
             while True:
                 while monitor.poll(0):

@@ -150,7 +150,13 @@ class Router:
     def _connect(self, ref: ReplicaRef) -> None:
         assert self._tg is not None
         channel = open_channel(
-            "dealer", ref.address, bind=False, cfg=self.transport, keys=self.keys, recv_queue=4096
+            "dealer",
+            ref.address,
+            bind=False,
+            cfg=self.transport,
+            keys=self.keys,
+            recv_queue=4096,
+            monitor_events=ActorClient.MONITOR_EVENTS,
         )
         client = ActorClient(channel, self.worker)
         client.on_change = lambda: self._on_connection(ref.name)
@@ -165,6 +171,8 @@ class Router:
                 tg.start_soon(channel.run)
                 tg.start_soon(replica.client.run)
                 tg.start_soon(replica.client.watch_connection)
+        if channel.monitor is not None:  # watch_connection closes it, if it ever started
+            channel.monitor.close(linger=0)
         channel.sock.close(linger=0)
 
     def _close(self, name: str) -> None:

@@ -119,6 +119,8 @@ class Channel:
         self.authenticated = authenticated
         self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue, recv_queue_max=recv_queue)
         self._bad = RateLog(log)  # a peer controls how often these happen: count, log a sample
+        #: The socket's monitor when `open_channel` was asked for one (`monitor_events`).
+        self.monitor: zmq.Socket | None = None
 
     # --- public API ------------------------------------------------------------------------
 
@@ -285,12 +287,16 @@ def open_channel(
     keys: RunKeys | None,
     identity: bytes | None = None,
     recv_queue: int = 1024,
+    monitor_events: int = 0,
 ) -> Channel:
     """Create a socket of `kind`, bind or connect it to `address`, and wrap it in a Channel.
 
     Binding to port 0 (`tcp://127.0.0.1:0`) picks a free port; `channel.address` tells which.
     `keys` (from `shared.keys.load_keys`) makes it a CURVE server (bind) or client (connect);
     None is allowed only with `transport.curve = false`.
+    `monitor_events` (ZeroMQ's EVENT_* flags): a monitor of the socket, `channel.monitor`,
+    attached *before* it connects, so no event of the first connection is missed (a handshake
+    over loopback can finish before the next task runs).
     """
     if cfg.curve and keys is None:
         raise ValueError(f"{kind} {address}: transport.curve is on but no keys were given")
@@ -308,9 +314,12 @@ def open_channel(
     if kind == "sub":
         sock.setsockopt(zmq.SUBSCRIBE, b"")
     secure(sock, keys, bind=bind)
+    monitor = sock.get_monitor_socket(monitor_events) if monitor_events else None
     if bind:
         sock.bind(address.replace(":0", ":*") if address.endswith(":0") else address)
         address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     else:
         sock.connect(address)
-    return Channel(sock, kind, address, cfg, recv_queue=recv_queue, authenticated=keys is not None)
+    channel = Channel(sock, kind, address, cfg, recv_queue=recv_queue, authenticated=keys is not None)
+    channel.monitor = monitor
+    return channel
