@@ -3,7 +3,9 @@
 Layout:
 - `stress.py`        `millstream stress`: envpool workers at N concurrent episodes, faults, a report;
 - `stress_report.py` the report: workers' statistics over time, the table, JSON and the plot;
-- `stress_suite.py`  the recorded scenarios (`make bench-stress`), results in `results/`.
+- `stress_suite.py`  the recorded scenarios (`make bench-stress`), results in `results/`;
+- `fleet.py`         actor replicas: throughput by replica count, router overhead, weight sync time;
+- `auth_cost.py`     what CURVE authentication costs.
 
 `README.md` here holds the measured numbers and how to read them.
 """

@@ -171,6 +171,8 @@ class Router:
                 tg.start_soon(channel.run)
                 tg.start_soon(replica.client.run)
                 tg.start_soon(replica.client.watch_connection)
+        if channel.monitor is not None:  # watch_connection closes it, if it ever started
+            channel.monitor.close(linger=0)
         channel.sock.close(linger=0)
 
     def _close(self, name: str) -> None:

@@ -6,6 +6,7 @@ learner announces it again."""
 from __future__ import annotations
 
 import signal
+import time
 from collections import Counter, defaultdict
 
 import anyio
@@ -138,3 +139,25 @@ def test_a_dead_replicas_turns_move_and_it_waits_for_a_new_epoch(tiny_model_dir,
     assert after_kill["replicas"]["r0"]["lost"] == 1
     assert before_epoch["replicas"]["r0"]["requests"] == after_kill["replicas"]["r0"]["requests"]
     assert final["replicas"]["r0"]["requests"] > before_epoch["replicas"]["r0"]["requests"]
+
+
+def test_a_replica_connected_while_the_loop_was_busy_is_used(synthetic):
+    """The connection's handshake may finish before the client's monitor task first runs (at
+    once on loopback without CURVE; with CURVE when the worker's loop is busy right after a new
+    replica list): the monitor is attached before the socket connects, so the replica still
+    becomes usable. It stayed unusable for good when the monitor came later."""
+
+    async def main() -> bool:
+        router = Router(TransportConfig(), "test", keys_for("envpool"), synthetic)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(router.run)
+            await anyio.sleep(0)
+            router.update([ReplicaRef("r0", synthetic, 1)])
+            time.sleep(1.0)  # a busy event loop: the handshake completes meanwhile
+            with anyio.move_on_after(20):
+                while not router.usable(router.replicas["r0"]):
+                    await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+        return router.usable(router.replicas["r0"])
+
+    assert anyio.run(main)

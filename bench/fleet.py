@@ -1,0 +1,453 @@
+"""A fleet of actor replicas: throughput by replica count, router overhead, weight sync time.
+
+    python -m millstream.bench.fleet [--replicas 1,2,4,8] [--sync-replicas 1,2,4,8] [--out DIR]
+
+All through the production code, on loopback with `transport.curve=false`:
+
+1. **Throughput.** Synthetic actor processes (`python -m millstream.actor actor.kind=synthetic`,
+   one set per value of `--step-s`): `--max-num-seqs` slots, that decode step time, no other
+   cost, every turn exactly `--max-tokens` tokens. One replica then makes at most
+   max_num_seqs / step_s tokens/s: the replicas are the bottleneck, not the client. For each N,
+   an envpool `Router` (envpool/router.py) over the first N replicas serves `--episodes`
+   concurrent loops of episodes of `--turns` sticky turns (the prompt grows by each reply), the
+   same offered load for every N. After `--warmup` s, turns, tokens and CPU seconds (this
+   process; all replicas, from /proc) are counted for `--duration` s. Then the router's own cost
+   per turn is timed with every replica's `generate_once` replaced by a stub that answers at once.
+2. **Router overhead, end to end.** One replica with a zero-cost engine, one-token turns, one at
+   a time. In one event loop, `Router.generate` and a bare `ActorClient.generate_once` (each with
+   its own socket) alternate in blocks of `--overhead-turns`: wall and CPU µs per turn of this
+   process. Overhead: the difference of the means; spread over `--repeats` block pairs.
+3. **Weight sync.** For each N of `--sync-replicas`, learner/weights.py as the fleet uses it:
+   `attach_group` (learner + N replicas, gloo), timed as group formation, then `--pushes` times
+   pack + `push_group` (as `Fleet.push`) of the tiny model's tensors (~1.7 MB) and of `--big-mb`
+   MB of random float32: what a training step waits for its weights to reach every replica.
+
+Caveats:
+- The recorded numbers (bench/README.md) come from a shared 2-core box where others run tests:
+  noisy, and replicas, client and gloo compete for the same two cores.
+- The synthetic engine sleeps through its timing model: throughput measures the router and the
+  protocol, not an engine; but each replica's Python per step is real CPU.
+- gloo's broadcast (ProcessGroupGloo -> gloo::broadcast) is a binomial tree of whole-buffer
+  sends: about ceil(log2(N + 1)) rounds of the buffer, not N. NCCL on GPUs pipelines a
+  ring/tree. Each synthetic replica also allocates the buffer and sums it in float64 (its weight
+  digest) in every push; `digest_s` estimates that cost, which a real engine's load replaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import orjson
+import torch
+from safetensors.torch import load_file
+
+from millstream.envpool.client import ActorClient, Generation
+from millstream.envpool.router import Router
+from millstream.learner.weights import FlatWeights, ReplicaLink, attach_group, push_group
+from millstream.shared.config import LearnerConfig, TransportConfig
+from millstream.shared.protocol import ActorInfo, Hello, ReplicaRef
+from millstream.shared.runtime import free_port
+from millstream.shared.tinymodel import build_tiny_model
+from millstream.shared.transport import open_channel
+
+__all__ = ["main"]
+
+ROOT = Path(__file__).resolve().parent.parent
+TRANSPORT = TransportConfig(curve=False)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+VERSIONS = itertools.count(1)  # policy versions pushed, increasing across groups
+
+
+# --- replicas ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def replicas(count: int, overrides: list[str], model: Path, work: Path) -> Iterator[list[tuple[str, int]]]:
+    """`count` synthetic actor processes, started together; yields [(address, pid)]."""
+    procs: list[tuple[str, subprocess.Popen, Path]] = []
+    try:
+        for _ in range(count):
+            address = f"tcp://127.0.0.1:{free_port()}"
+            ready = work / f"ready-{address.rsplit(':', 1)[1]}.json"
+            cmd = [
+                sys.executable, "-m", "millstream.actor", "--ready-file", str(ready),
+                f"model.path={model}", f"actor.address={address}", "actor.kind=synthetic",
+                "transport.curve=false", "run.log_level=WARNING", *overrides,
+            ]  # fmt: skip
+            with (work / f"actor-{len(procs)}.log").open("wb") as log:
+                proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
+            procs.append((address, proc, ready))
+        deadline = time.monotonic() + 300
+        for k, (_, proc, ready) in enumerate(procs):
+            while not ready.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = (work / f"actor-{k}.log").read_text()[-2000:]
+                    raise RuntimeError(f"synthetic actor {k} did not start:\n{tail}")
+                time.sleep(0.1)
+        yield [(address, proc.pid) for address, proc, _ in procs]
+    finally:
+        for _, proc, _ in procs:  # nothing to drain: the benchmark's turns are over
+            proc.kill()
+            proc.wait()
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+# --- 1. throughput ----------------------------------------------------------------------------
+
+
+def _router(addresses: list[str]) -> Router:
+    router = Router(TRANSPORT, "bench", None, addresses[0])
+    router.update([ReplicaRef(f"r{i}", a, 1) for i, a in enumerate(addresses)])  # at `run`
+    return router
+
+
+async def _wait_usable(router: Router) -> None:
+    with anyio.fail_after(30):
+        while not router.replicas or not all(router.usable(r) for r in router.replicas.values()):
+            await anyio.sleep(0.02)
+
+
+async def _episodes(router: Router, ns: argparse.Namespace, counts: dict[str, int]) -> None:
+    """`ns.episodes` concurrent loops of episodes of `ns.turns` sticky turns, forever."""
+
+    async def loop(i: int) -> None:
+        for n in range(10**9):
+            episode, prompt = f"e{i}-{n}", [1 + i % 50, 2, 3, 4]
+            for _ in range(ns.turns):
+                gen = await router.generate(
+                    prompt, max_tokens=ns.max_tokens, temperature=1.0, top_p=1.0, seed=None,
+                    stop_token_ids=[], timeout_s=120, retries=3, backoff_s=0.1, affinity=episode,
+                )  # fmt: skip
+                counts["turns"] += 1
+                counts["tokens"] += len(gen.token_ids)
+                prompt = prompt + gen.token_ids
+            router.release(episode)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(ns.episodes):
+            tg.start_soon(loop, i)
+
+
+def _snapshot(counts: dict[str, int], pids: list[int]) -> list[float]:
+    """Wall clock, this process's CPU, the replicas' CPU, turns and tokens so far."""
+    replicas_cpu = sum(cpu_s(p) for p in pids)
+    return [time.perf_counter(), time.process_time(), replicas_cpu, counts["turns"], counts["tokens"]]
+
+
+async def _throughput(replicas: list[tuple[str, int]], step: float, ns: argparse.Namespace) -> dict[str, Any]:
+    counts, pids = {"turns": 0, "tokens": 0}, [pid for _, pid in replicas]
+    router = _router([a for a, _ in replicas])
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(router.run)
+        await _wait_usable(router)
+        async with anyio.create_task_group() as load:
+            load.start_soon(_episodes, router, ns, counts)
+            await anyio.sleep(ns.warmup)
+            start = _snapshot(counts, pids)
+            await anyio.sleep(ns.duration)
+            end = _snapshot(counts, pids)
+            load.cancel_scope.cancel()
+        await anyio.sleep(0.3)  # the cancelled turns' Aborts reach the replicas
+        stats = router.statistics()
+        own_us = await _router_cost(router, 10 * ns.overhead_turns)
+        tg.cancel_scope.cancel()
+    wall, client_cpu, replicas_cpu, turns, tokens = (e - s for s, e in zip(start, end))
+    served = [r["tokens"] for r in stats["replicas"].values()]
+    share = [t / max(1, sum(served)) for t in served]
+    return {
+        "replicas": len(replicas),
+        "step_s": step,
+        "wall_s": wall,
+        "turns": int(turns),
+        "tokens": int(tokens),
+        "turns_per_s": turns / wall,
+        "tokens_per_s": tokens / wall,
+        "client_cpu": client_cpu / wall,  # cores busy, on average, in this process
+        "replicas_cpu": replicas_cpu / wall,  # and in all replica processes together
+        "token_share_min_max": [min(share), max(share)],
+        "retries_by_cause": stats["retries_by_cause"],
+        "episodes_moved": stats["episodes_moved"],
+        "router_own_us": own_us,
+    }
+
+
+# --- 2. router overhead -----------------------------------------------------------------------
+
+_ONE_TOKEN: dict[str, Any] = dict(
+    max_tokens=1, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=[], timeout_s=30
+)
+
+
+async def _block(turn: Callable[[int], Awaitable[Any]], turns: int) -> tuple[float, float]:
+    """Wall and CPU µs per turn of `turns` sequential calls of `turn(i)`."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    for i in range(turns):
+        await turn(i)
+    return (time.perf_counter() - wall) / turns * 1e6, (time.process_time() - cpu) / turns * 1e6
+
+
+def _routed(router: Router) -> Callable[[int], Awaitable[None]]:
+    """Turn `i` of episodes of 4 turns through `router`."""
+
+    async def turn(i: int) -> None:
+        await router.generate([1, 2, 3, 4], affinity=f"e{i // 4}", **_ONE_TOKEN)
+        if i % 4 == 3:
+            router.release(f"e{i // 4}")
+
+    return turn
+
+
+async def _router_cost(router: Router, turns: int) -> float:
+    """µs per turn that `Router.generate` itself costs (picking, counting, timing): every
+    replica's `generate_once` replaced by a stub that answers at once, less the stub's own cost."""
+
+    async def stub(*args: Any, **kwargs: Any) -> Generation:
+        return Generation([7], [-1.0], [0], "stop")
+
+    for replica in router.replicas.values():
+        replica.client.generate_once = stub  # type: ignore[method-assign]
+    routed_us = min([(await _block(_routed(router), turns))[0] for _ in range(3)])
+    stub_us = min([(await _block(lambda i: stub(), turns))[0] for _ in range(3)])
+    return routed_us - stub_us
+
+
+async def _overhead(address: str, ns: argparse.Namespace) -> dict[str, Any]:
+    router = _router([address])
+    channel = open_channel("dealer", address, bind=False, cfg=TRANSPORT, keys=None)
+    bare = ActorClient(channel, "bare")
+    routed = _routed(router)
+
+    async def direct(i: int) -> None:
+        await bare.generate_once([1, 2, 3, 4], **_ONE_TOKEN)
+
+    rows: dict[str, list[tuple[float, float]]] = {"router": [], "bare": []}
+    async with anyio.create_task_group() as tg:
+        for task in (router.run, channel.run, bare.run):
+            tg.start_soon(task)
+        await _wait_usable(router)
+        await _block(routed, 200)  # warm-up: connections, caches
+        await _block(direct, 200)
+        for i in range(ns.repeats):  # alternating which goes first
+            for name in ("router", "bare")[:: 1 if i % 2 else -1]:
+                rows[name].append(await _block(routed if name == "router" else direct, ns.overhead_turns))
+        tg.cancel_scope.cancel()
+    channel.sock.close(linger=0)
+    out: dict[str, Any] = {"turns_per_block": ns.overhead_turns, "repeats": ns.repeats, "blocks": rows}
+    for k, what in ((0, "wall"), (1, "cpu")):
+        diffs = [r[k] - b[k] for r, b in zip(rows["router"], rows["bare"])]
+        out[f"{what}_us"] = {
+            "router_mean": statistics.fmean(r[k] for r in rows["router"]),
+            "bare_mean": statistics.fmean(b[k] for b in rows["bare"]),
+            "overhead_mean": statistics.fmean(diffs),
+            "overhead_median": statistics.median(diffs),
+            "overhead_stdev": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+        }
+    return out
+
+
+# --- 3. weight sync ---------------------------------------------------------------------------
+
+
+def payloads(model: Path, big_mb: float) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """The tiny model's tensors, and `big_mb` MB of random float32 tensors in 16 pieces."""
+    tiny = sorted(load_file(str(model / "model.safetensors")).items())
+    piece = max(1, int(big_mb * 2**20 / 4 / 16))
+    gen = torch.Generator().manual_seed(0)
+    big = [(f"w{i}", torch.randn(piece, generator=gen)) for i in range(16)]
+    return {"tiny": [(n, t.float()) for n, t in tiny], f"random-{big_mb:g}MB": big}
+
+
+def digest_s(flat: torch.Tensor | None) -> float:
+    """The synthetic replica's weight digest of `flat` (actor/synthetic.py), timed here (best of
+    3): the part of its push time that a real engine's load replaces."""
+    assert flat is not None
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        as64 = flat.to(torch.float64)
+        float(as64.sum()), float(as64.abs().sum())
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def sync_times(addresses: list[str], loads: dict[str, Any], ns: argparse.Namespace) -> dict[str, Any]:
+    """Form one group with `addresses`, push each payload `ns.pushes` times."""
+    cfg = LearnerConfig(sync_backend="gloo", sync_timeout_s=120)
+    links = [ReplicaLink(a, None) for a in addresses]
+    try:
+        infos = [link.request(Hello("bench"), ActorInfo, 30) for link in links]
+        started = time.perf_counter()
+        group = attach_group(links, infos, cfg, "gloo")
+        out: dict[str, Any] = {"replicas": len(links), "form_s": time.perf_counter() - started, "push": {}}
+        for name, tensors in loads.items():
+            flat = FlatWeights("float32", "gloo")
+            times, paused = [], []
+            for _ in range(ns.pushes):  # as Fleet.push: pack, then broadcast and wait for all
+                started = time.perf_counter()
+                flat.pack(tensors)
+                applied = push_group(group, flat, next(VERSIONS), cfg)
+                times.append(time.perf_counter() - started)
+                paused.append(max(a.paused_s for a in applied))
+            out["push"][name] = {
+                "bytes": flat.nbytes,
+                "median_s": statistics.median(times),
+                "min_max_s": [min(times), max(times)],
+                "paused_median_s": statistics.median(paused),
+                "digest_s": digest_s(flat.flat),
+                "all_s": times,
+            }
+        del group
+        return out
+    finally:
+        for link in links:
+            link.close()
+
+
+# --- output -----------------------------------------------------------------------------------
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(11, 8))
+    for step in sorted({r["step_s"] for r in results["throughput"]}, reverse=True):
+        rows = [r for r in results["throughput"] if r["step_s"] == step]
+        n, label = [r["replicas"] for r in rows], f"{step * 1000:g} ms/step"
+        line = a.plot(n, [r["tokens_per_s"] for r in rows], "o-", label=label)[0]
+        a.plot(n, [rows[0]["tokens_per_s"] * k / n[0] for k in n], ":", color=line.get_color())
+        for key, style in (("client_cpu", "o-"), ("replicas_cpu", "s--")):
+            b.plot(n, [r[key] for r in rows], style, color=line.get_color(), label=f"{key[:-4]}, {label}")
+        d.plot(n, [r["router_own_us"] for r in rows], "o-", label=f"after the {label} run")
+    a.set(xlabel="replicas", ylabel="generated tokens/s (dotted: linear)", yscale="log")
+    a.set_title("throughput through the router")
+    b.set(xlabel="replicas", ylabel="CPU cores busy", title="CPU in the throughput window")
+    sync = [s["replicas"] for s in results["sync"]]
+    for name in results["sync"][0]["push"] if results["sync"] else []:
+        c.plot(sync, [s["push"][name]["median_s"] for s in results["sync"]], "o-", label=f"push {name}")
+    c.plot(sync, [s["form_s"] for s in results["sync"]], "s--", label="group formation")
+    c.set(xlabel="replicas", ylabel="seconds", yscale="log", title="weight sync (gloo, loopback)")
+    wall = results["overhead"]["wall_us"]
+    d.set(xlabel="replicas", ylabel="µs per turn", ylim=(0, None))
+    d.set_title(
+        f"Router.generate's own cost (stubbed replies)\nend to end vs bare client, 1 replica: "
+        f"{wall['overhead_mean']:+.0f} ± {wall['overhead_stdev']:.0f} µs of {wall['bare_mean']:.0f}",
+        fontsize=10,
+    )
+    for ax in (a, b, c, d):
+        ax.legend(fontsize=8)
+        ax.set_xticks(sorted({r["replicas"] for r in results["throughput"]} | set(sync)))
+    fig.suptitle(results["title"], fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def table(results: dict[str, Any]) -> str:
+    columns = "step_s replicas tokens_per_s turns_per_s client_cpu replicas_cpu router_own_us".split()
+    lines = [" | ".join(columns) + " | token_share_min_max"]
+    for r in results["throughput"]:
+        lines.append(" | ".join(f"{r[c]:.4g}" for c in columns) + f" | {r['token_share_min_max']}")
+    for what in ("wall", "cpu"):
+        v = results["overhead"][f"{what}_us"]
+        lines.append(
+            f"router vs bare client, {what}: {v['overhead_mean']:+.1f} ± {v['overhead_stdev']:.1f} µs/turn "
+            f"(median {v['overhead_median']:+.1f}; router {v['router_mean']:.0f}, bare {v['bare_mean']:.0f})"
+        )
+    for s in results["sync"]:
+        pushes = "; ".join(
+            f"{k} ({p['bytes'] / 1e6:.1f} MB) {p['median_s'] * 1000:.1f} ms (paused "
+            f"{p['paused_median_s'] * 1000:.1f}, digest ~{p['digest_s'] * 1000:.1f})"
+            for k, p in s["push"].items()
+        )
+        lines.append(f"sync N={s['replicas']}: form {s['form_s'] * 1000:.0f} ms; push {pushes}")
+    return "\n".join(lines)
+
+
+def _numbers(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m millstream.bench.fleet", description=__doc__.split("\n")[0])
+    p.add_argument("--replicas", type=_numbers(int), default=[1, 2, 4, 8], help="replica counts (throughput)")
+    p.add_argument("--sync-replicas", type=_numbers(int), default=[1, 2, 4, 8], help="replica counts (sync)")
+    p.add_argument("--episodes", type=int, default=128, help="concurrent episodes, every N")
+    p.add_argument("--turns", type=int, default=4, help="turns per episode")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per turn (always all of them)")
+    p.add_argument("--max-num-seqs", type=int, default=8, help="synthetic engine slots per replica")
+    p.add_argument("--step-s", type=_numbers(float), default=[0.02, 0.002], help="decode step times, s")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds before counting")
+    p.add_argument("--duration", type=float, default=5.0, help="seconds counted per replica count")
+    p.add_argument("--overhead-turns", type=int, default=1000, help="turns per overhead block")
+    p.add_argument("--repeats", type=int, default=10, help="router/bare block pairs")
+    p.add_argument("--pushes", type=int, default=5, help="pushes per payload and replica count")
+    p.add_argument("--big-mb", type=float, default=100, help="size of the random payload, MB")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="fleet.json, fleet.png go here")
+    return p.parse_args(argv)
+
+
+def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
+    model = build_tiny_model(work / "tiny", seed=0)
+    zero = [f"actor.synthetic_{k}=0" for k in ("step_s_per_seq", "prefill_s_per_token", "stop_prob")]
+    engine = [f"actor.max_num_seqs={ns.max_num_seqs}", "actor.synthetic_step_s={step}", *zero]
+    results: dict[str, Any] = {"args": vars(ns), "cpus": os.cpu_count(), "load_before": os.getloadavg()}
+    results |= {"engine": engine, "throughput": [], "sync": []}
+    for i, step in enumerate(ns.step_s):  # the first set of replicas also serves the sync
+        count = max(ns.replicas + (ns.sync_replicas if i == 0 else []))
+        with replicas(count, [e.format(step=step) for e in engine], model, work) as started:
+            for n in ns.replicas:
+                results["throughput"].append(anyio.run(_throughput, started[:n], step, ns, backend="trio"))
+            if i == 0:
+                loads = payloads(model, ns.big_mb)
+                results["sync"] = [
+                    sync_times([a for a, _ in started[:n]], loads, ns) for n in ns.sync_replicas
+                ]
+    with replicas(1, ["actor.synthetic_step_s=0", *zero[:2]], model, work) as ((address, _),):
+        results["overhead"] = anyio.run(_overhead, address, ns, backend="trio")
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ns, begun = parse(argv), time.perf_counter()
+    work = Path(tempfile.mkdtemp(prefix="millstream-fleet-bench-"))
+    try:
+        results = measure(ns, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results["total_s"], results["load_after"] = time.perf_counter() - begun, os.getloadavg()
+    results["title"] = (
+        f"synthetic replicas: {ns.max_num_seqs} slots, {ns.max_tokens} tokens/turn, {ns.episodes} "
+        f"episodes of {ns.turns} turns; {results['cpus']} CPUs (shared); {results['total_s']:.0f} s in all"
+    )
+    out = Path(ns.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fleet.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    plot(results, out / "fleet.png")
+    print(table(results))
+    print(f"total {results['total_s']:.0f} s; {out / 'fleet.json'}, {out / 'fleet.png'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
