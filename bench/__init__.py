@@ -5,6 +5,7 @@ Layout:
 - `stress_report.py` the report: workers' statistics over time, the table, JSON and the plot;
 - `stress_suite.py`  the recorded scenarios (`make bench-stress`), results in `results/`;
 - `fleet.py`         actor replicas: throughput by replica count, router overhead, weight sync time;
+- `fleet_report.py`  its outputs: the PNG and the text table;
 - `auth_cost.py`     what CURVE authentication costs.
 
 `README.md` here holds the measured numbers and how to read them.

@@ -7,7 +7,8 @@
 
 Every replica of the run is in ONE group (learner rank 0, then each replica's workers at their
 own offset, `AttachLearner.first_rank`), so an update is one broadcast whatever the number of
-replicas: NCCL runs it as a ring or tree across GPUs and hosts; gloo sends from the learner.
+replicas: NCCL runs it as a ring or tree across GPUs and hosts, gloo as a binomial tree
+(`gloo::broadcast`: about log2(N+1) rounds of the buffer, not N sends from the learner).
 The price of one group is that a member that dies breaks it: the fleet (learner/fleet.py) then
 forms a new one with the survivors, which costs each of them one short join.
 
