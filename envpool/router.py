@@ -180,7 +180,7 @@ class Router:
         replica.client._actor_lost()  # live turns (a replaced address's) are retried elsewhere
         replica.scope.cancel()
         self.gone[name] = replica.statistics()
-        self._closed_totals.update(_counters(replica.client.statistics()))
+        self._closed_totals.update(_counters(replica.client.statistics(), levels=False))
         log.info("%s: closed the connection to replica %s", self.worker, name)
 
     def _on_connection(self, name: str) -> None:
@@ -282,6 +282,8 @@ class Router:
                 return
         elif cause == Cause.ACTOR_LOST:
             return
+        else:  # timed out: a hung replica; the retry goes elsewhere if it can
+            replica.shed_until = anyio.current_time() + SHED_S
         await anyio.sleep(backoff_s)
 
     async def handshake(self, *, timeout_s: float, retries: int, backoff_s: float) -> ActorInfo:
@@ -309,7 +311,7 @@ class Router:
             **totals,
             "retries_by_cause": {str(k): v for k, v in self.retries_by_cause.items()},
             "episodes_moved": self.moved,
-            "replicas": {n: r.statistics() for n, r in self.replicas.items()} | self.gone,
+            "replicas": self.gone | {n: r.statistics() for n, r in self.replicas.items()},
         }
 
     def socket_counters(self) -> dict[str, Any]:
@@ -319,6 +321,8 @@ class Router:
         return dict(totals)
 
 
-def _counters(stats: dict[str, Any]) -> dict[str, int]:
-    """The counters of a client's statistics (those that add up across replicas)."""
-    return {k: v for k, v in stats.items() if isinstance(v, int) and k != "queued_deltas_max_per_request"}
+def _counters(stats: dict[str, Any], levels: bool = True) -> dict[str, int]:
+    """The numbers of a client's statistics that add up across replicas; `levels=False` leaves
+    out what is a level now (live requests, queued deltas), not a count (a closed client's)."""
+    skip = {"queued_deltas_max_per_request"} | (set() if levels else {"live", "queued_deltas"})
+    return {k: v for k, v in stats.items() if isinstance(v, int) and k not in skip}

@@ -57,6 +57,9 @@ Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 #: A Hello left unanswered this long is sent again on a fresh socket.
 HELLO_EVERY_S = 5.0
+#: How often a replica started by hand repeats its ReplicaJoin (actor/membership.py says so too;
+#: the roles share no code).
+JOIN_EVERY_S = 3.0
 
 
 @dataclass
@@ -80,6 +83,13 @@ class Member:
     tokens: int = 0  # tokens generated, as of its last WeightsApplied
     served: int = 0  # of which since the previous step
     losses: int = 0
+    #: It said ReplicaLeave (draining): not asked again until its process changes.
+    left: bool = False
+    #: Groups it failed to join in a row, and when it may be tried again (backoff).
+    failures: int = 0
+    retry_at: float = 0.0
+    #: When a joined replica last said ReplicaJoin (one that stops is forgotten).
+    seen: float = 0.0
 
 
 class Fleet:
@@ -92,7 +102,9 @@ class Fleet:
         self.in_group: list[Member] = []
         self.members: dict[str, Member] = {}
         self.last_push: dict[str, float] = {}
-        self._epochs = 0
+        # Epochs must grow across learner restarts too (a worker compares them with the one
+        # it saw before): they start from the clock, in milliseconds.
+        self._epochs = time.time_ns() // 1_000_000
         #: Replicas lost, attaches that failed, groups formed (for the metrics).
         self.lost = self.formed = self.failed_forms = 0
         supervised = bool(cfg.run.max_restarts)
@@ -154,11 +166,42 @@ class Fleet:
     def follow(self, weights: Weights, version: int) -> bool:
         """Once per loop iteration: notice lost replicas, attach those that answer, push them
         `version`. True when the announced replicas changed."""
-        changed = self._notice_losses()
+        changed = self._notice_losses() | self._forget_silent()
         answered = [m for m in self.members.values() if not m.up and self._answers(m)]
         if answered or (self.group is None and self._up()):
-            changed |= self._form(self._up() + answered, weights, version)
+            up = self._up()
+            changed |= self._form(up + answered, weights, version)
+            if answered and up and self.group is None:  # a newcomer spoiled it: go on without
+                self._back_off(answered)
+                for member in up:
+                    member.answered = member.info  # they formed before; re-formed at once
+                changed |= self._form(up, weights, version)
         return changed
+
+    def _back_off(self, members: list[Member]) -> None:
+        """Members that did not join are asked again after a growing pause (each failed
+        formation costs the others up to one sync timeout)."""
+        for member in members:
+            member.failures += 1
+            member.retry_at = time.monotonic() + min(1800.0, 10.0 * 2**member.failures)
+            log.warning(
+                "replica %s failed to join the weight group (%d in a row); asking again in %.0fs",
+                member.name,
+                member.failures,
+                member.retry_at - time.monotonic(),
+            )
+
+    def _forget_silent(self) -> bool:
+        """A joined replica that is down and stopped saying ReplicaJoin is gone (killed)."""
+        silent = [
+            m
+            for m in self.members.values()
+            if m.joined and not m.up and time.monotonic() - m.seen > 10 * JOIN_EVERY_S
+        ]
+        for member in silent:
+            log.warning("replica %s stopped asking to join: forgotten", member.name)
+            self._forget(member)
+        return bool(silent)
 
     def _up(self) -> list[Member]:
         return [m for m in self.members.values() if m.up]
@@ -168,14 +211,18 @@ class Fleet:
         known = self.members.get(message.name)
         if isinstance(message, ReplicaJoin):
             if known is not None and known.incarnation == message.incarnation:
+                known.seen = time.monotonic()
                 return  # it repeats itself until attached
-            if known is not None:
+            if known is not None:  # a new process under that name: the old one is gone
+                self._lose(known)
                 self._forget(known)
             log.info("replica %s asks to join from %s", message.name, message.address)
-            self._add(message.name, message.address, joined=True, incarnation=message.incarnation)
+            member = self._add(message.name, message.address, joined=True, incarnation=message.incarnation)
+            member.seen = time.monotonic()
         elif known is not None and (not known.joined or known.incarnation == message.incarnation):
             log.info("replica %s is leaving (draining)", message.name)
             self._lose(known)
+            known.left = True  # it would still answer a Hello: not asked until a new process
             if known.joined:
                 self._forget(known)
 
@@ -184,6 +231,9 @@ class Fleet:
 
     def _notice_losses(self) -> bool:
         lost = False
+        for member in self.members.values():
+            if member.left and self._read_pid(member) != member.pid:  # restarted after a drain
+                member.left, member.pid = False, self._read_pid(member)
         for member in self._up():
             pid = self._read_pid(member)
             restarted = pid != member.pid
@@ -203,11 +253,26 @@ class Fleet:
         seconds on a fresh socket, as the first may have gone to a dead process)?"""
         if member.answered is not None:
             return True
+        if member.left or time.monotonic() < member.retry_at:
+            return False
         if time.monotonic() - member.asked > HELLO_EVERY_S:
             member.link.reconnect()
             member.asked = time.monotonic()
-        member.answered = member.link.answers_hello("learner")
-        return member.answered is not None
+        info = member.link.answers_hello("learner")
+        if info is None:
+            return False
+        member.link.dropped()  # events from before this answer are about an older process
+        if info.dtype != self.cfg.model.dtype:
+            log.error(
+                "replica %s runs %s weights, the run sends %s (model.dtype): not taken",
+                member.name,
+                info.dtype,
+                self.cfg.model.dtype,
+            )
+            member.retry_at = time.monotonic() + 600.0
+            return False
+        member.answered = info
+        return True
 
     def _form(self, members: list[Member], weights: Weights, version: int, strict: bool = False) -> bool:
         """A new group of `members`, pushed `version`; False (all of them down again, to be
@@ -235,6 +300,7 @@ class Fleet:
             member.answered = None
             member.tokens = reply.tokens
             member.pid = self._read_pid(member)  # this process is the one attached
+            member.failures = 0
             if not member.up:
                 self._epochs += 1
                 member.up, member.epoch = True, self._epochs
