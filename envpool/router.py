@@ -161,6 +161,11 @@ class Router:
         client = ActorClient(channel, self.worker)
         client.on_change = lambda: self._on_connection(ref.name)
         replica = _Replica(ref.name, ref.address, ref.epoch, client)
+        before = self.gone.pop(ref.name, None)
+        if before is not None:  # the same replica again: its counts go on
+            replica.requests, replica.tokens = before["requests"], before["tokens"]
+            replica.refusals, replica.lost = before["refusals"], before["lost"]
+            replica.failed.update({Cause(k): v for k, v in before["failed"].items()})
         self.replicas[ref.name] = replica
         self._tg.start_soon(self._serve_replica, replica, channel)
         log.info("%s: routing to replica %s at %s", self.worker, ref.name, ref.address)
@@ -311,7 +316,7 @@ class Router:
             **totals,
             "retries_by_cause": {str(k): v for k, v in self.retries_by_cause.items()},
             "episodes_moved": self.moved,
-            "replicas": self.gone | {n: r.statistics() for n, r in self.replicas.items()},
+            "replicas": {**self.gone, **{n: r.statistics() for n, r in self.replicas.items()}},
         }
 
     def socket_counters(self) -> dict[str, Any]:
