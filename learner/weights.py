@@ -211,7 +211,11 @@ class WeightGroup:
 
 
 def attach_group(
-    links: list[ReplicaLink], infos: list[ActorInfo], cfg: LearnerConfig, backend: str
+    links: list[ReplicaLink],
+    infos: list[ActorInfo],
+    cfg: LearnerConfig,
+    backend: str,
+    session: str | None = None,
 ) -> WeightGroup:
     """Form one group with every replica of `links` (whose `infos` give their weight ranks).
 
@@ -219,7 +223,7 @@ def attach_group(
     names the replicas that refused, or is empty when all of them timed out together (a member
     that died makes every other join wait for it).
     """
-    session = f"learner-{uuid.uuid4().hex[:12]}"
+    session = session or f"learner-{uuid.uuid4().hex[:12]}"  # a new one per group by default
     world = 1 + sum(info.weight_ranks for info in infos)
     store = open_store(cfg.sync_host, 0, world, is_master=True, timeout_s=cfg.sync_timeout_s)
     mark_session(store, session)  # each replica checks it before its engine joins
@@ -319,7 +323,7 @@ class WeightSender:
         if info.dtype != self.dtype:
             raise WeightSyncError(f"actor runs {info.dtype} weights but the learner sends {self.dtype}")
         started = time.monotonic()
-        self.group = attach_group([self.link], [info], self.cfg, self.backend)
+        self.group = attach_group([self.link], [info], self.cfg, self.backend, self.session)
         self.info = info
         log.info(
             "attached to actor %s (%d weight ranks, %s) in %.2fs",
