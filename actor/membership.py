@@ -25,14 +25,12 @@ import anyio
 from millstream.shared.config import Config
 from millstream.shared.keys import RunKeys
 from millstream.shared.protocol import ReplicaJoin, ReplicaLeave
+from millstream.shared.replicas import JOIN_EVERY_S
 from millstream.shared.transport import Channel, open_channel
 
-__all__ = ["Membership", "JOIN_EVERY_S"]
+__all__ = ["Membership"]
 
 log = logging.getLogger("actor")
-
-#: How often a joining replica repeats its `ReplicaJoin`.
-JOIN_EVERY_S = 3.0
 
 
 class Membership:

@@ -42,9 +42,10 @@ from millstream.shared.protocol import (
     ReplicaJoin,
     ReplicaLeave,
     ReplicaRef,
+    WeightsApplied,
     WeightsDigest,
 )
-from millstream.shared.replicas import replica_addresses, replica_name
+from millstream.shared.replicas import JOIN_EVERY_S, replica_addresses, replica_name
 from millstream.shared.weightsync import flat_digest, pick_backend
 
 from .weights import FlatWeights, ReplicaLink, WeightGroup, WeightSyncError, attach_group, push_group
@@ -57,9 +58,6 @@ Weights = Callable[[], Iterable[tuple[str, torch.Tensor]]]
 
 #: A Hello left unanswered this long is sent again on a fresh socket.
 HELLO_EVERY_S = 5.0
-#: How often a replica started by hand repeats its ReplicaJoin (actor/membership.py says so too;
-#: the roles share no code).
-JOIN_EVERY_S = 3.0
 
 
 @dataclass
@@ -153,13 +151,17 @@ class Fleet:
             return {}
         for member, reply in zip(self.in_group, applied):
             member.served, member.tokens = max(0, reply.tokens - member.tokens), reply.tokens
-        self.last_push = {
+        self.last_push = self._sync_metrics(started, applied)
+        return self.last_push
+
+    def _sync_metrics(self, started: float, applied: list[WeightsApplied]) -> dict[str, float]:
+        """A push's metrics: its time, the longest pause of a replica, bytes, replicas reached."""
+        return {
             "sync/total_s": time.monotonic() - started,
             "sync/actor_paused_s": max(a.paused_s for a in applied),
             "sync/bytes": float(self.flat.nbytes),
-            "sync/replicas": float(len(self.in_group)),
+            "sync/replicas": float(len(applied)),
         }
-        return self.last_push
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -305,12 +307,7 @@ class Fleet:
                 self._epochs += 1
                 member.up, member.epoch = True, self._epochs
         self.formed += 1
-        self.last_push = {
-            "sync/total_s": time.monotonic() - started,
-            "sync/actor_paused_s": max(a.paused_s for a in applied),
-            "sync/bytes": float(self.flat.nbytes),
-            "sync/replicas": float(len(members)),
-        }
+        self.last_push = self._sync_metrics(started, applied)
         log.info(
             "weight group of %d replicas (%s) at version %d in %.2fs",
             len(members),

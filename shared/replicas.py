@@ -14,7 +14,11 @@ import socket
 
 from .config import Config, ConfigError
 
-__all__ = ["replica_name", "replica_address", "replica_addresses", "joined_name"]
+__all__ = ["replica_name", "replica_address", "replica_addresses", "joined_name", "JOIN_EVERY_S"]
+
+#: How often a replica started by hand repeats its `ReplicaJoin` (actor/membership.py); the
+#: learner forgets a joined replica that is down and silent for ten of these (learner/fleet.py).
+JOIN_EVERY_S = 3.0
 
 
 def replica_name(index: int) -> str:
