@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import random
 import resource
 import socket
 import sys
@@ -255,7 +256,45 @@ def write_ready(path: str | None, **info) -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (the OS picks; another process could take it later)."""
-    with socket.socket() as sock:
+    """A TCP port free right now on `host`, below the kernel's ephemeral range.
+
+    The launcher picks a role's port here and the role binds it seconds later. A port the OS
+    hands out for port 0 lies in the ephemeral range, which every outgoing connection draws its
+    local port from, so a busy process (Ray's raylets and workers open hundreds) can take it in
+    between: the role then fails with "Address already in use". Ports between 20000 and the start
+    of that range are never handed out implicitly (and stay above Ray's worker ports, 10002 to
+    19999 by default), so only an explicit bind can take them; that is left to chance. Falls
+    back to the OS's pick where the range is unknown or too small.
+    """
+    low = _ephemeral_start()
+    if low > _FIRST_QUIET_PORT + 64:
+        for _ in range(64):
+            port = random.randrange(_FIRST_QUIET_PORT, low)
+            if _bindable(host, port):
+                return port
+    with socket.socket(_family(host)) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
+
+
+_FIRST_QUIET_PORT = 20000
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0  # not Linux: let the OS pick
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(_family(host)) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
