@@ -106,6 +106,8 @@ class LearnerLink:
         self.last_update_paused_s = 0.0
         #: Attaches and updates refused because the peer was not the run's learner.
         self.refused_not_learner = 0
+        #: A frozen actor (the judge) refuses attaches and updates: its weights never change.
+        self.frozen = False
         #: Held by attach and updates; an actor kind may share it (the synthetic engine makes no
         #: token while weights are being received).
         self.lock = anyio.Lock()
@@ -131,6 +133,11 @@ class LearnerLink:
                     ReplyCause.NOT_LEARNER,
                     f"{type(message).__name__} is taken only from the run's learner key",
                 ),
+            )
+            return
+        if self.frozen and isinstance(message, (AttachLearner, WeightUpdate)):
+            self.boundary.refuse_once(
+                peer, ErrorReply(ReplyCause.FROZEN, "this actor serves a frozen model and takes no weights")
             )
             return
         if self._exchanges >= self.MAX_EXCHANGES:

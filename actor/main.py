@@ -3,6 +3,7 @@
     millstream actor [--config run.toml] [--ready-file F] actor.address=tcp://127.0.0.1:5555
     millstream actor actor.kind=synthetic ...     (a timing model on the same protocol; no vLLM)
     millstream actor --join RUN_DIR               (one more replica for a running run)
+    millstream actor --judge                      (the run's frozen judge: envpool/judge.py)
 
 The launcher starts `actor.replicas` of these, `--worker-index I` each (shared/replicas.py names
 and places them); one started by hand with `--join` registers with the run (actor/membership.py).
@@ -127,6 +128,8 @@ class Replica:
 
 
 def identify(cfg: Config, ns: Any) -> Replica:
+    if ns.judge:
+        return Replica("judge", cfg.judge.address)
     if not ns.join:
         return Replica(replica_name(ns.worker_index), replica_address(cfg, ns.worker_index))
     # A replica started by hand binds actor.address if given on the command line, else a free
@@ -143,12 +146,14 @@ class ActorProcess:
     def __init__(self, cfg: Config, ns: Any) -> None:
         self.cfg, self.ready_file = cfg, ns.ready_file
         self.replica = identify(cfg, ns)
+        #: The judge's model directory when this actor serves the run's frozen judge, else "".
+        self.judge_model = cfg.judge.model_path if ns.judge else ""
         self.server: ActorServer | SyntheticActor | None = None
         self.membership: Membership | None = None
 
     async def serve(self) -> None:
         cfg = self.cfg
-        model_dir = resolve_model_dir(cfg)
+        model_dir = self.judge_model or resolve_model_dir(cfg)
         keys = load_keys(cfg, "actor")  # before the engine: a key problem should not cost its start
         if cfg.actor.kind == "synthetic":
             await self._serve_with(self._synthetic(model_dir, keys), model_dir, keys)
@@ -198,10 +203,12 @@ class ActorProcess:
         self, server: ActorServer | SyntheticActor, model_dir: str, keys: RunKeys | None
     ) -> None:
         self.server = server
+        server.link.frozen = bool(self.judge_model)
         address = server.channel.address
         learner = self.replica.join or self.cfg.learner.experience_address
         async with anyio.create_task_group() as tg:
-            if not learner.endswith(":0"):  # an actor started alone has no run to tell
+            # An actor started alone has no run to tell; the judge is not one of its replicas.
+            if not learner.endswith(":0") and not self.judge_model:
                 self.membership = Membership(
                     self.cfg, keys, self.replica.name, address, learner=learner, join=bool(self.replica.join)
                 )
@@ -245,6 +252,11 @@ def _options(parser: argparse.ArgumentParser) -> None:
         "transport.keys_dir)",
     )
     parser.add_argument("--name", default="", help="this replica's name (default: actor-<host>-<pid>)")
+    parser.add_argument(
+        "--judge",
+        action="store_true",
+        help="serve the run's frozen judge (judge.model_path at judge.address): no weight updates",
+    )
 
 
 def _join_config(argv: list[str]) -> list[str]:

@@ -52,8 +52,9 @@ from millstream.shared.transport import open_channel
 
 from .chat import ChatFormat
 from .envs import make_env
-from .episode import EpisodeSpec, run_episode
+from .episode import EpisodeSpec, run_episode, sampling_seed
 from .gate import AdmissionGate
+from .judge import Judge
 from .router import Router
 
 __all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable", "tokenizer_dir", "group_seed"]
@@ -136,6 +137,8 @@ class Worker:
             "push", cfg.learner.experience_address, bind=False, cfg=cfg.transport, keys=keys
         )
         self.client = Router(cfg.transport, self.name, keys, self.actor_address)
+        #: The frozen judge that scores finished episodes (judge.model_path), or None.
+        self.judge = Judge(cfg, self.name, keys) if cfg.judge.model_path else None
         self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
         self.index = worker_index
         #: This process; a restarted worker (same index) is a new incarnation.
@@ -157,6 +160,8 @@ class Worker:
             for channel in (self.sub, self.push):
                 io.start_soon(channel.run)
             io.start_soon(self.client.run)
+            if self.judge is not None:
+                io.start_soon(self.judge.run)
             io.start_soon(self._progress)
             io.start_soon(self._record_stats)
             if ready_file:
@@ -273,6 +278,8 @@ class Worker:
             result = await run_episode(
                 spec, env, self.chat, self.client, self.pool, self.max_model_len, self.starting
             )
+            if self.judge is not None and isinstance(result, Trajectory):
+                result = await self.judge.score(result, sampling_seed(spec.seed, spec.member, -1))
         except Exception as exc:  # a bug of ours must still not lose the episode
             log.exception("episode %s crashed", spec.episode_id)
             result = EpisodeFailed(
@@ -315,6 +322,7 @@ class Worker:
                 "gate": self.gate.statistics(),
                 "client": client.statistics(),
                 "actor_socket": client.socket_counters(),
+                **({"judge": self.judge.statistics()} if self.judge is not None else {}),
                 "learner_socket": self.push.statistics().counters(),
             }
         )

@@ -66,6 +66,11 @@ class Cause(enum.StrEnum):
     EPISODE_TIMEOUT = "episode_timeout"
     #: The learner finished (or the worker stopped) while the episode ran.
     RUN_ENDED = "run_ended"
+    #: The judge (judge.model_path) gave no judgement: its generation failed after
+    #: judge.retries, or it timed out.
+    JUDGE_FAILED = "judge_failed"
+    #: The judge replied, but judge.score_pattern found no score in the reply.
+    JUDGE_UNPARSABLE = "judge_unparsable"
     #: A bug in the envpool itself; the episode is still accounted for.
     ENVPOOL_ERROR = "envpool_error"
     #: The envpool worker running the episode died; the learner closed its group when the
@@ -144,3 +149,5 @@ class ReplyCause(enum.StrEnum):
     TOO_MANY_MESSAGES = "too_many_messages"
     #: The learner link already runs its most exchanges at once; try again later.
     BUSY = "busy"
+    #: An attach or weight update sent to a frozen actor (the judge), which takes no weights.
+    FROZEN = "frozen"

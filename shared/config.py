@@ -224,10 +224,13 @@ def check_config(cfg: Config) -> None:
     }
     for i, address in enumerate(cfg.actor.replica_addresses):
         addresses[f"actor.replica_addresses[{i}]"] = address
+    if cfg.judge.model_path or cfg.judge.connect:
+        addresses["judge.address"], addresses["judge.connect"] = cfg.judge.address, cfg.judge.connect
     for key, address in addresses.items():
-        if address or key != "actor.connect":
+        if address or not key.endswith(".connect"):
             _check_address(key, address)
     _check_replicas(cfg)
+    _check_judge(cfg)
     if not cfg.transport.curve:
         wide = {k: a for k, a in addresses.items() if a and not _is_local(a)}
         if wide:
@@ -259,6 +262,26 @@ def check_config(cfg: Config) -> None:
             f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "
             f"= {cfg.envpool.max_concurrent_episodes}, so a group could never start"
         )
+
+
+def _check_judge(cfg: Config) -> None:
+    """The judge's score pattern compiles and has a group; its rubric names only known fields."""
+    judge = cfg.judge
+    try:
+        groups = re.compile(judge.score_pattern).groups
+    except re.error as exc:
+        raise ConfigError(
+            f"judge.score_pattern = {judge.score_pattern!r}: not a regular expression: {exc}"
+        ) from None
+    if groups < 1:
+        raise ConfigError(f"judge.score_pattern = {judge.score_pattern!r}: needs a group (the score)")
+    try:
+        judge.rubric.format(task="", response="", transcript="")
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(
+            f"judge.rubric: {type(exc).__name__} {exc}; the fields are {{task}}, {{response}}, "
+            "{transcript} (double other braces: {{ }})"
+        ) from None
 
 
 def _check_replicas(cfg: Config) -> None:

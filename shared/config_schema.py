@@ -25,6 +25,7 @@ __all__ = [
     "TransportConfig",
     "ChaosConfig",
     "LauncherConfig",
+    "JudgeConfig",
 ]
 
 
@@ -524,6 +525,57 @@ class LauncherConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 60.0
 
 
+class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model_path: Annotated[
+        str,
+        _doc(
+            'A frozen judge model\'s directory ("": no judge). The launcher serves it with one '
+            "more actor, `judge`, that never takes weight updates; every finished episode is then "
+            "scored by it (envpool/judge.py).",
+        ),
+    ] = ""
+    address: Annotated[
+        str, _doc("ROUTER address the judge actor binds (port 0: the launcher picks a free one).")
+    ] = "tcp://127.0.0.1:0"
+    connect: Annotated[
+        str, _doc("Address of a judge actor already running; the launcher then starts none.")
+    ] = ""
+    system_prompt: Annotated[str, _doc('The judge\'s system prompt ("": none).')] = (
+        "You grade answers. Reply with a line 'Score: N', N from 0 to 10."
+    )
+    rubric: Annotated[
+        str,
+        _doc(
+            "The judge's user message; {task} is the episode's first observation, {response} "
+            "the policy's last reply, {transcript} the whole conversation as text.",
+        ),
+    ] = "Task:\n{task}\n\nAnswer:\n{response}\n\nGrade the answer."
+    score_pattern: Annotated[
+        str,
+        _doc(
+            "Regular expression whose first group is the score in the judge's reply (the first "
+            "match counts). No match: the episode fails as judge_unparsable, never reward 0.",
+        ),
+    ] = r"(?i)score\s*[:=]?\s*(-?\d+(?:\.\d+)?)"
+    max_score: Annotated[
+        float, _doc("The judge's top score; the reward is score / max_score, clipped to [0, 1].", gt=0)
+    ] = 10.0
+    mode: Annotated[
+        Literal["replace", "add"],
+        _doc(
+            "replace: the judged score is the episode's reward (on its last turn); add: it is "
+            "added, times `weight`, to the environment's reward of the last turn.",
+        ),
+    ] = "replace"
+    weight: Annotated[float, _doc("Factor on the judged score in mode 'add'.")] = 1.0
+    max_tokens: Annotated[int, _doc("The judge's reply budget, tokens.", ge=1)] = 32
+    temperature: Annotated[float, _doc("The judge's sampling temperature (0: greedy).", ge=0)] = 0.0
+    timeout_s: Annotated[
+        float, _doc("Longest wait for one judgement; then retried (judge.retries).", gt=0)
+    ] = 120.0
+    retries: Annotated[int, _doc("Retries of a judgement that timed out or was refused.", ge=0)] = 2
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -534,3 +586,4 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     transport: TransportConfig = msgspec.field(default_factory=TransportConfig)
     chaos: ChaosConfig = msgspec.field(default_factory=ChaosConfig)
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
+    judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)

@@ -83,7 +83,7 @@ class Healer:
             except FileNotFoundError:
                 return False
             return True
-        return name.startswith(("actor", "envpool"))
+        return name.startswith(("actor", "envpool")) or name == "judge"
 
     def on_exit(self, name: str, now: float, code: int = 1) -> Decision:
         """A role ended before the run did: restart it (when) or give up."""

@@ -59,13 +59,13 @@ from .rundir import (
     resume_conflicts,
     retire_later_checkpoints,
 )
-from .runtime import check_tensor_parallel, free_port, resolve_model_dir
+from .runtime import check_model_dir, check_tensor_parallel, free_port, resolve_model_dir
 from .supervisor import LineStream, RoleProcesses, Supervisor
 
 __all__ = ["launch", "prepare", "Plan"]
 
 #: Addresses the launcher fills in when their port is 0.
-_PICKED = ("actor.address", "learner.experience_address", "learner.version_address")
+_PICKED = ("actor.address", "learner.experience_address", "learner.version_address", "judge.address")
 
 
 @dataclass
@@ -172,6 +172,9 @@ def _resolved(cfg: Config, run_dir: Path) -> list[str]:
     if not cfg.actor.connect:
         addresses = _replica_addresses(cfg)
         resolved += [f"actor.address={_q(addresses[0])}", f"actor.replica_addresses={toml_value(addresses)}"]
+    if cfg.judge.model_path:
+        judge = str(check_model_dir(cfg.judge.model_path, "judge.model_path").resolve())
+        resolved.append(f"judge.model_path={_q(judge)}")
     return resolved
 
 
@@ -278,6 +281,8 @@ def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> None:
     if not cfg.actor.connect:
         for index in range(cfg.actor.replicas):
             sup.start(replica_name(index), "millstream.actor", [*config, "--worker-index", str(index)])
+    if cfg.judge.model_path and not cfg.judge.connect:
+        sup.start("judge", "millstream.actor", [*config, "--judge"])
     # Rank 0 is "learner" (it talks to the run and prints the progress lines); the other ranks
     # of a data-parallel learner follow it. Not torchrun: its agent's TCPStore listens on every
     # interface; rank 0 hosts the group's store on loopback instead (learner/dssetup.py).
