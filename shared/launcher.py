@@ -48,7 +48,7 @@ import orjson
 from .config import Config, ConfigError, dump_config, load_config, parse_overrides, toml_value
 from .healing import Healer, watch
 from .keys import ensure_keys
-from .lifecycle import run_processes
+from .lifecycle import run_processes, watch_parent
 from .replicas import replica_name
 from .rundir import (
     Resume,
@@ -239,6 +239,9 @@ def _make_run_dir(plan: Plan, out: IO[str]) -> None:
 
 
 def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
+    # A launcher started by a process that watches over it (a test session, a job script
+    # given MILLSTREAM_PARENT_PID) stops its run, in order, when that process is gone.
+    watch_parent()
     config = ["--config", str(run_dir / "config.toml")]
     sup = _supervisor(cfg, run_dir)
     print(f"millstream run: {run_dir}", file=out, flush=True)

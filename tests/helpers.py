@@ -23,6 +23,7 @@ import zmq
 from millstream.envpool.client import ActorClient
 from millstream.shared.config import Config, TransportConfig
 from millstream.shared.keys import RunKeys, ensure_keys, load_keys, secure
+from millstream.shared.lifecycle import ENV_PARENT
 from millstream.shared.metrics import read_jsonl
 from millstream.shared.protocol import (
     AttachLearner,
@@ -43,6 +44,8 @@ MILLSTREAM = [sys.executable, "-m", "millstream.shared.cli"]
 #: actor could use its own `<run.dir>/keys`; sharing these changes nothing for it).
 KEYS_DIR = ensure_keys(Path(tempfile.mkdtemp(prefix="millstream-test-")) / "keys")
 atexit.register(shutil.rmtree, KEYS_DIR.parent, ignore_errors=True)
+#: Processes a test starts stop when this test session is gone, even killed (shared/lifecycle.py).
+WATCHED = {ENV_PARENT: str(os.getpid())}
 #: The override that points a role or a run at the session's keys.
 KEYS = f"transport.keys_dir={KEYS_DIR}"
 
@@ -118,7 +121,7 @@ def start_actor(
             stdout=out,
             stderr=out,
             start_new_session=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **WATCHED, **(env or {})),
         )
     wait_for_file(ready, proc, timeout_s, f"the actor ({' '.join(overrides)})", log=log)
     return address, proc, log
@@ -226,7 +229,9 @@ def millstream_run(
         f"run.dir={run_dir}",
         *overrides,
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=dict(os.environ, **WATCHED)
+    )
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*.log"))
         pytest.fail(
@@ -252,6 +257,7 @@ def start_run(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env=dict(os.environ, **WATCHED),
     )
     LAUNCHED.append(proc)  # conftest stops it if the test ends before it does
     seen: list[str] = []
