@@ -50,6 +50,14 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: 
         time.sleep(0.2)
 
 
+def _live_on(run_dir: Path, name: str) -> int:
+    """Turns live on replica `name` at the workers' last statistics records."""
+    return sum(
+        read_jsonl(path)[-1]["client"]["replicas"].get(name, {}).get("live", 0)
+        for path in run_dir.glob("envpool-w*.jsonl")
+    )
+
+
 def _retries(run_dir: Path) -> dict[str, int]:
     out: dict[str, int] = {}
     for path in run_dir.glob("envpool-w*.jsonl"):
@@ -86,8 +94,14 @@ def test_a_replica_killed_midway_comes_back_at_the_current_version(tiny_model_di
         "actor.replicas=2",
         "train.steps=50",
         "run.restart_backoff_s=0.5",
+        "actor.synthetic_step_s=0.04",  # turns of about a second: the victim holds some
+        "envpool.stats_every_s=0.2",
     )
     _wait_for_step(run_dir, 20, proc)  # about 40% of the run
+    deadline = time.monotonic() + 60
+    while _live_on(run_dir, "actor-1") == 0:  # killed while it serves: its turns must move
+        assert time.monotonic() < deadline, "actor-1 never held a live turn"
+        time.sleep(0.05)
     dead = int((run_dir / "actor-1.pid").read_text())
     os.killpg(dead, signal.SIGKILL)
     out, _ = proc.communicate(timeout=300)
