@@ -14,6 +14,9 @@ with the same environment seed. When the learner announces `final`, stop admitti
 episodes still running (each is reported as failed with cause `run_ended`, so nothing is lost),
 send `PoolDone` with this worker's totals, and exit.
 
+With `eval.every` > 0, worker 0 also plays evaluation rounds (envpool/evaluator.py), never
+trained and outside this accounting; the final version's round is played before `PoolDone`.
+
 Accounting is exact by construction: every started episode sends exactly one message to the
 learner, a trajectory or a failure.
 """

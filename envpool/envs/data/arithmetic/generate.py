@@ -2,7 +2,7 @@
 
 Writes train.jsonl and eval.jsonl beside this file, deterministically (a fixed seed, so running
 it again gives the same bytes). Each row is {"prompt", "answer", "a", "op", "b"}: a sum or
-difference of two single digits whose result is a single digit 0..9 ("What is 7 - 3?" -> "4").
+difference of two digits 0..MAX whose result is in 0..MAX too ("What is 5 - 3?" -> "2").
 
 Why so small a task: it is the worked example that the tiny random-weight model must show
 learning on in tens of CPU steps. Every answer is one token of the tiny tokenizer (its
@@ -20,15 +20,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SEED = 12
+MAX = 5
+HELD_OUT = 12
 TRAIN_ROWS = 512
 
 
 def problems() -> list[tuple[int, str, int, int]]:
-    """Every (a, op, b, answer) with single digits a, b and a single-digit answer."""
+    """Every (a, op, b, answer) with a, b and the answer in 0..MAX."""
     out = []
-    for a in range(10):
-        for b in range(10):
-            if a + b <= 9:
+    for a in range(MAX + 1):
+        for b in range(MAX + 1):
+            if a + b <= MAX:
                 out.append((a, "+", b, a + b))
             if a - b >= 0:
                 out.append((a, "-", b, a - b))
@@ -43,7 +45,7 @@ def main() -> None:
     rng = random.Random(SEED)
     every = problems()
     rng.shuffle(every)
-    held_out, seen = every[:40], every[40:]
+    held_out, seen = every[:HELD_OUT], every[HELD_OUT:]
     train = [rng.choice(seen) for _ in range(TRAIN_ROWS)]
     for name, rows in (("train", train), ("eval", held_out)):
         lines = [json.dumps(row(*p), sort_keys=True) for p in rows]
