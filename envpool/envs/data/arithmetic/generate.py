@@ -2,14 +2,18 @@
 
 Writes train.jsonl and eval.jsonl beside this file, deterministically (a fixed seed, so running
 it again gives the same bytes). Each row is {"prompt", "answer", "a", "op", "b"}: a sum or
-difference of two digits 0..MAX whose result is in 0..MAX too ("What is 5 - 3?" -> "2").
+difference of two digits whose result is in 0..MAX_ANSWER ("What is 7 - 5?" -> "2").
 
 Why so small a task: it is the worked example that the tiny random-weight model must show
 learning on in tens of CPU steps. Every answer is one token of the tiny tokenizer (its
 pre-tokenizer splits digits), a random policy already emits digits now and then (its corpus
 holds numbers), so rewards differ within groups from the first step, and the matcher
 (envpool/rewards.py, last number in the reply) needs no format the model must discover first.
-The eval split holds problems the train split does not (disjoint by (a, op, b)).
+Answers stay in 0..3, so they are few and unevenly frequent (0 is the most common): a random
+model cannot compute them, but it learns in tens of steps to end its reply with a digit and to
+favour the frequent answers, which lifts the reward from a few percent to about a third; what
+it learns beyond that is arithmetic. The eval split holds problems the train split does not
+(disjoint by (a, op, b)).
 """
 
 from __future__ import annotations
@@ -20,19 +24,19 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SEED = 12
-MAX = 5
+MAX_ANSWER = 3
 HELD_OUT = 12
 TRAIN_ROWS = 512
 
 
 def problems() -> list[tuple[int, str, int, int]]:
-    """Every (a, op, b, answer) with a, b and the answer in 0..MAX."""
+    """Every (a, op, b, answer) with digits a, b and the answer in 0..MAX_ANSWER (44 of them)."""
     out = []
-    for a in range(MAX + 1):
-        for b in range(MAX + 1):
-            if a + b <= MAX:
+    for a in range(10):
+        for b in range(10):
+            if a + b <= MAX_ANSWER:
                 out.append((a, "+", b, a + b))
-            if a - b >= 0:
+            if 0 <= a - b <= MAX_ANSWER:
                 out.append((a, "-", b, a - b))
     return out
 
