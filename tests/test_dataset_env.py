@@ -231,3 +231,29 @@ def test_eval_summary_leaves_failures_out_of_means_and_counts_pass_at_k():
     assert numbers["reward_mean"] == pytest.approx(1 / 3) and numbers["success"] == pytest.approx(1 / 3)
     assert numbers["pass_at_k"] == 0.5  # problem 0 solved, problem 1 not; problem 2 had no episode
     assert numbers["token_versions"] == [3, 5]
+
+
+def test_eval_rounds_queue_only_due_versions_and_the_newest_waits():
+    from millstream.envpool.evaluator import Evaluator, eval_env
+
+    overrides = ["envpool.env=dataset", "envpool.env_args.path=millstream:arithmetic", "eval.every=5"]
+    cfg = load_config(None, [*overrides, 'eval.env_args={split="eval"}'])
+    assert eval_env(cfg) == ("dataset", {"path": "millstream:arithmetic", "split": "eval"})
+
+    async def main():
+        evaluator = Evaluator(cfg, "w0", None, None, None, lambda: 1024)  # queueing only: no actor
+        evaluator.notice(3)
+        assert evaluator.pending is None  # not due
+        evaluator.notice(5)
+        evaluator.notice(5)  # the learner's heartbeat repeats a version
+        assert evaluator.pending == 5 and evaluator.skipped == 0
+        evaluator.notice(10)  # one round at a time: the newest due version replaces the waiting one
+        assert evaluator.pending == 10 and evaluator.skipped == 1
+        evaluator.pending = None
+        evaluator.evaluated.add(10)
+        evaluator.notice(10)
+        assert evaluator.pending is None  # evaluated once only
+        evaluator.notice(12, force=True)  # the final version is evaluated whether due or not
+        assert evaluator.pending == 12
+
+    anyio.run(main, backend="trio")

@@ -26,6 +26,10 @@ def test_dataset_run_learns_and_evaluates(actor, tmp_path):
         "envpool.env_args.path=millstream:arithmetic",
         "envpool.max_tokens=8",
         "train.steps=20",
+        # 8 problems a step, not 4: the policy soon settles on an answer per reply, so a step's
+        # reward is the share of its problems with that answer; more problems, less noise.
+        "train.group_size=4",
+        "train.groups_per_batch=8",
         "eval.every=5",
         'eval.env_args={split="eval"}',
         "eval.episodes=12",
