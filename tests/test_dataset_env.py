@@ -257,3 +257,37 @@ def test_eval_rounds_queue_only_due_versions_and_the_newest_waits():
         assert evaluator.pending == 12
 
     anyio.run(main, backend="trio")
+
+
+class OneReply:
+    """A stand-in actor for one turn: replies with the tokens of `text` (the episode runner's
+    handling of the reward is under test, not generation)."""
+
+    def __init__(self, chat, text):
+        self.ids = chat.tokenizer.encode(text).ids
+
+    async def generate(self, prompt_token_ids, **_):
+        from millstream.envpool.client import Generation
+
+        return Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "length")
+
+
+def test_a_failing_reward_function_ends_the_episode_as_env_error_never_reward_0(tiny_model_dir, tmp_path):
+    from millstream.envpool.chat import ChatFormat
+    from millstream.envpool.episode import EpisodeSpec, run_episode
+    from millstream.shared.config import EnvPoolConfig
+
+    chat = ChatFormat.from_model_dir(tiny_model_dir)
+    path = write_jsonl(tmp_path / "d.jsonl", ROWS)
+    spec = EpisodeSpec("e0", "g0", seed=0, member=0, group_size=1, env_name="dataset")
+
+    def play_one(reply):
+        env = Dataset(str(path), prompt_field="q", answer_field="a", reward=f"{__name__}:custom_reward")
+        client = OneReply(chat, reply)
+        return anyio.run(run_episode, spec, env, chat, client, EnvPoolConfig(), 1024, backend="trio")
+
+    failed = play_one("boom")
+    assert isinstance(failed, EpisodeFailed) and failed.cause == Cause.ENV_ERROR
+    assert "reward function failed" in failed.message
+    scored = play_one("abc")
+    assert isinstance(scored, Trajectory) and scored.reward == 3.0
