@@ -5,6 +5,7 @@ the envpool can answer these questions (the launcher lives in `shared/` and impo
 
 - does `envpool.env` name an environment (a built-in module or a `millstream.envs` entry
   point), and do `envpool.env_args` suit its constructor?
+- with `eval.every` > 0: does the evaluation environment (`eval.env`, `eval.env_args`) build?
 - does the model directory hold a tokenizer and a chat template the envpool can use?
 - does the first prompt of a sample episode leave room for `envpool.max_tokens` within
   `actor.max_model_len`? (Prompts differ by seed, so this can only catch a budget that cannot
@@ -23,6 +24,7 @@ from millstream.shared.config import Config
 
 from .chat import ChatFormat
 from .envs import Env, Observation, UnknownEnvironment, make_env
+from .evaluator import eval_env
 from .worker import group_seed, tokenizer_dir
 
 __all__ = ["preflight", "check_envpool"]
@@ -39,6 +41,9 @@ def check_envpool(cfg: Config) -> str | None:
         return f"envpool.env_args: {exc}"
     except Exception as exc:  # the environment's own constructor failed: say so in one line
         return f"envpool.env = {pool.env!r}: its constructor raised {type(exc).__name__}: {exc}"
+    problem = _check_eval_env(cfg)
+    if problem is not None:
+        return problem
     try:
         chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
     except (OSError, ValueError) as exc:
@@ -55,6 +60,17 @@ def check_envpool(cfg: Config) -> str | None:
             f"(seed {seed}) has {prompt} tokens, and {prompt} + {pool.max_tokens} exceeds "
             f"actor.max_model_len = {cfg.actor.max_model_len}"
         )
+    return None
+
+
+def _check_eval_env(cfg: Config) -> str | None:
+    if not cfg.eval.every:
+        return None
+    name, args = eval_env(cfg)
+    try:
+        make_env(name, args)
+    except Exception as exc:  # named for the eval keys: the training env built fine
+        return f"eval.env / eval.env_args (evaluation env {name!r}, arguments {args!r}): {exc}"
     return None
 
 

@@ -14,6 +14,9 @@ with the same environment seed. When the learner announces `final`, stop admitti
 episodes still running (each is reported as failed with cause `run_ended`, so nothing is lost),
 send `PoolDone` with this worker's totals, and exit.
 
+With `eval.every` > 0, worker 0 also plays evaluation rounds (envpool/evaluator.py), never
+trained and outside this accounting; the final version's round is played before `PoolDone`.
+
 Accounting is exact by construction: every started episode sends exactly one message to the
 learner, a trajectory or a failure.
 """
@@ -53,6 +56,7 @@ from millstream.shared.transport import open_channel
 from .chat import ChatFormat
 from .envs import make_env
 from .episode import EpisodeSpec, run_episode, sampling_seed
+from .evaluator import Evaluator
 from .gate import AdmissionGate
 from .judge import Judge
 from .router import Router
@@ -151,6 +155,12 @@ class Worker:
         self.max_model_len = cfg.actor.max_model_len
         self.slots = anyio.Semaphore(pool.max_concurrent_episodes)
         self.starting = anyio.CapacityLimiter(pool.max_starting_envs)
+        #: Evaluation rounds (envpool/evaluator.py): worker 0 plays them, when `eval.every` > 0.
+        self.evaluator = (
+            Evaluator(cfg, self.name, self.chat, self.client, self.push.send, lambda: self.max_model_len)
+            if cfg.eval.every > 0 and worker_index == 0
+            else None
+        )
         self.metrics: MetricsWriter | NullMetrics = (
             MetricsWriter(Path(cfg.run.dir) / f"envpool-{self.name}.jsonl") if cfg.run.dir else NullMetrics()
         )
@@ -164,6 +174,8 @@ class Worker:
                 io.start_soon(self.judge.run)
             io.start_soon(self._progress)
             io.start_soon(self._record_stats)
+            if self.evaluator is not None:
+                io.start_soon(self.evaluator.run)
             if ready_file:
                 Path(ready_file).write_text(f'{{"worker": "{self.name}"}}')
             log.info("%s running %s, waiting for the learner's first version", self.name, self.pool.env)
@@ -172,6 +184,8 @@ class Worker:
                 async with anyio.create_task_group() as episodes:
                     await self._admit_groups(episodes)
                     episodes.cancel_scope.cancel()  # final: unfinished episodes end as run_ended
+            if self.evaluator is not None and self.gate.version is not None:
+                await self.evaluator.finish(self.gate.version)  # bounded by eval.timeout_s
             await self._finish()
             io.cancel_scope.cancel()
         return self.stats
@@ -244,6 +258,8 @@ class Worker:
                         await self._say_hello(message)
                     self.gate.update(message)
                     self.client.update(message.replicas)
+                    if self.evaluator is not None and not message.final:
+                        self.evaluator.notice(message.version)
             if self.gate.final:
                 stop_admitting.cancel()
 

@@ -39,6 +39,7 @@ from millstream.shared.keys import RunKeys, load_keys
 from millstream.shared.metrics import MetricsWriter
 from millstream.shared.protocol import (
     DropCause,
+    EvalResult,
     Message,
     ReplicaJoin,
     ReplicaLeave,
@@ -52,6 +53,7 @@ from .accounting import close_accounts
 from .advantages import compute_advantages, filter_groups, filter_pool_size
 from .batching import train_samples
 from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from .evals import EvalLog
 from .experience import Experience, say
 from .fleet import Fleet, replica_weights
 from .follower import follow
@@ -95,6 +97,7 @@ class Leader:
         self.sessions = 1  # learner sessions of this run, this one included (resumes add)
         self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
         self.admitted = 0  # highest admission limit announced: no group at or above it started
+        self.evals = EvalLog()  # evaluation rounds (learner/evals.py): metrics, never trained
 
     # --- admission -------------------------------------------------------------------------
 
@@ -203,6 +206,9 @@ class Leader:
     def _take(self, message: Message, *, greeting: bool) -> None:
         if isinstance(message, (ReplicaJoin, ReplicaLeave)):
             self.fleet.take(message)
+            return
+        if isinstance(message, EvalResult):
+            self.metrics.write(self.evals.take(message))
             return
         self.intake.take(message, version=self.trainer.version, admitted=self.admitted, greeting=greeting)
 
@@ -367,7 +373,9 @@ class Leader:
 
     def _finish(self) -> dict:
         cfg, buffer = self.cfg, self.buffer
-        deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60
+        # Worker 0 plays the final evaluation round before its PoolDone: wait for that too.
+        evaluating = cfg.eval.timeout_s + 10 if cfg.eval.every else 0.0
+        deadline = time.monotonic() + cfg.envpool.step_timeout_s + 60 + evaluating
         self.intake.release(version=self.trainer.version, admitted=self.admitted)  # they count
         while len(self.intake.done_workers) < cfg.envpool.workers and time.monotonic() < deadline:
             self.exp.announce(
@@ -398,6 +406,7 @@ class Leader:
             "checkpoint": str(checkpoint),
             "final_weights": str(checkpoint / "hf"),
             "replica_weights": replica_weights(self.fleet.digests(), self.fleet.flat.flat),
+            **self.evals.summary(self.trainer.version),
         }
         if not summary["accounting_ok"]:
             log.error("accounting does not add up: %s", summary)

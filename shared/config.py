@@ -39,6 +39,7 @@ from .config_schema import (
     ChaosConfig,
     Config,
     EnvPoolConfig,
+    EvalConfig,
     LauncherConfig,
     LearnerConfig,
     ModelConfig,
@@ -58,6 +59,7 @@ __all__ = [
     "TransportConfig",
     "ChaosConfig",
     "LauncherConfig",
+    "EvalConfig",
     "ConfigError",
     "load_config",
     "check_config",
@@ -257,6 +259,11 @@ def check_config(cfg: Config) -> None:
         )
     if cfg.launcher.kind == "ray" and cfg.launcher.ray_address != "auto":
         _check_ray_address(cfg.launcher.ray_address)
+    if cfg.eval.samples > 1 and cfg.eval.temperature == 0:
+        raise ConfigError(
+            f"eval.samples = {cfg.eval.samples} with eval.temperature = 0: greedy samples are all "
+            "the same; pass@k needs eval.temperature > 0"
+        )
     if cfg.train.group_size > cfg.envpool.max_concurrent_episodes:
         raise ConfigError(
             f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "

@@ -26,6 +26,7 @@ __all__ = [
     "ChaosConfig",
     "LauncherConfig",
     "JudgeConfig",
+    "EvalConfig",
 ]
 
 
@@ -576,6 +577,44 @@ class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     retries: Annotated[int, _doc("Retries of a judgement that timed out or was refused.", ge=0)] = 2
 
 
+class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Evaluation during training (envpool/evaluator.py): envpool worker 0 plays a round of
+    evaluation episodes for every policy version divisible by `every`, and for the final one;
+    they are never trained on, and the learner writes their results as `eval/...` metrics."""
+
+    every: Annotated[
+        int, _doc("Evaluate every N policy versions (0 included, and the final one); 0: no evaluation.", ge=0)
+    ] = 0
+    episodes: Annotated[
+        int, _doc("Problems per evaluation round: seeds `seed` .. `seed + episodes - 1`.", ge=1)
+    ] = 32
+    samples: Annotated[
+        int,
+        _doc("Episodes per problem (k of pass@k); more than 1 needs a temperature above 0.", ge=1),
+    ] = 1
+    temperature: Annotated[
+        float, _doc("Sampling temperature of evaluation episodes (0: greedy).", ge=0, le=2)
+    ] = 0.0
+    seed: Annotated[int, _doc("First evaluation seed (the dataset env plays row `seed mod rows`).", ge=0)] = 0
+    env: Annotated[str, _doc("Environment of evaluation episodes; empty: envpool.env.")] = ""
+    env_args: Annotated[
+        dict[str, Any],
+        _doc(
+            "Arguments of the evaluation environment, merged over envpool.env_args when `env` is "
+            'empty (e.g. {split = "eval"} for the dataset env).'
+        ),
+    ] = {}
+    max_concurrent: Annotated[int, _doc("Evaluation episodes running at once.", ge=1)] = 64
+    timeout_s: Annotated[
+        float,
+        _doc(
+            "Longest one evaluation round may take; its unfinished episodes then count as failed "
+            "(episode_timeout). The learner also waits this long at the end for the final round.",
+            gt=0,
+        ),
+    ] = 300.0
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -587,3 +626,4 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     chaos: ChaosConfig = msgspec.field(default_factory=ChaosConfig)
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
+    eval: EvalConfig = msgspec.field(default_factory=EvalConfig)

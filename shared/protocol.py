@@ -24,7 +24,7 @@ Channels, and who sends what:
     learner DEALER  ──Hello / AttachLearner / WeightUpdate──▶  actor ROUTER
     learner DEALER  ◀──ActorInfo / WeightsApplied / ErrorReply──  actor ROUTER
     any DEALER      ──DigestWeights──▶  actor ROUTER ──WeightsDigest──▶
-    envpool PUSH    ──Trajectory / EpisodeFailed / PoolDone──▶  learner PULL
+    envpool PUSH    ──Trajectory / EpisodeFailed / PoolDone / EvalResult──▶  learner PULL
     actor PUSH      ──ReplicaJoin / ReplicaLeave──▶  learner PULL
     learner PUB     ──PolicyVersion (with the live replicas)──▶  envpool SUB
 
@@ -73,6 +73,7 @@ __all__ = [
     "PoolDone",
     "WorkerHello",
     "GroupStarted",
+    "EvalResult",
     "PolicyVersion",
     "ReplicaRef",
     "ReplicaJoin",
@@ -91,7 +92,7 @@ __all__ = [
 
 #: Bumped on any incompatible change of a message below. A peer with another version is refused
 #: with a clear error instead of misreading fields.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 class ProtocolError(ValueError):
@@ -354,6 +355,35 @@ class GroupStarted(_Wire, tag="group_started", frozen=True):
     group_size: int
 
 
+class EvalResult(_Wire, tag="eval_result", frozen=True):
+    """One evaluation round's results (envpool/evaluator.py): `problems` problems, `samples`
+    episodes each, played with the policy of `version` or later (the actor may update its
+    weights during the round: `token_versions` is the [min, max] version of their tokens).
+
+    Evaluation episodes are never trained on and are not in the run's episode accounting; a
+    failed one is counted under its cause in `failed` and left out of every mean."""
+
+    worker: str
+    #: The announced policy version that started the round.
+    version: int
+    env: str
+    problems: int
+    samples: int
+    #: Episodes that ended with a trajectory (the rest are in `failed`).
+    finished: int
+    failed: dict[str, int]
+    #: Mean return of the finished episodes (0.0 when none finished).
+    reward_mean: float
+    #: Share of finished episodes whose environment said success.
+    success: float
+    #: Share of problems with at least one finished episode of which one succeeded.
+    pass_at_k: float
+    token_versions: list[int]
+    duration_s: float
+    #: The round hit `eval.timeout_s`; its unfinished episodes are in `failed`.
+    timed_out: bool = False
+
+
 class PolicyVersion(_Wire, tag="version", frozen=True):
     """The learner's policy version and the admission bound derived from it.
 
@@ -459,6 +489,7 @@ Message = (
     | PoolDone
     | WorkerHello
     | GroupStarted
+    | EvalResult
     | PolicyVersion
     | ReplicaJoin
     | ReplicaLeave

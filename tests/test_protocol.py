@@ -40,6 +40,9 @@ def strategy_for(tp):
         return st.booleans()
     if origin is list:
         return st.lists(strategy_for(typing.get_args(tp)[0]), max_size=8)
+    if origin is dict:
+        key, value = typing.get_args(tp)
+        return st.dictionaries(strategy_for(key), strategy_for(value), max_size=4)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         return st.one_of([strategy_for(a) if a is not type(None) else st.none() for a in typing.get_args(tp)])
     if isinstance(tp, type) and issubclass(tp, msgspec.Struct):

@@ -1,0 +1,101 @@
+"""Reward functions for the `dataset` environment, and the math-answer matcher they share.
+
+A reward function scores one response against the row's reference answer:
+
+    def reward(response: str, answer: str, row: dict) -> float | dict
+
+It returns a float, or a dict with at least `reward` (a float) and optionally `success` (a
+bool) and any other JSON-able details (kept in the step's `info`). It is named in config as
+`envpool.env_args.reward = "module:function"`; this module's `math_answer` is the default. A
+function that raises, or returns something that is not a finite number, ends its episode as the
+counted cause `env_error` (envpool/episode.py): a broken reward is never scored as 0.
+
+`math_answer` extracts the final answer the way math RL recipes do: the content of the last
+`\\boxed{...}` if the response has one, else the last number in the text; then compares it with
+the reference as a number, exactly (fractions, not floats): "1,234", "1234.0", "2/4" and
+`\\frac{1}{2}` are the numbers they look like. A reference that is not a number is compared as
+stripped text.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+from typing import Any
+
+__all__ = ["math_answer", "extract_answer", "parse_number", "answers_match", "boxed_content"]
+
+#: Longest text a number may be parsed from: Fraction("1" * 100_000) is slow, and no answer is it.
+MAX_NUMBER_CHARS = 64
+
+_NUMBER = re.compile(
+    r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+",
+    re.ASCII,
+)
+_FRAC = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}")
+_BOXED = "\\boxed{"
+
+
+def boxed_content(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (braces inside balanced), or None."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth, i = 1, start + len(_BOXED)
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i:j]
+    return None  # unclosed: not a box (the last number then counts)
+
+
+def parse_number(text: str) -> Fraction | None:
+    """`text` as an exact number if it is one: "-3", "1,234", "2.50", "3/4", "\\frac{3}{4}",
+    with optional "$", spaces and a trailing "."; None for anything else."""
+    s = text.strip().strip("$").strip().rstrip(".").strip()
+    frac = _FRAC.fullmatch(s)
+    if frac:
+        num, den = int(frac.group(1)), int(frac.group(2))
+        return Fraction(num, den) if den else None
+    if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
+        return None
+    s = s.replace(",", "")
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def extract_answer(response: str) -> str | None:
+    """The final answer in a response: the last boxed content, else the last number; None if
+    neither is there."""
+    boxed = boxed_content(response)
+    if boxed is not None:
+        return boxed.strip()
+    numbers = _NUMBER.findall(response)
+    return numbers[-1] if numbers else None
+
+
+def answers_match(given: str, reference: str) -> bool:
+    """Numbers compare exactly as numbers; anything else as stripped text."""
+    ref = parse_number(reference)
+    if ref is not None:
+        value = parse_number(given)
+        if value is None:  # boxed text around a number: "x = 4"
+            found = _NUMBER.findall(given)
+            value = parse_number(found[-1]) if found else None
+        return value == ref
+    return given.strip() == reference.strip()
+
+
+def math_answer(response: str, answer: str, row: dict[str, Any]) -> dict[str, Any]:
+    """1.0 if the response's final answer equals `answer` (see the module docstring), else 0.0.
+
+    `valid` says whether the response had an answer at all (a boxed one or a number), which
+    the envpool counts as invalid actions."""
+    given = extract_answer(response)
+    success = given is not None and answers_match(given, str(answer))
+    return {"reward": 1.0 if success else 0.0, "success": success, "valid": given is not None}
