@@ -107,7 +107,7 @@ def _strftime_now(format: str) -> str:
 class _Generation(jinja2.ext.Extension):
     """`{% generation %}...{% endgeneration %}` (transformers' assistant masks): renders its body."""
 
-    tags = frozenset({"generation"})
+    tags = {"generation"}  # noqa: RUF012 (jinja's own attribute, typed as a set)
 
     def parse(self, parser: Any) -> jinja2.nodes.Node:
         lineno = next(parser.stream).lineno
@@ -167,6 +167,14 @@ def _special_tokens(path: Path, config: dict) -> dict[str, str]:
 
 
 class ChatFormat:
+    """One model's chat template and tokenizer: whole-conversation ids and an episode's appends.
+
+    `eos_id` is the token the template puts right after an assistant's reply (its end of turn:
+    `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`); `stop_token_ids` adds the tokenizer's
+    `eos_token` and generation_config.json's `eos_token_id`s. `rerenders` says why (a sentence)
+    an append-only context differs from a fresh render for this template, or is None.
+    """
+
     FIRST_PROMPT_CACHE = 1024
 
     def __init__(
@@ -193,15 +201,15 @@ class ChatFormat:
                 ) from None
         specials = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
         # The end-of-turn token is whatever the template puts right after an assistant's text.
-        after = self._after_reply(_PROBE_ASSISTANT, [{"role": "user", "content": _PROBE_USER}], "user", None)
+        after = self._after_reply("user", None, _PROBE_USER)
         first = self.encode(after)[:1]
         if not first or first[0] not in specials:
-            raise ValueError(
+            raise ChatTemplateError(
                 f"chat template ({source}) does not end an assistant turn with a special token "
                 f"(it follows the reply with {after[:20]!r}): the end of a reply cannot be told apart"
             )
         self.eos_id = first[0]
-        self._eos_text = tokenizer.id_to_token(self.eos_id)
+        self._eos_text: str = tokenizer.id_to_token(self.eos_id) or ""
         named = (special_tokens.get("eos_token"), "<|endoftext|>")
         self.stop_token_ids = sorted(
             {
@@ -308,9 +316,7 @@ class ChatFormat:
         self, observation: str, *, role: str = "user", tools: list[dict] | None = None
     ) -> list[int]:
         """Ids after a closed assistant turn: one more `role` turn and the generation prompt."""
-        after = self._after_reply(
-            _PROBE_ASSISTANT, [{"role": "user", "content": _PROBE_USER}], role, tools, observation
-        )
+        after = self._after_reply(role, tools, observation)
         if not after.startswith(self._eos_text):
             raise ChatTemplateError(
                 f"chat template ({self.source}) ends an assistant turn before a {role!r} turn "
@@ -318,26 +324,28 @@ class ChatFormat:
             )
         return self.encode(after[len(self._eos_text) :])
 
-    def _after_reply(
-        self,
-        reply: str,
-        history: list[dict],
-        role: str,
-        tools: list[dict] | None,
-        observation: str = _PROBE_USER,
-    ) -> str:
-        """The text a full render puts after an assistant `reply` that a `role` turn follows."""
-        messages = [*history, {"role": "assistant", "content": reply}, {"role": role, "content": observation}]
+    def _after_reply(self, role: str, tools: list[dict] | None, observation: str) -> str:
+        """The text a full render puts after an assistant's reply that a `role` turn follows."""
+        messages = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_ASSISTANT},
+            {"role": role, "content": observation},
+        ]
         text = self.render(messages, add_generation_prompt=True, tools=tools)
-        at = text.rfind(reply)
+        at = text.rfind(_PROBE_ASSISTANT)
         if at < 0:
             raise ChatTemplateError(
                 f"chat template ({self.source}) does not render an assistant's reply verbatim"
             )
-        return text[at + len(reply) :]
+        return text[at + len(_PROBE_ASSISTANT) :]
 
     def _probe_rerendering(self) -> str | None:
-        """Why appending ids differs from a fresh render (a sentence), or None if it never does."""
+        """Why appending ids differs from a fresh render (a sentence), or None if it never does.
+
+        Plays two rounds of a probe episode by appending, with and without a system turn, with
+        a plain reply and one holding <think>, and compares the text with a fresh render.
+        """
+        bridge = self._after_reply("user", None, _PROBE_USER)
         for reply, what in ((_PROBE_ASSISTANT, "a plain reply"), (_PROBE_THINKING, "a reply with <think>")):
             for system in ([{"role": "system", "content": _PROBE_SYSTEM}], []):
                 messages = [*system, {"role": "user", "content": _PROBE_USER}]
@@ -346,9 +354,6 @@ class ChatFormat:
                 except ChatTemplateError:
                     continue  # a template may refuse a system turn; that is checked per env
                 for turn in range(2):
-                    bridge = self._after_reply(
-                        _PROBE_ASSISTANT, [{"role": "user", "content": _PROBE_USER}], "user", None
-                    )
                     appended += reply + bridge
                     messages += [
                         {"role": "assistant", "content": reply},

@@ -90,7 +90,11 @@ def formats(tiny_model_dir, tmp_path_factory):
 def hf_ids(tok, messages, tools=None, add_generation_prompt=True) -> list[int]:
     return list(
         tok.apply_chat_template(
-            messages, tools=tools, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+            messages,
+            tools=tools,
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=False,
         )
     )
 
@@ -207,7 +211,7 @@ def test_end_of_turn_and_stop_tokens_come_from_the_template(formats):
 
 
 def test_a_template_that_raises_names_itself_and_its_message(formats):
-    chat, tok, path = formats["gemma"]
+    chat, tok, _ = formats["gemma"]
     with pytest.raises(ChatTemplateError, match=r"'default' \(.*tokenizer_config.json\) raised: System role"):
         chat.first_prompt("Be brief.", "Hi.")
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
@@ -291,7 +295,9 @@ def test_preflight_refuses_a_system_prompt_the_template_rejects(formats):
     gemma_dir = formats["gemma"][2]
     problem = check_envpool(load_config(None, [f"model.path={gemma_dir}", "envpool.env=countdown"]))
     assert problem is not None and problem.startswith("model.path: chat template 'default'")
-    assert "System role not supported" in problem and "envpool.env = 'countdown', which has a system" in problem
+    assert (
+        "System role not supported" in problem and "envpool.env = 'countdown', which has a system" in problem
+    )
     assert check_envpool(load_config(None, [f"model.path={gemma_dir}", "envpool.env=evenchars"])) is None
 
 
