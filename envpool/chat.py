@@ -1,18 +1,41 @@
 """Token-in, token-out chat context: the envpool tokenizes, and only the environment's text.
 
-A multi-turn episode's context is built by *appending token ids*, never by re-rendering and
-re-tokenizing the conversation: the tokens the model generated stay exactly as generated (BPE is
-not round-trip stable, so decode-then-encode can change them, and the learner would then train on
-tokens the policy never produced).
+Two ways to get prompt ids, both exactly what transformers'
+`tokenizer.apply_chat_template(messages, tools=..., tokenize=True, add_generation_prompt=True)`
+gives (tests/test_chat_templates.py compares them over generated conversations):
 
     chat = ChatFormat.from_model_dir(path)
-    ids = chat.first_prompt(system, observation)      # rendered with the model's chat template
-    ...model generates `response` ids (ending with the end-of-turn token, or cut by length)...
-    ids += chat.close_turn(response) + chat.next_prompt(observation)
+    ids = chat.apply(messages, tools=tools)           # a whole conversation, rendered once
 
-`next_prompt` is derived from the model's own chat template (rendered with jinja2, like
-transformers does): render a conversation with and without one more user turn and keep the
-difference. So any template with a fixed turn structure works, not only ChatML.
+    ids = chat.first_prompt(system, observation)      # an episode, built by appending ids
+    ...model generates `response` ids (ending with the end-of-turn token, or cut by length)...
+    ids += response + chat.close_turn(response) + chat.next_prompt(observation)
+
+An episode's context grows by *appending token ids*, never by re-rendering and re-tokenizing:
+the tokens the model generated stay exactly as generated (BPE is not round-trip stable, so
+decode-then-encode can change them, and the learner would then train on tokens the policy never
+produced). `next_prompt` is the text a full render places after an assistant reply, cut from a
+render of a probe conversation, so any template with a fixed turn structure works.
+
+**Templates that re-render earlier turns.** Some templates render an earlier assistant turn
+differently once the conversation goes on (Qwen3-style templates drop the `<think>...</think>`
+of replies before the last user turn; others trim whitespace). Then no append-only context can
+equal a fresh render of the whole conversation. The envpool keeps appending: every turn's
+context is exactly the tokens the model saw when it sampled, its own replies included, and that
+is what the learner trains on. A fresh render of the same conversation (what `apply` gives, and
+what a chat server would send) is then shorter than the trained context. `ChatFormat` probes
+for this when it loads (`rerenders`, a sentence, or None), preflight logs it, and nothing fails
+mid-run.
+
+Rendering follows transformers (transformers/utils/chat_template_utils.py): a sandboxed jinja
+environment with `trim_blocks`/`lstrip_blocks`, loop controls, its `tojson` (no HTML escaping),
+`raise_exception`, `strftime_now` and `{% generation %}`; the tokenizer's named special tokens
+(`bos_token`, `eos_token`, ...) passed to the template; templates looked up in transformers'
+order (`chat_template.jinja` and `additional_chat_templates/*.jinja` beside the tokenizer, else
+`tokenizer_config.json`'s `chat_template`, a string or a list of named templates; `tool_use` is
+picked when tools are given); the rendered text encoded without adding special tokens. A
+template that refuses a conversation (`raise_exception`) raises `ChatTemplateError` naming the
+template and its message.
 
 This module uses `tokenizers` and `jinja2` only: the envpool never imports torch.
 """
@@ -21,36 +44,181 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-__all__ = ["ChatFormat"]
+__all__ = ["ChatFormat", "ChatTemplateError", "load_chat_templates"]
 
-_PROBE_USER, _PROBE_ASSISTANT = "\x00user-probe\x00", "\x00assistant-probe\x00"
+SPECIAL_TOKEN_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# What transformers' tokenizer classes of the main families use for a token that
+# tokenizer_config.json leaves out (their __init__ defaults).
+_CLASS_DEFAULTS = {
+    "Qwen2Tokenizer": {
+        "unk_token": "<|endoftext|>",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+    },
+    "LlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
+    "GemmaTokenizer": {
+        "unk_token": "<unk>",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "mask_token": "<mask>",
+    },
+}
+_PROBE_SYSTEM, _PROBE_USER = "\x00system-probe\x00", "\x00user-probe\x00"
+_PROBE_ASSISTANT = "\x00assistant-probe\x00"
+_PROBE_THINKING = "<think>\n\x00reasoning-probe\x00\n</think>\n\n\x00answer-probe\x00"
+
+
+class ChatTemplateError(ValueError):
+    """The model's chat template refused a conversation (`raise_exception`) or failed on it."""
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    # transformers' own filter: jinja's escapes HTML characters, which would change the text.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(format: str) -> str:
+    return datetime.now().strftime(format)
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant masks): renders its body."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja's own attribute, typed as a set)
+
+    def parse(self, parser: Any) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return caller()
+
+
+_ENV = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+)
+_ENV.filters["tojson"] = _tojson
+_ENV.globals["raise_exception"] = _raise_exception
+_ENV.globals["strftime_now"] = _strftime_now
+
+
+def load_chat_templates(path: str | Path) -> tuple[dict[str, str], str]:
+    """The model's chat templates by name, and where they came from, in transformers' order.
+
+    Template files beside the tokenizer (`chat_template.jinja` is "default",
+    `additional_chat_templates/NAME.jinja` is NAME) replace tokenizer_config.json's entry.
+    """
+    path = Path(path)
+    templates: dict[str, str] = {}
+    if (path / "chat_template.jinja").is_file():
+        templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    extra = path / "additional_chat_templates"
+    if extra.is_dir():
+        for file in sorted(extra.glob("*.jinja")):
+            templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+    if templates:
+        return templates, str(path / "chat_template.jinja" if "default" in templates else extra)
+    config_file = path / "tokenizer_config.json"
+    entry = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
+    if isinstance(entry, str) and entry:
+        return {"default": entry}, str(config_file)
+    if isinstance(entry, list) and entry:
+        return {t["name"]: t["template"] for t in entry}, str(config_file)
+    raise ValueError(f"{path} has no chat template (no chat_template.jinja, none in tokenizer_config.json)")
+
+
+def _special_tokens(path: Path, config: dict) -> dict[str, str]:
+    """The named special tokens transformers passes to the template (its `special_tokens_map`)."""
+    values = dict(_CLASS_DEFAULTS.get(str(config.get("tokenizer_class", "")).removesuffix("Fast"), {}))
+    values.update({k: config[k] for k in SPECIAL_TOKEN_NAMES if k in config})
+    legacy = path / "special_tokens_map.json"
+    if "added_tokens_decoder" not in config and legacy.is_file():  # transformers' legacy branch
+        values.update({k: v for k, v in json.loads(legacy.read_text()).items() if k in SPECIAL_TOKEN_NAMES})
+    out = {}
+    for name, value in values.items():
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is not None:
+            out[name] = str(value)
+    return out
 
 
 class ChatFormat:
+    """One model's chat template and tokenizer: whole-conversation ids and an episode's appends.
+
+    `eos_id` is the token the template puts right after an assistant's reply (its end of turn:
+    `<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`); `stop_token_ids` adds the tokenizer's
+    `eos_token` and generation_config.json's `eos_token_id`s. `rerenders` says why (a sentence)
+    an append-only context differs from a fresh render for this template, or is None.
+    """
+
+    FIRST_PROMPT_CACHE = 1024
+
     def __init__(
-        self, tokenizer: Tokenizer, chat_template: str, eos_token: str, stop_tokens: list[str]
+        self,
+        tokenizer: Tokenizer,
+        templates: dict[str, str] | str,
+        special_tokens: dict[str, str],
+        *,
+        stop_token_ids: tuple[int, ...] = (),
+        source: str = "chat template",
     ) -> None:
         self.tokenizer = tokenizer
-        self._template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template)
-        eos = tokenizer.token_to_id(eos_token)
-        if eos is None:
-            raise ValueError(f"end-of-turn token {eos_token!r} is not in the vocabulary")
-        self.eos_id = eos
+        self.special_tokens = dict(special_tokens)
+        self.source = source
+        if isinstance(templates, str):
+            templates = {"default": templates}
+        self._templates: dict[str, jinja2.Template] = {}
+        for name, text in templates.items():
+            try:
+                self._templates[name] = _ENV.from_string(text)
+            except jinja2.TemplateError as exc:
+                raise ChatTemplateError(
+                    f"chat template {name!r} ({source}) does not compile: {exc}"
+                ) from None
+        specials = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        # The end-of-turn token is whatever the template puts right after an assistant's text.
+        after = self._after_reply("user", None, _PROBE_USER)
+        first = self.encode(after)[:1]
+        if not first or first[0] not in specials:
+            raise ChatTemplateError(
+                f"chat template ({source}) does not end an assistant turn with a special token "
+                f"(it follows the reply with {after[:20]!r}): the end of a reply cannot be told apart"
+            )
+        self.eos_id = first[0]
+        self._eos_text: str = tokenizer.id_to_token(self.eos_id) or ""
+        named = (special_tokens.get("eos_token"), "<|endoftext|>")
         self.stop_token_ids = sorted(
-            {eos, *(i for t in stop_tokens if (i := tokenizer.token_to_id(t)) is not None)}
+            {
+                self.eos_id,
+                *stop_token_ids,
+                *(i for t in named if t and (i := tokenizer.token_to_id(t)) is not None),
+            }
         )
-        self._eos_text = eos_token
-        self._after_eos = self._text_after_assistant()
-        self._probe = [
-            {"role": "user", "content": _PROBE_USER},
-            {"role": "assistant", "content": _PROBE_ASSISTANT},
-        ]
-        self._probe_text = self.render(self._probe, add_generation_prompt=False)
+        self.rerenders = self._probe_rerendering()
         # The members of a group share their first prompt; rendering a template is the
         # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
         self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
@@ -58,18 +226,61 @@ class ChatFormat:
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatFormat:
         path = Path(path)
-        config = json.loads((path / "tokenizer_config.json").read_text())
-        template = config.get("chat_template")
-        if not template:
-            raise ValueError(f"{path}/tokenizer_config.json has no chat_template")
-        eos = config.get("eos_token")
-        eos = eos["content"] if isinstance(eos, dict) else eos
+        config = json.loads((path / "tokenizer_config.json").read_text(encoding="utf-8"))
+        templates, source = load_chat_templates(path)
+        stops: tuple[int, ...] = ()
+        gen_config = path / "generation_config.json"
+        if gen_config.is_file():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            stops = tuple(eos) if isinstance(eos, list) else (eos,) if isinstance(eos, int) else ()
         return cls(
-            Tokenizer.from_file(str(path / "tokenizer.json")), template, eos, stop_tokens=["<|endoftext|>"]
+            Tokenizer.from_file(str(path / "tokenizer.json")),
+            templates,
+            _special_tokens(path, config),
+            stop_token_ids=stops,
+            source=source,
         )
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    def _pick(self, tools: list[dict] | None) -> tuple[str, jinja2.Template]:
+        """transformers' choice: `tool_use` when tools are given and it exists, else `default`."""
+        if tools is not None and "tool_use" in self._templates:
+            return "tool_use", self._templates["tool_use"]
+        if "default" in self._templates:
+            return "default", self._templates["default"]
+        raise ChatTemplateError(
+            f"{self.source} holds several chat templates, none named 'default': {sorted(self._templates)}"
+        )
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        *,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """The template's text for `messages`, as transformers renders it (tokenize=False)."""
+        name, template = self._pick(tools)
+        try:
+            return template.render(
+                messages=messages,
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except Exception as exc:  # the template's own error, with its message (raise_exception)
+            what = "" if isinstance(exc, jinja2.TemplateError) else f"{type(exc).__name__}: "
+            raise ChatTemplateError(f"chat template {name!r} ({self.source}) raised: {what}{exc}") from None
+
+    def apply(
+        self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The ids of a whole conversation: `apply_chat_template(..., tokenize=True)` exactly.
+
+        Messages may carry `tool_calls` (assistant) and role "tool", in whatever form the
+        model's template reads them (most read `function.arguments` as a dict).
+        """
+        return self.encode(self.render(messages, add_generation_prompt, tools=tools))
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -77,15 +288,16 @@ class ChatFormat:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    FIRST_PROMPT_CACHE = 1024
-
-    def first_prompt(self, system: str, observation: str) -> list[int]:
+    def first_prompt(self, system: str, observation: str, *, tools: list[dict] | None = None) -> list[int]:
+        """The opening context: the system prompt (if any) and the first user turn."""
+        messages = [{"role": "system", "content": system}] if system else []
+        messages.append({"role": "user", "content": observation})
+        if tools is not None:
+            return self.apply(messages, tools=tools)
         key = (system, observation)
         ids = self._first.get(key)
         if ids is None:
-            messages = [{"role": "system", "content": system}] if system else []
-            messages.append({"role": "user", "content": observation})
-            ids = self._first[key] = self.encode(self.render(messages, add_generation_prompt=True))
+            ids = self._first[key] = self.apply(messages)
             if len(self._first) > self.FIRST_PROMPT_CACHE:
                 self._first.popitem(last=False)
         else:
@@ -93,31 +305,64 @@ class ChatFormat:
         return list(ids)  # callers may extend it
 
     def close_turn(self, response_ids: list[int]) -> list[int]:
-        """Tokens that end the assistant turn after `response_ids` (not generated, no loss).
+        """The end-of-turn token if the reply lacks it (cut by length); nothing otherwise.
 
-        If the model stopped on its end-of-turn token, only the template's text after that token
-        (ChatML: a newline) is added; if it was cut by the length limit, the end token too.
+        It is not generated and carries no loss. The template's text after that token (ChatML:
+        a newline) comes with `next_prompt`, encoded together with the next turn.
         """
-        missing = [] if response_ids and response_ids[-1] in self.stop_token_ids else [self.eos_id]
-        return missing + self._after_eos
+        return [] if response_ids and response_ids[-1] in self.stop_token_ids else [self.eos_id]
 
-    def next_prompt(self, observation: str) -> list[int]:
-        """Tokens of one more user turn plus the generation prompt."""
-        before = self._probe_text
-        after = self.render(
-            self._probe + [{"role": "user", "content": observation}], add_generation_prompt=True
-        )
-        if not after.startswith(before):
-            raise ValueError("the chat template re-renders earlier turns; cannot extend token-wise")
-        return self.encode(after[len(before) :])
+    def next_prompt(
+        self, observation: str, *, role: str = "user", tools: list[dict] | None = None
+    ) -> list[int]:
+        """Ids after a closed assistant turn: one more `role` turn and the generation prompt."""
+        after = self._after_reply(role, tools, observation)
+        if not after.startswith(self._eos_text):
+            raise ChatTemplateError(
+                f"chat template ({self.source}) ends an assistant turn before a {role!r} turn "
+                f"differently ({after[:20]!r}) than before a user turn ({self._eos_text!r})"
+            )
+        return self.encode(after[len(self._eos_text) :])
 
-    def _text_after_assistant(self) -> list[int]:
-        rendered = self.render(
-            [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}],
-            add_generation_prompt=False,
-        )
-        marker = _PROBE_ASSISTANT + self._eos_text
-        at = rendered.find(marker)
+    def _after_reply(self, role: str, tools: list[dict] | None, observation: str) -> str:
+        """The text a full render puts after an assistant's reply that a `role` turn follows."""
+        messages = [
+            {"role": "user", "content": _PROBE_USER},
+            {"role": "assistant", "content": _PROBE_ASSISTANT},
+            {"role": role, "content": observation},
+        ]
+        text = self.render(messages, add_generation_prompt=True, tools=tools)
+        at = text.rfind(_PROBE_ASSISTANT)
         if at < 0:
-            raise ValueError("the chat template does not end assistant turns with the eos token")
-        return self.encode(rendered[at + len(marker) :])
+            raise ChatTemplateError(
+                f"chat template ({self.source}) does not render an assistant's reply verbatim"
+            )
+        return text[at + len(_PROBE_ASSISTANT) :]
+
+    def _probe_rerendering(self) -> str | None:
+        """Why appending ids differs from a fresh render (a sentence), or None if it never does.
+
+        Plays two rounds of a probe episode by appending, with and without a system turn, with
+        a plain reply and one holding <think>, and compares the text with a fresh render.
+        """
+        bridge = self._after_reply("user", None, _PROBE_USER)
+        for reply, what in ((_PROBE_ASSISTANT, "a plain reply"), (_PROBE_THINKING, "a reply with <think>")):
+            for system in ([{"role": "system", "content": _PROBE_SYSTEM}], []):
+                messages = [*system, {"role": "user", "content": _PROBE_USER}]
+                try:
+                    appended = self.render(messages, add_generation_prompt=True)
+                except ChatTemplateError:
+                    continue  # a template may refuse a system turn; that is checked per env
+                for turn in range(2):
+                    appended += reply + bridge
+                    messages += [
+                        {"role": "assistant", "content": reply},
+                        {"role": "user", "content": _PROBE_USER},
+                    ]
+                    if self.render(messages, add_generation_prompt=True) != appended:
+                        return (
+                            f"the chat template ({self.source}) renders {what} differently once the "
+                            f"conversation goes on (turn {turn + 2}); an episode keeps the tokens the "
+                            "model saw, so its trained context differs from a fresh render"
+                        )
+        return None

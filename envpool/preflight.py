@@ -6,7 +6,10 @@ the envpool can answer these questions (the launcher lives in `shared/` and impo
 - does `envpool.env` name an environment (a built-in module or a `millstream.envs` entry
   point), and do `envpool.env_args` suit its constructor?
 - with `eval.every` > 0: does the evaluation environment (`eval.env`, `eval.env_args`) build?
-- does the model directory hold a tokenizer and a chat template the envpool can use?
+- does the model directory hold a tokenizer and a chat template the envpool can use, and does
+  that template accept the environment's conversation (a Gemma-style template refuses a system
+  prompt with `raise_exception`: caught here, not in the first episode)? A template that
+  re-renders earlier turns (envpool/chat.py) is logged as a warning, not refused.
 - does the first prompt of a sample episode leave room for `envpool.max_tokens` within
   `actor.max_model_len`? (Prompts differ by seed, so this can only catch a budget that cannot
   fit; a longer prompt at run time ends its episode as the counted cause `prompt_too_long`.)
@@ -18,16 +21,20 @@ here), but sends no request to an actor and opens no socket of its own.
 
 from __future__ import annotations
 
+import logging
+
 import anyio
 
 from millstream.shared.config import Config
 
-from .chat import ChatFormat
+from .chat import ChatFormat, ChatTemplateError
 from .envs import Env, Observation, UnknownEnvironment, make_env
 from .evaluator import eval_env
 from .worker import group_seed, tokenizer_dir
 
 __all__ = ["preflight", "check_envpool"]
+
+log = logging.getLogger("envpool")
 
 
 def check_envpool(cfg: Config) -> str | None:
@@ -53,7 +60,15 @@ def check_envpool(cfg: Config) -> str | None:
         obs = anyio.run(_first_observation, env, seed, pool.step_timeout_s, backend="trio")
     except Exception as exc:  # the environment's own failure: report it, as a run would
         return f"envpool.env = {pool.env!r}: reset({seed}) failed: {type(exc).__name__}: {exc}"
-    prompt = len(chat.first_prompt(getattr(env, "system_prompt", ""), obs.text))
+    system = getattr(env, "system_prompt", "")
+    try:
+        prompt = len(chat.first_prompt(system, obs.text))
+        chat.next_prompt(obs.text)  # a second turn renders too
+    except ChatTemplateError as exc:
+        with_system = ", which has a system prompt," if system else ""
+        return f"model.path: {exc} (rendering the conversation of envpool.env = {pool.env!r}{with_system})"
+    if chat.rerenders:
+        log.warning("%s (see envpool/chat.py)", chat.rerenders)
     if prompt + pool.max_tokens > cfg.actor.max_model_len:
         return (
             f"envpool.max_tokens = {pool.max_tokens}: the first prompt of {pool.env!r} "
