@@ -224,7 +224,7 @@ def test_roles_are_pinned_where_their_addresses_are():
 
 
 def test_the_multihost_example_is_a_valid_config():
-    cfg = load_config(ROOT / "docs" / "examples" / "multihost.toml")
+    cfg = load_config(ROOT / "examples" / "multihost.toml")
     assert cfg.launcher.kind == "ray" and cfg.launcher.ray_address == "10.0.0.1:6379"
     assert node_pins(cfg, "10.0.0.1") == {"actor": "10.0.0.2", "learner": "10.0.0.1", "envpool": None}
 
