@@ -121,3 +121,12 @@ class ChatFormat:
         if at < 0:
             raise ValueError("the chat template does not end assistant turns with the eos token")
         return self.encode(rendered[at + len(marker) :])
+
+    def apply(
+        self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Ids of a whole conversation as the template renders it (placeholder; item 1 replaces)."""
+        text = self._template.render(
+            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt
+        )
+        return self.encode(text)
