@@ -322,7 +322,7 @@ def _forced_call(choice: Any, tools: list[dict] | None) -> tuple[str, str, str |
     """For `tool_choice` naming a function: (opening text, function name, string argument)."""
     if not isinstance(choice, dict) or not tools:
         return None
-    name = (choice.get("function") or {}).get("name")
+    name = str((choice.get("function") or {}).get("name"))
     tool = next((t for t in tools if (t.get("function") or {}).get("name") == name), None)
     if tool is None:
         raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")

@@ -191,7 +191,7 @@ class SyncAgent:
 
 def test_sync_client_and_non_extending_calls_start_segments(synthetic, tiny_model_dir):
     agent = SyncAgent()
-    traj, client, chat = play_synthetic(synthetic, tiny_model_dir, agent, max_tokens=8)
+    traj, client, _ = play_synthetic(synthetic, tiny_model_dir, agent, max_tokens=8)
     assert isinstance(traj, Trajectory), traj
     assert traj.num_turns == 3 and len(client.generations[1].token_ids) <= 4
     assert client.prompts[2] == [5, 6, 7] and agent.seen["usage"].prompt_tokens == 3
@@ -302,7 +302,10 @@ def test_the_example_agent_calls_its_tool_and_is_scored(tiny_model_dir):
 
 
 def test_tool_call_blocks_become_openai_tool_calls():
-    text = 'ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call><tool_call>{"name": "g"}</tool_call>'
+    text = (
+        'ok <tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+        '<tool_call>{"name": "g"}</tool_call>'
+    )
     parsed = parse_tool_calls(text, "3")
     assert parsed.content == "ok" and parsed.malformed == 0
     assert [c["function"]["name"] for c in parsed.tool_calls] == ["f", "g"]

@@ -43,12 +43,20 @@ SCORE_TOOL: dict[str, Any] = {
     },
 }
 
+# Typed loosely: the client's TypedDicts would only restate the schema above.
+TOOLS: Any = [SCORE_TOOL]
+#: `tool_choice` naming the function: the endpoint forces the call, the model writes the argument.
+FORCE_SCORE: Any = {"type": "function", "function": {"name": "score_word"}}
+
 
 @register("openai_agent")
 class EvenWordAgent:
     system_prompt = "You are a helpful assistant with tools."
 
-    def __init__(self, request_timeout_s: float = 60.0, model: str = "millstream-policy") -> None:
+    # The endpoint bounds each call itself (envpool.turn_timeout_s, retries) and the episode is
+    # bounded by envpool.episode_timeout_s; a shorter client timeout only turns a slow first
+    # generation (vLLM taking the first weights) into an agent error.
+    def __init__(self, request_timeout_s: float = 600.0, model: str = "millstream-policy") -> None:
         if request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.request_timeout_s, self.model = request_timeout_s, model
@@ -60,15 +68,15 @@ class EvenWordAgent:
             base_url=base_url, api_key=api_key, max_retries=0, timeout=self.request_timeout_s
         )
         async with client:
-            messages: list[dict[str, Any]] = [
+            messages: list[Any] = [
                 {"role": "system", "content": self.system_prompt},
                 {"role": "user", "content": f"Task {seed % 97}: pick a word and score it with score_word."},
             ]
             first = await client.chat.completions.create(
                 model=self.model,
-                messages=messages,  # type: ignore[arg-type]
-                tools=[SCORE_TOOL],  # type: ignore[list-item]
-                tool_choice={"type": "function", "function": {"name": "score_word"}},
+                messages=messages,
+                tools=TOOLS,
+                tool_choice=FORCE_SCORE,
             )
             reply = first.choices[0].message
             calls = reply.tool_calls or []
@@ -79,8 +87,8 @@ class EvenWordAgent:
                 messages.append({"role": "tool", "tool_call_id": calls[0].id, "content": f"{score:.2f}"})
             final = await client.chat.completions.create(
                 model=self.model,
-                messages=messages,  # type: ignore[arg-type]
-                tools=[SCORE_TOOL],  # type: ignore[list-item]
+                messages=messages,
+                tools=TOOLS,
             )
             answer = final.choices[0].message.content or ""
         reward = 0.5 * score + 0.5 * even_share(answer)
