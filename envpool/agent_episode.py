@@ -57,6 +57,8 @@ class EpisodeRecord:
         self.calls = 0
         self.format_errors = 0
         self.truncated: Truncation | None = None
+        #: Set when the episode ended: the trajectory holds these lists, nothing may append.
+        self.closed = False
 
     def visible(self) -> list[int]:
         return self.ids[self.segment :]
@@ -74,6 +76,8 @@ class EpisodeRecord:
 
     def add_call(self, prompt_ids: list[int], gen: Generation, text: str) -> bool:
         """Record one model call; returns whether it started a new segment."""
+        if self.closed:
+            return False
         fresh = bool(self.ids) and not self.extends(prompt_ids)
         if fresh:
             self.segment = len(self.ids)

@@ -146,6 +146,7 @@ class Endpoint:
             yield f"http://{self.host}:{self.port}/episodes/{spec.episode_id}/v1", ep.api_key, ep.record
         finally:
             del self.episodes[spec.episode_id]
+            ep.record.closed = True  # a call still in flight (an abandoned request) is not recorded
         if ep.failure is not None:  # the actor failed a call: the episode fails with its cause
             raise ep.failure
 
@@ -198,12 +199,17 @@ class Endpoint:
         if int(request.headers.get("content-length") or 0) > limit:
             raise ApiError(413, f"request body over {limit} bytes (envpool.agent_max_request_bytes)")
         chunks, size = [], 0
-        with anyio.fail_after(self.cfg.turn_timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise ApiError(413, f"request body over {limit} bytes (envpool.agent_max_request_bytes)")
-                chunks.append(chunk)
+        try:
+            with anyio.fail_after(self.cfg.turn_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ApiError(
+                            413, f"request body over {limit} bytes (envpool.agent_max_request_bytes)"
+                        )
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"request body not received in {self.cfg.turn_timeout_s}s") from None
         try:
             body = orjson.loads(b"".join(chunks))
         except orjson.JSONDecodeError as exc:

@@ -16,7 +16,9 @@ STEPS = 12
 
 def test_an_openai_client_agent_learns_inside_millstream_run(actor, tmp_path):
     run_dir = tmp_path / "run"
-    proc = millstream_run(actor, run_dir, "envpool.env=openai_agent", f"train.steps={STEPS}")
+    proc = millstream_run(
+        actor, run_dir, "envpool.env=openai_agent", "envpool.max_tokens=12", f"train.steps={STEPS}"
+    )
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     first = statistics.fmean(r["reward/mean"] for r in steps[:3])

@@ -246,23 +246,32 @@ class Refused:
                     base_url=base_url.replace("g0-e0", "nope")
                 ).models.list(),
                 "key": lambda: client.with_options(api_key="wrong").models.list(),
+                "big": lambda: client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "x" * 70_000}]
+                ),
+                "ok": lambda: client.chat.completions.create(model="m", messages=msgs),
+                "calls": lambda: client.chat.completions.create(model="m", messages=msgs),
             }.items():
                 try:
                     await call()
                 except openai.APIStatusError as exc:
                     self.errors[name] = (exc.status_code, exc.body)
-            await client.chat.completions.create(model="m", messages=msgs)
         return AgentResult(0.0)
 
 
-def test_n_above_one_unknown_episode_and_wrong_key_are_refused(tiny_model_dir):
+def test_n_above_one_unknown_episode_wrong_key_and_bounds_are_refused(tiny_model_dir):
     agent = Refused()
-    traj, client, _ = play_scripted(tiny_model_dir, agent, [[STOP]])
+    traj, client, _ = play_scripted(
+        tiny_model_dir, agent, [[STOP]], max_turns=1, agent_max_request_bytes=65536
+    )
     assert isinstance(traj, Trajectory) and len(client.prompts) == 1  # refusals never generate
     status, body = agent.errors["n"]
     assert status == 400 and body["param"] == "n" and "n=2" in body["message"]
     assert agent.errors["unknown"][0] == 404 and agent.errors["unknown"][1]["type"] == "not_found_error"
     assert agent.errors["key"][0] == 401
+    assert agent.errors["big"][0] == 413 and "agent_max_request_bytes" in agent.errors["big"][1]["message"]
+    assert "ok" not in agent.errors  # one call allowed (max_turns=1), the next refused
+    assert agent.errors["calls"][0] == 400 and "max_turns" in agent.errors["calls"][1]["message"]
 
 
 class Raises:
