@@ -23,7 +23,8 @@ def test_an_openai_client_agent_learns_inside_millstream_run(actor, tmp_path):
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     first = statistics.fmean(r["reward/mean"] for r in steps[:3])
     last = statistics.fmean(r["reward/mean"] for r in steps[-3:])
-    # Measured here: 0.55 at step 1, 0.88 by step 8. A loop that does not learn stays near 0.5.
+    # Measured here: 0.59 -> 0.91 over these 12 steps (233 s on a loaded 2-core machine); a
+    # 20-step run went 0.55 -> 0.96. A loop that does not learn stays near 0.5.
     assert last - first >= 0.1, f"reward {first:.3f} -> {last:.3f}"
     summary = check_accounting(run_dir)
     assert set(summary["episodes_failed"]) <= {"run_ended"}, summary["episodes_failed"]
