@@ -27,6 +27,7 @@ import anyio
 
 from millstream.shared.config import Config
 
+from .agent_episode import is_agent_env
 from .chat import ChatFormat, ChatTemplateError
 from .envs import Env, Observation, UnknownEnvironment, make_env
 from .evaluator import eval_env
@@ -55,6 +56,9 @@ def check_envpool(cfg: Config) -> str | None:
         chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
     except (OSError, ValueError) as exc:
         return f"model.path: the envpool cannot use its tokenizer: {exc}"
+    if is_agent_env(env):
+        # An agent's prompts come from the agent itself: only its extra can be checked here.
+        return _check_agents_extra(pool.env)
     seed = group_seed(cfg.run.seed, 0)
     try:
         obs = anyio.run(_first_observation, env, seed, pool.step_timeout_s, backend="trio")
@@ -86,6 +90,15 @@ def _check_eval_env(cfg: Config) -> str | None:
         make_env(name, args)
     except Exception as exc:  # named for the eval keys: the training env built fine
         return f"eval.env / eval.env_args (evaluation env {name!r}, arguments {args!r}): {exc}"
+    return None
+
+
+def _check_agents_extra(name: str) -> str | None:
+    import importlib.util
+
+    missing = [m for m in ("openai", "starlette", "hypercorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"envpool.env = {name!r} runs an agent: install the agents extra (missing {missing})"
     return None
 
 

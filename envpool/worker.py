@@ -32,7 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -53,6 +53,7 @@ from millstream.shared.protocol import (
 )
 from millstream.shared.transport import open_channel
 
+from .agent_episode import is_agent_env, run_agent_episode
 from .chat import ChatFormat
 from .envs import make_env
 from .episode import EpisodeSpec, run_episode, sampling_seed
@@ -60,6 +61,9 @@ from .evaluator import Evaluator
 from .gate import AdmissionGate
 from .judge import Judge
 from .router import Router
+
+if TYPE_CHECKING:
+    from .openai_api import Endpoint
 
 __all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable", "tokenizer_dir", "group_seed"]
 
@@ -130,7 +134,7 @@ class Worker:
 
     def __init__(self, cfg: Config, worker_index: int = 0, actor_address: str | None = None) -> None:
         pool = cfg.envpool
-        make_env(pool.env, pool.env_args)  # fail fast on a bad name or bad arguments
+        probe = make_env(pool.env, pool.env_args)  # fail fast on a bad name or bad arguments
         self.cfg, self.pool = cfg, pool
         self.name = f"w{worker_index}"
         self.chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
@@ -143,6 +147,12 @@ class Worker:
         self.client = Router(cfg.transport, self.name, keys, self.actor_address)
         #: The frozen judge that scores finished episodes (judge.model_path), or None.
         self.judge = Judge(cfg, self.name, keys) if cfg.judge.model_path else None
+        #: Agent environments talk to an OpenAI-compatible endpoint per episode (loopback).
+        self.endpoint: Endpoint | None = None
+        if is_agent_env(probe):
+            from .openai_api import Endpoint  # the agents extra: only agent runs need it
+
+            self.endpoint = Endpoint(self.chat, self.client, pool, lambda: self.max_model_len)
         self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
         self.index = worker_index
         #: This process; a restarted worker (same index) is a new incarnation.
@@ -176,6 +186,8 @@ class Worker:
             io.start_soon(self._record_stats)
             if self.evaluator is not None:
                 io.start_soon(self.evaluator.run)
+            if self.endpoint is not None:
+                await io.start(self.endpoint.serve)
             if ready_file:
                 Path(ready_file).write_text(f'{{"worker": "{self.name}"}}')
             log.info("%s running %s, waiting for the learner's first version", self.name, self.pool.env)
@@ -291,9 +303,12 @@ class Worker:
         )
         try:
             env = make_env(self.pool.env, self.pool.env_args)
-            result = await run_episode(
-                spec, env, self.chat, self.client, self.pool, self.max_model_len, self.starting
-            )
+            if self.endpoint is not None:
+                result = await run_agent_episode(spec, env, self.endpoint, self.pool)
+            else:
+                result = await run_episode(
+                    spec, env, self.chat, self.client, self.pool, self.max_model_len, self.starting
+                )
             if self.judge is not None and isinstance(result, Trajectory):
                 result = await self.judge.score(result, sampling_seed(spec.seed, spec.member, -1))
         except Exception as exc:  # a bug of ours must still not lose the episode

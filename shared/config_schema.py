@@ -234,6 +234,14 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tokens: Annotated[int, _doc("Generation budget of one turn, tokens.", ge=1)] = 24
     temperature: Annotated[float, _doc("Sampling temperature (vLLM takes [0, 2]).", ge=0, le=2)] = 1.0
     top_p: Annotated[float, _doc("Nucleus sampling mass.", gt=0, le=1)] = 1.0
+    agent_max_concurrent_requests: Annotated[
+        int,
+        _doc("Agent environments: requests one episode may have in flight at its endpoint.", ge=1),
+    ] = 4
+    agent_max_request_bytes: Annotated[
+        int,
+        _doc("Agent environments: largest request body the episode endpoint accepts, bytes.", ge=1024),
+    ] = 1_048_576
     max_starting_envs: Annotated[
         int,
         _doc(

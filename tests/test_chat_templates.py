@@ -309,3 +309,25 @@ def test_preflight_warns_about_a_re_rendering_template(formats, caplog):
     with caplog.at_level("WARNING", logger="envpool"):
         assert check_envpool(cfg) is None
     assert any("<think>" in r.getMessage() for r in caplog.records)
+
+
+def test_openai_shaped_tool_calls_render_as_transformers_renders_decoded_arguments(formats):
+    """The endpoint gets `arguments` as a JSON string (the OpenAI wire); the template must see
+    the object, as with transformers' documented convention, not a string quoted twice."""
+    from millstream.envpool.openai_api import _plain
+
+    chat, tok, _ = formats["chatml_tools"]
+    call = {"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x y"}'}}
+    wire = [
+        {"role": "user", "content": "find x y"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c0", "content": "found"},
+    ]
+    decoded = [dict(m) for m in wire]
+    decoded[1] = {
+        **wire[1],
+        "content": "",
+        "tool_calls": [{**call, "function": {"name": "lookup", "arguments": {"q": "x y"}}}],
+    }
+    assert chat.apply([_plain(m) for m in wire]) == hf_ids(tok, decoded)
+    assert '\\"' not in chat.decode(chat.apply([_plain(m) for m in wire]))

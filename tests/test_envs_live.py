@@ -21,6 +21,7 @@ from helpers import keys_for
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.client import ActorClient, Generation
 from millstream.envpool.envs import Observation, StepResult, env_names, make_env, parse_answer
+from millstream.envpool.envs.agent import is_agent_env
 from millstream.envpool.envs.echo import is_clean_reply
 from millstream.envpool.envs.evenchars import even_share
 from millstream.envpool.episode import EpisodeSpec, run_episode
@@ -254,7 +255,8 @@ def check_rules(name: str, traj: Trajectory, env: RecordingEnv) -> None:
                 assert result.reward == PENALTY[name], (t, result)
 
 
-@pytest.mark.parametrize("name", env_names())
+# Agent environments (run, no step) play through their endpoint: tests/test_openai_endpoint.py.
+@pytest.mark.parametrize("name", [n for n in env_names() if not is_agent_env(make_env(n))])
 def test_env_plays_consistent_episodes_on_the_real_actor(actor, name):
     args = ENV_ARGS.get(name, {})
     for seed in (11, 12):
