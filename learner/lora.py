@@ -143,6 +143,8 @@ def save_adapter(
     ZeRO-3 (`gathered`); only callers with `write` write."""
     adapters = [p for n, p in peft_model.named_parameters() if ".lora_" in n]
     with (gathered or (lambda _params: nullcontext()))(adapters):
-        state = {n: p.detach().to("cpu", copy=True) for n, p in peft_model.named_parameters() if ".lora_" in n}
+        state = {
+            n: p.detach().to("cpu", copy=True) for n, p in peft_model.named_parameters() if ".lora_" in n
+        }
         if write:  # peft keeps only the adapter's entries and drops the adapter name itself
             peft_model.save_pretrained(str(out), state_dict=state)

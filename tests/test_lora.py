@@ -41,7 +41,9 @@ def test_only_targeted_layers_change(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     base = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
-    merged = dict(lora.merged_weights(_peft_model(tiny_model_dir, lora_target_modules=["q_proj", "down_proj"])))
+    merged = dict(
+        lora.merged_weights(_peft_model(tiny_model_dir, lora_target_modules=["q_proj", "down_proj"]))
+    )
     changed = {n for n, t in merged.items() if not torch.equal(t, base[n])}
     assert changed and all(n.endswith(("q_proj.weight", "down_proj.weight")) for n in changed)
 
@@ -87,3 +89,60 @@ def test_a_lora_run_learns_and_its_adapter_loads_with_peft(actor, tmp_path):
         merged = AutoModelForCausalLM.from_pretrained(summary["final_weights"], dtype=torch.float32).eval()
         torch.testing.assert_close(with_adapter(ids).logits, merged(ids).logits, rtol=1e-4, atol=1e-4)
         assert not torch.allclose(with_adapter(ids).logits, base_logits)  # it learned something
+
+
+@pytest.mark.real
+@pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_lora_trains_only_adapters_and_resumes_bit_identical(tiny_model_dir, tmp_path, zero_stage):
+    from samples import random_samples
+    from transformers import AutoModelForCausalLM
+
+    from millstream.learner.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+    from millstream.learner.replay import ReplayBuffer
+    from millstream.learner.trainer import Trainer
+
+    cfg = LearnerConfig(
+        lr=2e-2,
+        micro_batch_size=2,
+        zero_stage=zero_stage,
+        lora_rank=4,
+        lora_target_modules=["q_proj", "up_proj"],
+    )
+
+    def step(trainer: Trainer, seed: int) -> None:
+        trainer.train_step(random_samples(3, seed, max_len=20), cfg, generation_budget=32)
+
+    base = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).named_parameters())
+    trainer = Trainer(tiny_model_dir, cfg, seed=0)
+    step(trainer, 1)
+    after = dict(trainer.named_weights())
+    assert list(after) == list(base)  # the names and order the actor expects
+    changed = {n for n, t in after.items() if not torch.equal(t, base[n])}
+    assert changed and all(n.endswith(("q_proj.weight", "up_proj.weight")) for n in changed)
+
+    path = save_checkpoint(
+        tmp_path,
+        trainer,
+        ReplayBuffer(group_size=3, groups_per_batch=1, max_staleness=4, max_groups=16),
+        {},
+        keep=1,
+    )
+    assert (path / "adapter" / "adapter_config.json").is_file()
+    assert (path / "adapter" / "adapter_model.safetensors").is_file()
+    for name, tensor in AutoModelForCausalLM.from_pretrained(path / "hf").named_parameters():
+        assert torch.equal(tensor, after[name]), name  # hf/ holds the merged weights
+    step(trainer, 3)
+    w1 = dict(trainer.named_weights())
+    fresh = Trainer(tiny_model_dir, cfg, seed=0)
+    assert (
+        load_checkpoint(
+            find_checkpoint(tmp_path),
+            fresh,
+            ReplayBuffer(group_size=3, groups_per_batch=1, max_staleness=4, max_groups=16),
+        )["version"]
+        == 1
+    )
+    step(fresh, 3)
+    for name, tensor in fresh.named_weights():
+        assert torch.equal(tensor, w1[name]), name
