@@ -114,7 +114,7 @@ def merged_weights(
         if ".lora_" in name:
             continue  # the adapters themselves: merged below into their base weight
         layer_name, _, leaf = name.rpartition(".base_layer.")
-        layer = layers.get(layer_name) if leaf == "weight" else None
+        layer: Any = layers.get(layer_name) if leaf == "weight" else None  # peft's lora.Linear
         if layer is None:
             with gather([param]):
                 yield base_name(name), param.detach().to("cpu", copy=True)

@@ -132,7 +132,7 @@ class Trainer:
             if self.lora:  # a misnamed target fails before any weights load
                 lora.check_targets(self.model_dir, learner_cfg.lora_target_modules)
             # fp32 master weights; DeepSpeed casts the module to bf16 itself when bf16 is on.
-            model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            model: Any = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
             model.config.use_cache = False  # training never reuses a KV cache
             if self.lora:  # base frozen: the optimizer sees only the adapters (learner/lora.py)
                 model = lora.wrap(model, learner_cfg)
