@@ -9,9 +9,10 @@ sees only those. Everything downstream of the trainer keeps seeing a plain model
   tensor as it is. The merge is computed into new tensors, never into the trained module (peft's
   `merge_adapter` would modify the base weight in place and must be undone exactly, which float
   arithmetic does not promise). All tensors are sent, not only the targeted ones: the flat
-  layout and the actor's loading stay exactly those of full training, and on the tiny model the
-  merge costs well under a millisecond per layer (measured in tests/test_lora.py's run:
-  `sync/pack_s`). Why merged rather than vLLM's own LoRA adapters: the actor then needs no LoRA
+  layout and the actor's loading stay exactly those of full training. Measured on the tiny model
+  (rank 8, all projections): `merged_weights` takes 1.3 ms (best of 100, CPU), next to 0.1-0.9 s
+  for a whole push (`sync/total_s`); on a real model each targeted layer adds one rank-r matmul
+  (2 r d_out d_in flops: ~0.3 GFLOP for 4096 x 4096 at rank 8). Why merged rather than vLLM's own LoRA adapters: the actor then needs no LoRA
   support at all (vLLM's CPU backend has only partial LoRA support, and a LoRA forward costs
   extra matmuls in every decode step of every layer), its prefix cache and weight digest work as
   for full training, and the broadcast path stays one path. The price is sending the whole model
