@@ -69,7 +69,7 @@ def test_a_lora_run_learns_and_its_adapter_loads_with_peft(actor, tmp_path):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    proc = millstream_run(actor, run_dir, "train.steps=16", "learner.lora_rank=8", "learner.lr=2e-2")
+    proc = millstream_run(actor, run_dir, "train.steps=20", "learner.lora_rank=8", "learner.lr=2e-2")
     steps = steps_of(run_dir)
     first = statistics.fmean(r["reward/mean"] for r in steps[:4])
     last = statistics.fmean(r["reward/mean"] for r in steps[-4:])
