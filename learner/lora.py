@@ -12,11 +12,12 @@ sees only those. Everything downstream of the trainer keeps seeing a plain model
   layout and the actor's loading stay exactly those of full training. Measured on the tiny model
   (rank 8, all projections): `merged_weights` takes 1.3 ms (best of 100, CPU), next to 0.1-0.9 s
   for a whole push (`sync/total_s`); on a real model each targeted layer adds one rank-r matmul
-  (2 r d_out d_in flops: ~0.3 GFLOP for 4096 x 4096 at rank 8). Why merged rather than vLLM's own LoRA adapters: the actor then needs no LoRA
-  support at all (vLLM's CPU backend has only partial LoRA support, and a LoRA forward costs
-  extra matmuls in every decode step of every layer), its prefix cache and weight digest work as
-  for full training, and the broadcast path stays one path. The price is sending the whole model
-  per update instead of the adapters (a few MB); on GPU that broadcast is fast next to a step.
+  (2 r d_out d_in flops: ~0.3 GFLOP for 4096 x 4096 at rank 8).
+  Why merged rather than vLLM's own LoRA adapters: the actor then needs no LoRA support at all
+  (whether vLLM's CPU backend serves LoRA, and at what cost, was not measured here), a LoRA
+  forward would add adapter matmuls to every decode step of every targeted layer, the prefix
+  cache and the weight digest work as for full training, and there is one broadcast path. The
+  price is sending the whole model per update instead of the adapters (a few MB).
 - Checkpoints hold the adapter in peft's format (`save_adapter`: adapter_config.json and
   adapter_model.safetensors, under `adapter/`), beside DeepSpeed's state (which holds the whole
   peft module, so resume restores adapters and their optimizer state) and the `hf/` directory,

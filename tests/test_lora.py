@@ -74,9 +74,9 @@ def test_a_lora_run_learns_and_its_adapter_loads_with_peft(actor, tmp_path):
     first = statistics.fmean(r["reward/mean"] for r in steps[:4])
     last = statistics.fmean(r["reward/mean"] for r in steps[-4:])
     # A learner that does not learn stays within about 0.03 (tests/test_run.py). LoRA at lr 2e-2
-    # rose 0.466 -> 0.541 (means of steps 1-4 and 9-12), entropy 1.93 -> 1.36; at 5e-2 the
-    # entropy collapsed to 0 by step 8 and the reward stalled at 0.5.
-    assert last - first >= 0.05, f"reward {first:.3f} -> {last:.3f}"
+    # rose 0.458 -> 0.624 here (means of steps 1-4 and 17-20; another run 0.466 -> 0.535 over 16
+    # steps); at 5e-2 the entropy collapsed to 0 by step 8 and the reward stalled at 0.5.
+    assert last - first >= 0.08, f"reward {first:.3f} -> {last:.3f}"
     assert "accounting ok" in proc.stdout
     summary = check_accounting(run_dir)
     # The replica loaded exactly the merged weights the learner sent last.
