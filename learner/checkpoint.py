@@ -7,7 +7,10 @@ Layout, under the run directory:
         step_000012/            one checkpoint per saved policy version (the engine's step)
             deepspeed/          engine.save_checkpoint: weights, optimizer, global step (per rank)
             hf/                 the POLICY weights as a Hugging Face directory (safetensors,
-                                config, tokenizer): what vLLM or transformers load
+                                config, tokenizer): what vLLM or transformers load (with
+                                LoRA: the adapters merged into full weights)
+            adapter/            LoRA runs only: the adapter in peft's format (adapter_config.json,
+                                adapter_model.safetensors), for PeftModel.from_pretrained
             learner_state.msgpack   version, replay buffer, the caller's `extra`, RNG states
             rng_rank_1.msgpack  RNG states of ranks other than 0 (multi-rank runs only)
             zero_to_fp32.py ... DeepSpeed's own recovery scripts (it copies them in)
@@ -152,6 +155,8 @@ def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> P
     _barrier()
     trainer.engine.save_checkpoint(str(tmp), tag=_ENGINE_TAG, save_latest=False)
     trainer.save_pretrained(str(tmp / "hf"))
+    if getattr(trainer, "lora", False):  # the adapter in peft's format too (learner/lora.py)
+        trainer.save_adapter(str(tmp / "adapter"))
     if rank == 0:
         _write_synced(tmp / STATE_FILE, state)
     else:

@@ -57,6 +57,9 @@ Design choices:
   the original reference. Without the penalty no reference exists and `kl` is not reported; a
   Trainer built with kl_coef > 0 still reports `kl` on steps whose config sets kl_coef to 0.
 - Sequences are sorted by length before they are cut into micro-batches: less padding, same sum.
+- LoRA (`lora_rank > 0`, learner/lora.py): the model is wrapped with peft before DeepSpeed, the
+  optimizer gets only the adapter parameters, and `named_weights` yields merged full weights
+  under the base names, so the broadcast, the actor and `save_pretrained` see a plain model.
 - Weights are fp32 on CPU. `dtype="bfloat16"` turns on DeepSpeed bf16 (bf16 module, fp32 master
   copy in the ZeRO optimizer); the weights handed out then are bf16, as the actor wants on GPU.
 """
@@ -78,6 +81,7 @@ import torch.distributed as dist
 from millstream.learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
 from millstream.shared.config import LearnerConfig
 
+from . import lora
 from .batching import PAD_ID, TrainSample, check_samples, pad_batch
 from .dssetup import ds_config, import_deepspeed, init_distributed
 from .hfexport import save_model_dir
@@ -124,11 +128,16 @@ class Trainer:
             torch.manual_seed(seed)
             self.model_dir = Path(model_dir).expanduser()
             self.micro_batch_size = learner_cfg.micro_batch_size
+            self.lora = learner_cfg.lora_rank > 0
+            if self.lora:  # a misnamed target fails before any weights load
+                lora.check_targets(self.model_dir, learner_cfg.lora_target_modules)
             # fp32 master weights; DeepSpeed casts the module to bf16 itself when bf16 is on.
-            model = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
+            model: Any = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=torch.float32)
             model.config.use_cache = False  # training never reuses a KV cache
+            if self.lora:  # base frozen: the optimizer sees only the adapters (learner/lora.py)
+                model = lora.wrap(model, learner_cfg)
             optimizer = torch.optim.AdamW(
-                model.parameters(),
+                [p for p in model.parameters() if p.requires_grad],
                 lr=learner_cfg.lr,
                 weight_decay=learner_cfg.weight_decay,
                 betas=(learner_cfg.adam_beta1, learner_cfg.adam_beta2),
@@ -392,6 +401,9 @@ class Trainer:
         ZeRO-3 each parameter is gathered in turn (memory stays one tensor above the shard):
         every rank must iterate this generator to the end, since gathering is collective.
         """
+        if self.lora:  # base + scale * B @ A under the base names (learner/lora.py)
+            yield from lora.merged_weights(self.engine.module, self._gather_many if self._zero3 else None)
+            return
         for name, param in self.engine.module.named_parameters():
             with self._gathered(param) if self._zero3 else nullcontext():
                 yield name, param.detach().to("cpu", copy=True)
@@ -402,9 +414,26 @@ class Trainer:
 
         return deepspeed.zero.GatheredParameters([param], modifier_rank=None)
 
+    @staticmethod
+    def _gather_many(params: list[torch.nn.Parameter]) -> Any:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+    def save_adapter(self, out_dir: str) -> None:
+        """Write the LoRA adapter in peft's format (lora_rank > 0 only). Collective under ZeRO-3:
+        call on every rank; rank 0 writes."""
+        lora.save_adapter(
+            self.engine.module,
+            Path(out_dir),
+            self._gather_many if self._zero3 else None,
+            write=dist.get_rank() == 0,
+        )
+
     def save_pretrained(self, out_dir: str) -> None:
         """Write a Hugging Face model directory of the current policy (learner/hfexport.py).
         Collective under ZeRO-3: call on every rank; rank 0 writes."""
         weights = {name: t.contiguous() for name, t in self.named_weights()}
         if dist.get_rank() == 0:
-            save_model_dir(self.engine.module, weights, self.model_dir, Path(out_dir))
+            module = self.engine.module.get_base_model() if self.lora else self.engine.module
+            save_model_dir(module, weights, self.model_dir, Path(out_dir))

@@ -410,6 +410,30 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         int, _doc("Learner processes (DeepSpeed data parallel; the launcher starts each rank).", ge=1)
     ] = 1
     zero_stage: Annotated[int, _doc("DeepSpeed ZeRO stage.", ge=0, le=3)] = 2
+    lora_rank: Annotated[
+        int,
+        _doc(
+            "LoRA rank (0: train the full model). > 0 trains peft LoRA adapters on "
+            "`lora_target_modules` (the `lora` extra); the actor still receives merged full "
+            "weights, checkpoints also hold the adapter in peft's format (docs/algorithms.md). "
+            "LoRA wants a higher `lr` than full training (the tiny model: 2e-2).",
+            ge=0,
+        ),
+    ] = 0
+    lora_alpha: Annotated[
+        float, _doc("LoRA alpha: the adapter's update is scaled by alpha / rank.", gt=0)
+    ] = 16.0
+    lora_dropout: Annotated[float, _doc("Dropout on the LoRA adapters' input.", ge=0, lt=1)] = 0.0
+    lora_target_modules: Annotated[
+        list[str],
+        _doc(
+            "Names (last component) of the linear layers that get adapters; one that matches no "
+            "linear layer of the model is an error naming it.",
+            min_length=1,
+        ),
+    ] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     sync_backend: Annotated[
         Literal["auto", "gloo", "nccl"],
         _doc("Weight broadcast backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo', 'nccl'."),
