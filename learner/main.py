@@ -433,13 +433,31 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
     return Leader(cfg, trainer, team, run_dir, keys).run(ready_file)
 
 
+def check_learner(cfg: Config) -> str | None:
+    """What the learner would refuse only after the run started, in one line, or None: today
+    LoRA target modules that match no linear layer (read from the model's config, no weights)."""
+    if cfg.learner.lora_rank > 0:
+        from .lora import check_targets
+
+        try:
+            check_targets(resolve_model_dir(cfg), cfg.learner.lora_target_modules)
+        except (ValueError, ImportError) as exc:
+            return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     def body(cfg: Config, ns: Any) -> int:
+        if ns.check:
+            problem = check_learner(cfg)
+            if problem:
+                print(problem)
+            return 2 if problem else 0
         summary = run_learner(cfg, ns.ready_file)
         log.info("learner finished: %s", summary)
         return 0 if summary["accounting_ok"] else ACCOUNTING_FAILED
 
-    run_role("learner", body, argv)
+    run_role("learner", body, argv, check="check the settings against the model and exit (2: not)")
 
 
 if __name__ == "__main__":

@@ -322,27 +322,33 @@ def _resume_hint(run_dir: Path) -> str:
 
 
 def _check_envpool(cfg: Config) -> None:
-    """`millstream envpool --check` on the resolved config: the envpool's own checks, in a
-    child process because the launcher imports no role. The problem, if any, is its one line
-    on stdout (its logs go to stderr)."""
-    timeout_s = max(120.0, cfg.envpool.step_timeout_s + 60)
+    """`millstream envpool --check` on the resolved config, and `millstream learner --check`
+    where the learner has something to check before it starts (LoRA targets)."""
+    _check_role("envpool", cfg, max(120.0, cfg.envpool.step_timeout_s + 60))
+    if cfg.learner.lora_rank > 0:
+        _check_role("learner", cfg, 120.0)
+
+
+def _check_role(role: str, cfg: Config, timeout_s: float) -> None:
+    """A role's own checks on the resolved config, in a child process because the launcher
+    imports no role. The problem, if any, is its one line on stdout (its logs go to stderr)."""
     with tempfile.TemporaryDirectory(prefix="millstream-check-") as tmp:
         path = Path(tmp) / "config.toml"
         path.write_text(dump_config(cfg))
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "millstream.envpool", "--check", "--config", str(path)],
+                [sys.executable, "-m", f"millstream.{role}", "--check", "--config", str(path)],
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
                 stdin=subprocess.DEVNULL,
             )
         except subprocess.TimeoutExpired:
-            raise ConfigError(f"the envpool's check did not finish in {timeout_s:.0f}s") from None
+            raise ConfigError(f"the {role}'s check did not finish in {timeout_s:.0f}s") from None
     if proc.returncode == 2 and proc.stdout.strip():
         raise ConfigError(proc.stdout.strip().splitlines()[0])
     if proc.returncode != 0:
-        raise ConfigError(f"the envpool's check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+        raise ConfigError(f"the {role}'s check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
 def _relay(stream: LineStream, out: IO[str]) -> None:

@@ -46,6 +46,16 @@ def test_the_envpool_check_runs_before_anything_starts(tmp_path, tiny_model_dir,
     assert refused(tmp_path, f"model.path={tiny_model_dir}", override).startswith(message)
 
 
+def test_lora_targets_the_model_lacks_are_refused_before_anything_starts(tmp_path, tiny_model_dir):
+    message = refused(
+        tmp_path,
+        f"model.path={tiny_model_dir}",
+        "learner.lora_rank=4",
+        "learner.lora_target_modules=['q_proj','qkv']",
+    )
+    assert message.startswith("learner.lora_target_modules: ['qkv'] match no linear layer")
+
+
 def test_a_model_path_that_is_not_a_model_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     assert refused(tmp_path, f"model.path={tmp_path / 'empty'}") == (
