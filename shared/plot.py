@@ -65,6 +65,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[P
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     records = _step_records(path)
     out_dir = Path(out) if out else run_dir / "plots"
@@ -79,6 +80,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> tuple[list[P
         for key, (steps, values) in sorted(series.items()):
             ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
         ax.set(title=title, xlabel="training step", ylabel=ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
         fig.tight_layout()
