@@ -110,7 +110,12 @@ class _Wandb:
         self._run.log(scalars, step=step)
 
     def close(self) -> None:
+        import wandb
+
         self._run.finish()
+        # Stops wandb's service process now: otherwise the role's leftover-child cleanup
+        # (shared/lifecycle.py) kills it first and wandb's exit hook prints a traceback.
+        wandb.teardown()
 
 
 class DashboardMetrics:

@@ -25,7 +25,7 @@ PANELS: dict[str, tuple[str, str, str]] = {
     "entropy": ("Policy entropy", "nats / token", r"^train/entropy$"),
     "grad_norm": ("Gradient norm (before clipping)", "norm", r"^train/grad_norm$"),
     "staleness": ("Staleness of trained tokens", "policy versions", r"^staleness/(mean|max)$"),
-    "throughput": ("Throughput", "per second", r"^perf/(tokens_per_s|episodes_per_s)$"),
+    "throughput": ("Throughput (trained tokens)", "tokens / s", r"^perf/tokens_per_s$"),
     "lengths": ("Response length (generated tokens per episode)", "tokens", r"^episode/response_len/"),
     "episodes": ("Episode rates", "fraction", r"^episode/(success_rate|invalid_action_rate|truncated_rate)$"),
 }

@@ -242,6 +242,7 @@ def test_real_run_with_every_backend_then_plot(actor, tmp_path):
     assert "train/entropy" in tb and "episode/success_rate" in tb
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
     assert b"episode/response_len/mean" in next(offline.glob("run-*.wandb")).read_bytes()
+    assert "Traceback" not in (run_dir / "logs" / "learner.log").read_text()  # wandb shut down cleanly
     proc = subprocess.run([*MILLSTREAM, "plot", str(run_dir)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     pngs = {p.stem for p in (run_dir / "plots").glob("*.png")}
