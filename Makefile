@@ -23,14 +23,14 @@ install: $(STAMP)
 $(STAMP): pyproject.toml requirements/cpu-overrides.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check uv
-	$(BIN)/uv pip install $(UV_FLAGS) --override requirements/cpu-overrides.txt -e '.[cpu,test,bench,lint,ray,data,agents,lora]'
+	$(BIN)/uv pip install $(UV_FLAGS) --override requirements/cpu-overrides.txt -e '.[cpu,test,bench,lint,ray,data,agents,lora,dashboards]'
 	$(BIN)/python -c "import importlib.util as u, torch, vllm, deepspeed; assert torch.version.cuda is None, 'a CUDA torch got in'; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') if u.find_spec(m)]; assert not bad, f'CUDA-only packages got in: {bad}'; print('stack:', 'torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
 	touch $(STAMP)
 
 install-gpu:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv
-	$(BIN)/uv pip install --python $(BIN)/python -e '.[gpu,test,bench,ray,data,agents,lora]'
+	$(BIN)/uv pip install --python $(BIN)/python -e '.[gpu,test,bench,ray,data,agents,lora,dashboards]'
 
 run: install
 	$(BIN)/millstream run $(ARGS)

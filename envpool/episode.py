@@ -157,6 +157,7 @@ async def _play(
     texts: list[str] = [obs.text]
     invalid = 0
     truncated: Truncation | None = None
+    success: bool | None = None
     carried: list[int] = []  # carry-over ids that open the current reply (Delethink)
     if len(ctx.ids) + cfg.max_tokens > max_model_len:
         raise _EnvFailure(
@@ -186,6 +187,8 @@ async def _play(
         result = await _call_env("step", env.step, response, cfg.step_timeout_s)
         rewards.append(float(result.reward))
         invalid += 0 if result.info.get("valid", True) else 1
+        if "success" in result.info:
+            success = bool(result.info["success"])
         texts += [response, result.observation.text]
         if result.done:
             break
@@ -237,4 +240,5 @@ async def _play(
         segment_starts=ctx.segment_starts,
         invalid_actions=invalid,
         truncated=truncated,
+        success=success,
     )

@@ -35,8 +35,8 @@ import msgspec
 import orjson
 
 from millstream.shared.config import Config
+from millstream.shared.dashboards import open_metrics
 from millstream.shared.keys import RunKeys, load_keys
-from millstream.shared.metrics import MetricsWriter
 from millstream.shared.protocol import (
     DropCause,
     EvalResult,
@@ -129,7 +129,14 @@ class Leader:
             pushed.get("sync/total_s", 0.0),
         )
         self.exp = Experience(cfg, self.keys)
-        self.metrics = MetricsWriter(self.run_dir / "metrics.jsonl")
+        self.metrics = open_metrics(
+            self.run_dir,
+            cfg.metrics.backends,
+            wandb_project=cfg.metrics.wandb_project,
+            wandb_name=cfg.metrics.wandb_name,
+            wandb_tags=cfg.metrics.wandb_tags,
+            config=msgspec.to_builtins(cfg),
+        )
         self.episodes_log = (self.run_dir / "trajectories.jsonl").open("ab")
         if cfg.run.resume:
             self.metrics.write(

@@ -17,12 +17,22 @@ the best earlier window and warns (once, until it recovers) when both fell below
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter
 
+from millstream.shared.protocol import Trajectory
+
 from .replay import Group
 
-__all__ = ["batch_metrics", "buffer_metrics", "progress_line", "CollapseWatch", "NoSignalWatch"]
+__all__ = [
+    "batch_metrics",
+    "domain_metrics",
+    "buffer_metrics",
+    "progress_line",
+    "CollapseWatch",
+    "NoSignalWatch",
+]
 
 
 def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: float) -> dict:
@@ -49,7 +59,50 @@ def batch_metrics(batch: list[Group], version: int, step_s: float, elapsed_s: fl
         "perf/tokens_per_s": tokens / step_s if step_s > 0 else 0.0,
         "perf/episodes_per_s": len(rewards) / step_s if step_s > 0 else 0.0,
         "perf/elapsed_s": elapsed_s,
+        **domain_metrics([t for g in batch for t in g.trajectories]),
     }
+
+
+def _generated_tokens(t: Trajectory) -> int:
+    """Tokens the model generated in the episode (trained or not)."""
+    return sum(end - start for start, end in zip(t.turn_starts, t.turn_ends))
+
+
+def _episode_stats(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    lengths = sorted(_generated_tokens(t) for t in trajectories)
+    n = len(trajectories)
+    out = {
+        f"{prefix}invalid_action_rate": sum(t.invalid_actions for t in trajectories)
+        / max(1, sum(t.num_turns for t in trajectories)),
+        f"{prefix}truncated_rate": sum(1 for t in trajectories if t.truncated) / n,
+        f"{prefix}turns_mean": statistics.fmean(t.num_turns for t in trajectories),
+        f"{prefix}response_len/mean": statistics.fmean(lengths),
+        f"{prefix}response_len/p95": float(lengths[min(n - 1, math.ceil(0.95 * n) - 1)]),
+        f"{prefix}response_len/max": float(lengths[-1]),
+    }
+    reported = [t.success for t in trajectories if t.success is not None]
+    if reported:  # only where the environment says what success is
+        out[f"{prefix}success_rate"] = sum(reported) / len(reported)
+    return out
+
+
+def domain_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """What the episodes did, beyond reward: `episode/...`, and `env/<name>/...` when envs mix.
+
+    Rates are per episode except invalid_action_rate (invalid turns / turns); response_len counts
+    an episode's generated tokens over all its turns (p95 by nearest rank).
+    """
+    if not trajectories:
+        return {}
+    out = _episode_stats(trajectories, "episode/")
+    envs = sorted({t.env for t in trajectories})
+    if len(envs) > 1:
+        for env in envs:
+            mine = [t for t in trajectories if t.env == env]
+            out.update(_episode_stats(mine, f"env/{env}/"))
+            out[f"env/{env}/reward_mean"] = statistics.fmean(t.reward for t in mine)
+            out[f"env/{env}/episodes"] = len(mine)
+    return out
 
 
 def _sync(record: dict) -> str:

@@ -3,6 +3,7 @@
     millstream run [config.toml] [key=value ...]   start and supervise a whole run
     millstream actor|learner|envpool [args ...]    run one role (see `--help` of each)
     millstream stress --env NAME --episodes N ...  how many concurrent episodes hold (bench/stress.py)
+    millstream plot RUN_DIR [--out DIR]            PNGs of the run's curves (shared/plot.py)
     millstream tiny-model DIR [--seed N ...]       build the tiny random Qwen2 model
     millstream config                              every config key, default and meaning
 
@@ -32,6 +33,10 @@ def main(argv: list[str] | None = None) -> None:
         os.execv(sys.executable, [sys.executable, "-m", "millstream.bench.stress", *rest])
     if command == "run":
         sys.exit(run(rest))
+    if command == "plot":
+        from .plot import main as plot_main
+
+        sys.exit(plot_main(rest))
     if command == "tiny-model":
         from .tinymodel import main as tiny_main
 

@@ -47,6 +47,7 @@ from .config_schema import (
     TrainConfig,
     TransportConfig,
 )
+from .dashboards import backend_problem
 
 __all__ = [
     "Config",
@@ -257,6 +258,9 @@ def check_config(cfg: Config) -> None:
             f"transport.coalesce_max = {cfg.transport.coalesce_max}, the actor would refuse the "
             "envpool's own frames"
         )
+    problem = backend_problem(cfg.metrics.backends)
+    if problem:
+        raise ConfigError(problem)
     if cfg.launcher.kind == "ray" and cfg.launcher.ray_address != "auto":
         _check_ray_address(cfg.launcher.ray_address)
     if cfg.eval.samples > 1 and cfg.eval.temperature == 0:

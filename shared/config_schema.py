@@ -27,6 +27,7 @@ __all__ = [
     "LauncherConfig",
     "JudgeConfig",
     "EvalConfig",
+    "MetricsConfig",
 ]
 
 
@@ -647,6 +648,23 @@ class EvalConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = 300.0
 
 
+class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Where the learner's per-step records go besides `metrics.jsonl` (shared/dashboards.py).
+    Every backend gets the same flat numeric keys as `metrics.jsonl`, at step = training step."""
+
+    backends: Annotated[
+        list[Literal["jsonl", "tensorboard", "wandb"]],
+        _doc(
+            "Metric sinks: jsonl (always required: `millstream plot` and resumes read it), "
+            "tensorboard (event files in <run.dir>/tensorboard; extra `dashboards`), wandb (an "
+            "offline run in <run.dir>/wandb, never touches the network; extra `dashboards`)."
+        ),
+    ] = msgspec.field(default_factory=lambda: ["jsonl"])
+    wandb_project: Annotated[str, _doc("wandb: the W&B project name of the offline run.")] = "millstream"
+    wandb_name: Annotated[str, _doc("wandb: the run's display name (empty: the run directory's name).")] = ""
+    wandb_tags: Annotated[list[str], _doc("wandb: tags of the run.")] = msgspec.field(default_factory=list)
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     model: ModelConfig = msgspec.field(default_factory=ModelConfig)
@@ -659,3 +677,4 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     launcher: LauncherConfig = msgspec.field(default_factory=LauncherConfig)
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

@@ -299,6 +299,8 @@ class Trajectory(_Wire, tag="traj", gc=False, frozen=True):
     invalid_actions: int = 0
     #: Set when the episode was cut before the environment said done (it is still trained).
     truncated: Truncation | None = None
+    #: The environment's `info["success"]` on the episode's last turn (None: it never said).
+    success: bool | None = None
 
 
 class EpisodeFailed(_Wire, tag="failed", frozen=True):

@@ -376,6 +376,7 @@ def test_invalid_actions_are_counted(synthetic, tiny_model_dir):
     traj, _, _ = play_recorded(synthetic, tiny_model_dir, Scripted(first, steps), max_tokens=4, max_turns=4)
     assert isinstance(traj, Trajectory) and traj.num_turns == 4
     assert traj.invalid_actions == 2
+    assert traj.success is False  # the last turn's info["success"] reaches the learner
     assert traj.turn_rewards == [-0.1, 0.0, 0.5, -0.1] and traj.reward == pytest.approx(0.3)
 
 
