@@ -134,6 +134,7 @@ async def run_agent_episode(
         segment_starts=record.segment_starts,
         invalid_actions=record.format_errors + (0 if info.get("valid", True) else 1),
         truncated=record.truncated,
+        success=bool(info["success"]) if "success" in info else None,
     )
 
 

@@ -1,6 +1,7 @@
 """Config loading: overrides, strict errors that name the key, and the resolved dump."""
 
 import tomllib
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -164,3 +165,11 @@ def test_every_field_is_documented():
 def test_parse_overrides_rejects_value_as_section():
     with pytest.raises(ConfigError):
         parse_overrides(["a=1", "a.b=2"])
+
+
+@pytest.mark.parametrize(
+    "example", sorted((Path(__file__).parent.parent / "examples").glob("*.toml")), ids=str
+)
+def test_every_example_config_loads(example):
+    """The configs docs/real-models.md and the README point users at stay valid."""
+    load_config(example)
