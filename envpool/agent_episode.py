@@ -17,9 +17,9 @@ token, it is appended; otherwise a new segment begins (`Trajectory.segment_start
 trains each segment as its own sequence, and only generated tokens carry loss. The model's text
 is never re-tokenized into the record.
 
-An agent that raises ends the episode as `env_error`, one that overruns `envpool.episode_timeout_s`
-as `env_timeout`, one that never called the model as `env_error` too: failures are counted, never
-scored as reward 0.
+An agent that raises ends the episode as `env_error`, one that overruns
+`envpool.episode_timeout_s` as `episode_timeout` (the agent is the whole episode), one that never
+called the model as `env_error` too: failures are counted, never scored as reward 0.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ async def _run_agent(
         with anyio.fail_after(timeout_s):
             return await env.run(spec.seed, base_url, api_key)
     except TimeoutError:
-        return _failed(spec, Cause.ENV_TIMEOUT, f"the agent took longer than {timeout_s}s")
+        return _failed(spec, Cause.EPISODE_TIMEOUT, f"the agent took longer than {timeout_s}s")
     except anyio.get_cancelled_exc_class():
         raise
     except Exception as exc:  # the agent's bug ends this episode, nothing else

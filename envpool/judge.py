@@ -38,10 +38,10 @@ from millstream.shared.keys import RunKeys
 from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory
 from millstream.shared.transport import open_channel
 
-from .chat import ChatFormat
+from .chat import ChatFormat, ChatTemplateError
 from .client import ActorClient, GenerationFailed
 
-__all__ = ["Judge", "JudgeFailed", "render_rubric", "read_score"]
+__all__ = ["Judge", "JudgeFailed", "render_rubric", "read_score", "judge_messages"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,12 @@ def render_rubric(rubric: str, traj: Trajectory) -> str:
     return rubric.format(
         task=texts[0] if texts else "", response=replies[-1] if replies else "", transcript=transcript
     )
+
+
+def judge_messages(system_prompt: str, rubric: str) -> list[dict[str, str]]:
+    """The judge's conversation: its system prompt (if any) and the filled rubric."""
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    return [*system, {"role": "user", "content": rubric}]
 
 
 def read_score(pattern: re.Pattern[str], reply: str, max_score: float) -> float:
@@ -118,7 +124,11 @@ class Judge:
 
     async def _judge(self, traj: Trajectory, seed: int) -> float:
         cfg = self.cfg
-        prompt = self.chat.first_prompt(cfg.system_prompt, render_rubric(cfg.rubric, traj))
+        try:
+            # `apply`, not `first_prompt`: every rubric is unique, a cache would only hold memory.
+            prompt = self.chat.apply(judge_messages(cfg.system_prompt, render_rubric(cfg.rubric, traj)))
+        except ChatTemplateError as exc:
+            raise JudgeFailed(Cause.JUDGE_FAILED, f"the judge's chat template: {exc}") from None
         try:
             gen = await self.client.generate(
                 prompt,

@@ -123,6 +123,9 @@ class Endpoint:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, 0))  # a free port, chosen by the kernel at bind: no race
         self.port = sock.getsockname()[1]
+        # Listening now, before `started`: hypercorn listens only after its startup, and an agent
+        # connecting in between would be refused. Connections wait in the backlog meanwhile.
+        sock.listen(1024)
         config = ServerConfig()
         config.bind = [f"fd://{sock.detach()}"]
         config.accesslog = None

@@ -31,6 +31,7 @@ from .agent_episode import is_agent_env
 from .chat import ChatFormat, ChatTemplateError
 from .envs import Env, Observation, UnknownEnvironment, make_env
 from .evaluator import eval_env
+from .judge import judge_messages
 from .worker import group_seed, tokenizer_dir
 
 __all__ = ["preflight", "check_envpool"]
@@ -49,7 +50,7 @@ def check_envpool(cfg: Config) -> str | None:
         return f"envpool.env_args: {exc}"
     except Exception as exc:  # the environment's own constructor failed: say so in one line
         return f"envpool.env = {pool.env!r}: its constructor raised {type(exc).__name__}: {exc}"
-    problem = _check_eval_env(cfg)
+    problem = _check_eval_env(cfg) or _check_judge(cfg, env)
     if problem is not None:
         return problem
     try:
@@ -87,9 +88,35 @@ def _check_eval_env(cfg: Config) -> str | None:
         return None
     name, args = eval_env(cfg)
     try:
-        make_env(name, args)
+        env = make_env(name, args)
     except Exception as exc:  # named for the eval keys: the training env built fine
         return f"eval.env / eval.env_args (evaluation env {name!r}, arguments {args!r}): {exc}"
+    if is_agent_env(env):
+        return (
+            f"eval.every = {cfg.eval.every}: evaluation rounds play text environments, and "
+            f"{name!r} is an agent environment (set eval.env to a text one, or eval.every = 0)"
+        )
+    return None
+
+
+def _check_judge(cfg: Config, env: Env) -> str | None:
+    """The judge grades a transcript of observations and replies, in its own chat template."""
+    judge = cfg.judge
+    if not judge.model_path:
+        return None
+    if is_agent_env(env):
+        return (
+            f"judge.model_path: the judge grades observations and replies, and agent episodes "
+            f"(envpool.env = {cfg.envpool.env!r}) record only the model's calls; score inside the "
+            "agent instead"
+        )
+    try:
+        chat = ChatFormat.from_model_dir(judge.model_path)
+        chat.apply(
+            judge_messages(judge.system_prompt, judge.rubric.format(task="t", response="r", transcript="x"))
+        )
+    except (OSError, ValueError) as exc:  # ChatTemplateError is a ValueError
+        return f"judge.model_path: {exc} (rendering judge.system_prompt and judge.rubric)"
     return None
 
 

@@ -278,6 +278,11 @@ def check_config(cfg: Config) -> None:
 def _check_judge(cfg: Config) -> None:
     """The judge's score pattern compiles and has a group; its rubric names only known fields."""
     judge = cfg.judge
+    if judge.connect and not judge.model_path:
+        raise ConfigError(
+            f"judge.connect = {judge.connect!r}: also set judge.model_path (the judge's tokenizer "
+            "and chat template; the launcher then starts no judge)"
+        )
     try:
         groups = re.compile(judge.score_pattern).groups
     except re.error as exc:
@@ -288,7 +293,7 @@ def _check_judge(cfg: Config) -> None:
         raise ConfigError(f"judge.score_pattern = {judge.score_pattern!r}: needs a group (the score)")
     try:
         judge.rubric.format(task="", response="", transcript="")
-    except (KeyError, IndexError, ValueError) as exc:
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
         raise ConfigError(
             f"judge.rubric: {type(exc).__name__} {exc}; the fields are {{task}}, {{response}}, "
             "{transcript} (double other braces: {{ }})"

@@ -105,9 +105,15 @@ class _Wandb:
             config=config,
             settings=wandb.Settings(console="off", x_disable_stats=True),
         )
+        # Records are logged in arrival order against their own step keys, never with wandb's
+        # `step=`: an evaluation record arrives after training went on (its step is the version
+        # it evaluated, already behind), and wandb drops a `step=` lower than its last one.
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+        self._run.define_metric("eval/*", step_metric="eval/version")
 
     def log(self, scalars: dict[str, float], step: int) -> None:
-        self._run.log(scalars, step=step)
+        self._run.log({**scalars, "step": step})
 
     def close(self) -> None:
         import wandb

@@ -21,7 +21,7 @@ __all__ = ["PANELS", "plot_run", "main"]
 #: Panel name -> (title, y label, regex of the metric keys it draws).
 PANELS: dict[str, tuple[str, str, str]] = {
     "reward": ("Reward", "reward", r"^reward/(mean|min|max)$"),
-    "eval": ("Evaluation", "value", r"^eval/.*"),
+    "eval": ("Evaluation", "rate", r"^eval/(reward_mean|success|pass@\d+)$"),
     "entropy": ("Policy entropy", "nats / token", r"^train/entropy$"),
     "grad_norm": ("Gradient norm (before clipping)", "norm", r"^train/grad_norm$"),
     "staleness": ("Staleness of trained tokens", "policy versions", r"^staleness/(mean|max)$"),

@@ -89,9 +89,14 @@ def node_pins(cfg: Config, here: str) -> dict[str, str | None]:
     replicas = {} if cfg.actor.connect else dict(enumerate(replica_addresses(cfg)))
     for i, address in replicas.items():
         hosts[f"actor.replica_addresses[{i}]"] = _host_of(address)
+    judge = cfg.judge.model_path and not cfg.judge.connect
+    if judge:
+        hosts["judge.address"] = _host_of(cfg.judge.address)
     if any(h is not None and _is_loopback(h) for h in hosts.values()):
-        return {"actor": here, "learner": here, "envpool": here}
+        return {"actor": here, "learner": here, "envpool": here, **({"judge": here} if judge else {})}
     return {
+        # The judge (one more engine) runs on the node of the address it binds.
+        **({"judge": _node_ip(hosts["judge.address"])} if judge else {}),
         "actor": _node_ip(hosts["actor.address"]),
         "learner": _node_ip(hosts["learner.experience_address"]),
         "envpool": None,

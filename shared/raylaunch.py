@@ -183,7 +183,7 @@ class RaySupervisor:
     # --- inside ------------------------------------------------------------------------------------
 
     def _bundle(self, name: str) -> dict[str, float]:
-        kind = name.split("-")[0]
+        kind = "actor" if name == "judge" else name.split("-")[0]  # the judge is an engine too
         launcher = self.cfg.launcher
         cpus, gpus = {
             "actor": (launcher.actor_cpus, launcher.actor_gpus),

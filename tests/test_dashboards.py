@@ -51,11 +51,13 @@ def test_wandb_writes_an_offline_run_with_the_history(tmp_path, monkeypatch):
     assert "wandb" in metrics.backends
     for step in (1, 2):
         metrics.write({"step": step, "reward/mean": 0.125 * step, "episode/success_rate": 0.5})
+    # An evaluation round arrives after training went on: its step (the version) is behind.
+    metrics.write({"step": 1, "eval/version": 1, "eval/reward_mean": 0.375})
     metrics.close()
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, list((tmp_path / "wandb").iterdir())
     history = next(runs[0].glob("run-*.wandb")).read_bytes()
-    for needle in (b"reward/mean", b"episode/success_rate", b"0.25", b"t1"):
+    for needle in (b"reward/mean", b"episode/success_rate", b"0.25", b"t1", b"eval/reward_mean", b"0.375"):
         assert needle in history, needle
 
 

@@ -4,6 +4,8 @@ causes, the judge actor frozen, and a run whose rewards come from a real vLLM ju
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 import orjson
 import pytest
@@ -82,6 +84,41 @@ def test_replace_puts_the_judged_score_on_the_last_turn_and_add_adds_it():
 def test_a_bad_judge_config_is_refused_naming_the_key(override, named):
     with pytest.raises(ConfigError, match=re.escape(named)):
         load_config(None, [override])
+
+
+def test_a_judge_to_connect_to_needs_its_model_for_the_tokenizer():
+    with pytest.raises(ConfigError, match="also set judge.model_path"):
+        load_config(None, ["judge.connect=tcp://127.0.0.1:5999"])
+
+
+def test_a_judge_for_an_agent_env_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    from millstream.shared.launcher import prepare
+
+    with pytest.raises(ConfigError, match="judge.model_path: .*agent episodes"):
+        prepare(
+            None,
+            [
+                f"run.dir={tmp_path / 'run'}",
+                f"model.path={tiny_model_dir}",
+                f"judge.model_path={tiny_model_dir}",
+            ]
+            + ["envpool.env=openai_agent"],
+        )
+
+
+def test_a_judge_template_that_refuses_the_rubric_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
+    """A Gemma-style judge template raises on the (default) system prompt: said at once, not as
+    every episode failing in the run."""
+    from test_chat_templates import write_model_dir
+
+    from millstream.shared.launcher import prepare
+
+    gemma = write_model_dir(tiny_model_dir, tmp_path / "gemma", "gemma")
+    shutil.copy(Path(tiny_model_dir) / "config.json", gemma)  # a tokenizer-only copy so far
+    args = [f"run.dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}", f"judge.model_path={gemma}"]
+    with pytest.raises(ConfigError, match="judge.model_path: .*rendering judge.system_prompt"):
+        prepare(None, args)
+    prepare(None, [*args, "judge.system_prompt=''"])  # without a system turn it renders
 
 
 def test_a_judge_model_that_is_not_a_model_directory_is_refused_before_anything_starts(tmp_path):

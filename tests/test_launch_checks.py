@@ -56,6 +56,11 @@ def test_lora_targets_the_model_lacks_are_refused_before_anything_starts(tmp_pat
     assert message.startswith("learner.lora_target_modules: ['qkv'] match no linear layer")
 
 
+def test_evaluation_of_an_agent_env_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
+    message = refused(tmp_path, f"model.path={tiny_model_dir}", "envpool.env=openai_agent", "eval.every=5")
+    assert message.startswith("eval.every = 5: evaluation rounds play text environments")
+
+
 def test_a_model_path_that_is_not_a_model_directory(tmp_path):
     (tmp_path / "empty").mkdir()
     assert refused(tmp_path, f"model.path={tmp_path / 'empty'}") == (

@@ -290,7 +290,8 @@ class Silent:
 
 
 @pytest.mark.parametrize(
-    "agent, cause", [(Raises(), Cause.ENV_ERROR), (Hangs(), Cause.ENV_TIMEOUT), (Silent(), Cause.ENV_ERROR)]
+    "agent, cause",
+    [(Raises(), Cause.ENV_ERROR), (Hangs(), Cause.EPISODE_TIMEOUT), (Silent(), Cause.ENV_ERROR)],
 )
 def test_agent_failures_are_counted_causes(tiny_model_dir, agent, cause):
     result, _, _ = play_scripted(tiny_model_dir, agent, [], episode_timeout_s=0.5)
