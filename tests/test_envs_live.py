@@ -39,6 +39,7 @@ MAX_MODEL_LEN = 1024
 ENV_ARGS = {
     "flaky": {"inner": "echo", "crash_prob": 0.0, "hang_prob": 0.0, "garbage_prob": 1.0},
     "pytool": {"timeout_s": 10.0},
+    "dataset": {"path": "millstream:arithmetic"},
 }
 
 #: The format penalty of each environment of the suite with its default arguments (an invalid
@@ -256,7 +257,7 @@ def check_rules(name: str, traj: Trajectory, env: RecordingEnv) -> None:
 
 
 # Agent environments (run, no step) play through their endpoint: tests/test_openai_endpoint.py.
-@pytest.mark.parametrize("name", [n for n in env_names() if not is_agent_env(make_env(n))])
+@pytest.mark.parametrize("name", [n for n in env_names() if not is_agent_env(make_env(n, ENV_ARGS.get(n)))])
 def test_env_plays_consistent_episodes_on_the_real_actor(actor, name):
     args = ENV_ARGS.get(name, {})
     for seed in (11, 12):
