@@ -14,6 +14,8 @@ answered, what the actor was sent and returned); the recorders change nothing th
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 from helpers import keys_for
@@ -36,7 +38,7 @@ MAX_MODEL_LEN = 1024
 #: Arguments per environment: the defaults, except where a default is random or too slow.
 #: flaky: no crash or hang (they would make the episode a failure, tested elsewhere), and every
 #: reply replaced by garbage, which the inner echo must count as an invalid action.
-ENV_ARGS = {
+ENV_ARGS: dict[str, dict[str, Any]] = {
     "flaky": {"inner": "echo", "crash_prob": 0.0, "hang_prob": 0.0, "garbage_prob": 1.0},
     "pytool": {"timeout_s": 10.0},
     "dataset": {"path": "millstream:arithmetic"},
