@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import anyio
 import orjson
@@ -48,6 +49,23 @@ atexit.register(shutil.rmtree, KEYS_DIR.parent, ignore_errors=True)
 WATCHED = {ENV_PARENT: str(os.getpid())}
 #: The override that points a role or a run at the session's keys.
 KEYS = f"transport.keys_dir={KEYS_DIR}"
+
+
+class Recorder:
+    """Wraps a client (the production `ActorClient` or `Router`): remembers each request's
+    prompt and each generation, so a test can compare what an episode recorded with what the
+    actor was asked and sampled."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.prompts: list[list[int]] = []
+        self.generations: list[Any] = []
+
+    async def generate(self, prompt_token_ids: list[int], **kwargs: Any) -> Any:
+        self.prompts.append(list(prompt_token_ids))
+        gen = await self.client.generate(prompt_token_ids, **kwargs)
+        self.generations.append(gen)
+        return gen
 
 
 def keys_for(role: str, folder: Path = KEYS_DIR) -> RunKeys:

@@ -4,7 +4,7 @@ synthetic actor or a scripted client."""
 
 import anyio
 import pytest
-from helpers import keys_for
+from helpers import Recorder, keys_for
 
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.client import ActorClient, Generation
@@ -138,17 +138,6 @@ class ScriptedClient:
             [3] * len(ids),
             "stop" if ids and ids[-1] in stop_token_ids else "length",
         )
-        self.generations.append(gen)
-        return gen
-
-
-class Recorder:
-    def __init__(self, client):
-        self.client, self.prompts, self.generations = client, [], []
-
-    async def generate(self, prompt_token_ids, **kwargs):
-        self.prompts.append(list(prompt_token_ids))
-        gen = await self.client.generate(prompt_token_ids, **kwargs)
         self.generations.append(gen)
         return gen
 

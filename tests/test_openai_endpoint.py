@@ -8,7 +8,7 @@ import json
 import anyio
 import openai
 import pytest
-from helpers import keys_for
+from helpers import Recorder, keys_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,19 +26,6 @@ from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory
 from millstream.shared.transport import open_channel
 
 STOP = 2  # <|im_end|> of the tiny model
-
-
-class Recorder:
-    """The production client, remembering each request's prompt and each generation."""
-
-    def __init__(self, client):
-        self.client, self.prompts, self.generations = client, [], []
-
-    async def generate(self, prompt_token_ids, **kwargs):
-        self.prompts.append(list(prompt_token_ids))
-        gen = await self.client.generate(prompt_token_ids, **kwargs)
-        self.generations.append(gen)
-        return gen
 
 
 class ScriptedClient:
