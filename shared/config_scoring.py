@@ -10,11 +10,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from .config_meta import doc as _doc
+
 __all__ = ["EvalConfig", "MetricsConfig", "JudgeConfig"]
-
-
-def _doc(text: str, **constraints: Any) -> msgspec.Meta:
-    return msgspec.Meta(description=text, **constraints)
 
 
 class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
