@@ -70,6 +70,8 @@ __all__ = [
     "TensorSpec",
     "Trajectory",
     "EpisodeFailed",
+    "FailedRequest",
+    "Scene",
     "PoolDone",
     "WorkerHello",
     "GroupStarted",
@@ -92,7 +94,7 @@ __all__ = [
 
 #: Bumped on any incompatible change of a message below. A peer with another version is refused
 #: with a clear error instead of misreading fields.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 class ProtocolError(ValueError):
@@ -301,6 +303,38 @@ class Trajectory(_Wire, tag="traj", gc=False, frozen=True):
     truncated: Truncation | None = None
     #: The environment's `info["success"]` on the episode's last turn (None: it never said).
     success: bool | None = None
+    #: The id of the generation request that produced each turn (a call can be found by it).
+    request_ids: list[str] = []
+
+
+class FailedRequest(msgspec.Struct, array_like=True, frozen=True):
+    """A generation request that ended without its final delta: what had arrived, and why."""
+
+    request_id: str
+    turn: int
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    error: str
+
+
+class Scene(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """What a failed episode had done when it failed (the "scene of the accident"): the context
+    so far, in `Trajectory`'s layout, and the request that was live, if one was."""
+
+    env: str
+    seed: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    turn_rewards: list[float]
+    turn_starts: list[int]
+    turn_ends: list[int]
+    texts: list[str]
+    request_ids: list[str]
+    duration_s: float
+    request: FailedRequest | None = None
 
 
 class EpisodeFailed(_Wire, tag="failed", frozen=True):
@@ -311,6 +345,8 @@ class EpisodeFailed(_Wire, tag="failed", frozen=True):
     group_size: int
     cause: Cause
     message: str
+    #: The episode's state when it failed (None where nothing was played, or not recorded).
+    scene: Scene | None = None
 
 
 class PoolDone(_Wire, tag="pool_done", frozen=True):
