@@ -28,9 +28,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import msgspec
 
 from millstream.shared.config import EnvPoolConfig
-from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory, Truncation
+from millstream.shared.protocol import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory, Truncation
 
 from .client import Generation, GenerationFailed
 from .envs.agent import AgentEnv, AgentResult, is_agent_env
@@ -54,6 +55,7 @@ class EpisodeRecord:
         self.turn_starts: list[int] = []
         self.turn_ends: list[int] = []
         self.texts: list[str] = []
+        self.request_ids: list[str] = []
         self.calls = 0
         self.format_errors = 0
         self.truncated: Truncation | None = None
@@ -88,8 +90,39 @@ class EpisodeRecord:
         self._add(gen.token_ids, 1, gen.logprobs, gen.versions)
         self.turn_ends.append(len(self.ids))
         self.texts.append(text)
+        self.request_ids.append(gen.request_id)
         self.calls += 1
         return fresh
+
+    def scene(self, spec: EpisodeSpec, started: float, failed: GenerationFailed | None = None) -> Scene:
+        """What the agent had done when the episode failed (its calls so far; `texts` holds
+        one reply per call here, no observations: the agent's messages are in the tokens)."""
+        request = None
+        if failed is not None and failed.request_id is not None:
+            partial = failed.partial or Generation()
+            request = FailedRequest(
+                failed.request_id,
+                self.calls,
+                partial.token_ids,
+                partial.logprobs,
+                partial.versions,
+                str(failed)[:500],
+            )
+        return Scene(
+            spec.env_name,
+            spec.seed,
+            self.ids,
+            self.mask,
+            self.logprobs,
+            self.versions,
+            [0.0] * self.calls,
+            self.turn_starts,
+            self.turn_ends,
+            self.texts,
+            self.request_ids,
+            time.monotonic() - started,
+            request,
+        )
 
 
 async def run_agent_episode(
@@ -100,13 +133,14 @@ async def run_agent_episode(
     `endpoint` is envpool/openai_api.py's `Endpoint` (it opens and closes the episode's route).
     """
     started = time.monotonic()
+    record: EpisodeRecord | None = None
     try:
         with endpoint.episode(spec) as (base_url, api_key, record):
             result = await _run_agent(spec, env, base_url, api_key, cfg.episode_timeout_s)
     except GenerationFailed as exc:  # the actor failed one of the agent's calls: its cause wins
-        return _failed(spec, exc.cause, str(exc))
+        return _failed(spec, exc.cause, str(exc), record.scene(spec, started, exc) if record else None)
     if isinstance(result, EpisodeFailed):
-        return result
+        return msgspec.structs.replace(result, scene=record.scene(spec, started))
     if not isinstance(result, AgentResult):
         return _failed(spec, Cause.ENV_ERROR, f"agent returned {type(result).__name__}, not AgentResult")
     if record.calls == 0:
@@ -135,6 +169,7 @@ async def run_agent_episode(
         invalid_actions=record.format_errors + (0 if info.get("valid", True) else 1),
         truncated=record.truncated,
         success=bool(info["success"]) if "success" in info else None,
+        request_ids=record.request_ids,
     )
 
 
@@ -152,5 +187,5 @@ async def _run_agent(
         return _failed(spec, Cause.ENV_ERROR, f"agent raised {type(exc).__name__}: {exc}")
 
 
-def _failed(spec: EpisodeSpec, cause: Cause, message: str) -> EpisodeFailed:
-    return EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, cause, message[:500])
+def _failed(spec: EpisodeSpec, cause: Cause, message: str, scene: Scene | None = None) -> EpisodeFailed:
+    return EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, cause, message[:500], scene)

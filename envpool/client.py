@@ -64,6 +64,10 @@ class GenerationFailed(Exception):
     def __init__(self, cause: Cause, message: str) -> None:
         super().__init__(f"{cause}: {message}")
         self.cause = cause
+        #: The request that failed and what it had streamed before (the trajectory store keeps
+        #: them as the failed episode's scene); set where the request was made.
+        self.request_id: str | None = None
+        self.partial: Generation | None = None
 
 
 @dataclass
@@ -74,6 +78,8 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    #: The id the request had on the wire (a turn's record names it, to find the call later).
+    request_id: str = ""
 
 
 @dataclass
@@ -332,7 +338,7 @@ class ActorClient:
         self._routes[request_id] = inbox
         self.stats.requests += 1
         self.stats.live += 1
-        out = Generation()
+        out = Generation(request_id=request_id)
         done = False
         sent_at = anyio.current_time()
         try:
@@ -376,6 +382,9 @@ class ActorClient:
             self.stats.completed += 1
             self.stats.latency.add(anyio.current_time() - sent_at)
             return out
+        except GenerationFailed as exc:
+            exc.request_id, exc.partial = request_id, out
+            raise
         finally:
             del self._routes[request_id]
             self.stats.live -= 1

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import anyio
 
 from millstream.shared.config import EnvPoolConfig
-from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory, Truncation
+from millstream.shared.protocol import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory, Truncation
 
 from .chat import ChatFormat
-from .client import GenerationFailed, TurnClient
+from .client import Generation, GenerationFailed, TurnClient
 from .envs import Env
 
 __all__ = ["EpisodeSpec", "run_episode", "sampling_seed"]
@@ -85,26 +85,30 @@ async def run_episode(
 ) -> Trajectory | EpisodeFailed:
     """Play one episode; `starting` (optional) bounds how many environments reset at once."""
     started = time.monotonic()
+    ctx = _Context()
     try:
         with anyio.CancelScope(deadline=anyio.current_time() + cfg.episode_timeout_s):
-            return await _play(spec, env, chat, client, cfg, max_model_len, started, starting)
-        return _failed(spec, Cause.EPISODE_TIMEOUT, f"episode took longer than {cfg.episode_timeout_s}s")
+            return await _play(spec, env, chat, client, cfg, max_model_len, started, starting, ctx)
+        message = f"episode took longer than {cfg.episode_timeout_s}s"
+        return _failed(spec, Cause.EPISODE_TIMEOUT, message, ctx.scene(spec, started))
     except _EnvFailure as exc:
-        return _failed(spec, exc.cause, str(exc))
+        return _failed(spec, exc.cause, str(exc), ctx.scene(spec, started))
     except GenerationFailed as exc:
-        return _failed(spec, exc.cause, str(exc))
+        return _failed(spec, exc.cause, str(exc), ctx.scene(spec, started, exc))
 
 
-def _failed(spec: EpisodeSpec, cause: Cause, message: str) -> EpisodeFailed:
-    return EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, cause, message[:500])
+def _failed(spec: EpisodeSpec, cause: Cause, message: str, scene: Scene | None = None) -> EpisodeFailed:
+    return EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, cause, message[:500], scene)
 
 
 class _Context:
-    """The growing token record of one episode: every context it used, concatenated.
+    """The growing record of one episode: every context it used, concatenated, and its turns.
 
     Token lists are parallel: ids, loss mask, behaviour logprobs, policy versions. `segment`
     is where the context the model currently sees begins (0 unless the environment asked for a
-    fresh context).
+    fresh context). Per turn: where its reply starts and ends, its reward, the request that
+    made it; `texts` alternates observation and reply. A failed episode sends all of it as its
+    `Scene`, so the trajectory store shows what happened up to the failure.
     """
 
     def __init__(self) -> None:
@@ -114,6 +118,44 @@ class _Context:
         self.versions: list[int] = []
         self.segment = 0
         self.segment_starts: list[int] = []
+        self.rewards: list[float] = []
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.texts: list[str] = []
+        self.request_ids: list[str] = []
+
+    def scene(
+        self, spec: EpisodeSpec, started: float, failed: GenerationFailed | None = None
+    ) -> Scene | None:
+        """What the episode had done, and the request that failed, if one did."""
+        if not self.ids and failed is None:
+            return None  # it failed before its first prompt: there is nothing to see
+        request = None
+        if failed is not None and failed.request_id is not None:
+            partial = failed.partial or Generation()
+            request = FailedRequest(
+                failed.request_id,
+                len(self.rewards),
+                partial.token_ids,
+                partial.logprobs,
+                partial.versions,
+                str(failed)[:500],
+            )
+        return Scene(
+            spec.env_name,
+            spec.seed,
+            self.ids,
+            self.mask,
+            self.logprobs,
+            self.versions,
+            self.rewards,
+            self.starts,
+            self.ends,
+            self.texts,
+            self.request_ids,
+            time.monotonic() - started,
+            request,
+        )
 
     def add_prompt(self, ids: list[int]) -> None:
         self.ids.extend(ids)
@@ -144,17 +186,15 @@ async def _play(
     max_model_len: int,
     started: float,
     starting: anyio.CapacityLimiter | None,
+    ctx: _Context,
 ) -> Trajectory:
     async with starting or nullcontext():  # bounds envs starting at once (sandboxes, containers)
         obs = await _call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
     system = getattr(env, "system_prompt", "")
-    ctx = _Context()
     ctx.add_prompt(chat.first_prompt(system, obs.text))
-    rewards: list[float] = []
-    starts: list[int] = []
-    ends: list[int] = []
+    rewards, starts, ends, texts = ctx.rewards, ctx.starts, ctx.ends, ctx.texts
     anchors: list[str] = []
-    texts: list[str] = [obs.text]
+    texts.append(obs.text)
     invalid = 0
     truncated: Truncation | None = None
     success: bool | None = None
@@ -180,16 +220,18 @@ async def _play(
             affinity=spec.episode_id,
         )
         starts.append(len(ctx.ids))
+        ctx.request_ids.append(gen.request_id)
         anchors.append(obs.anchor)
         ctx.add_generation(gen, obs.trained)
         ends.append(len(ctx.ids))
         response = chat.decode(gen.token_ids)
+        texts.append(response)
         result = await _call_env("step", env.step, response, cfg.step_timeout_s)
         rewards.append(float(result.reward))
         invalid += 0 if result.info.get("valid", True) else 1
         if "success" in result.info:
             success = bool(result.info["success"])
-        texts += [response, result.observation.text]
+        texts.append(result.observation.text)
         if result.done:
             break
         if turn == cfg.max_turns - 1:
@@ -241,4 +283,5 @@ async def _play(
         invalid_actions=invalid,
         truncated=truncated,
         success=success,
+        request_ids=ctx.request_ids,
     )

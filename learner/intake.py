@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import msgspec
-
 from millstream.shared.config import Config
 from millstream.shared.protocol import (
     EpisodeFailed,
@@ -47,10 +45,10 @@ class Intake:
         buffer: ReplayBuffer,
         ledger: WorkerLedger,
         check: EpisodeCheck,
-        log_episode: Callable[[dict], None],
+        record_failed: Callable[[EpisodeFailed, int], None],
     ) -> None:
         self.buffer, self.ledger, self.check = buffer, ledger, check
-        self.log_episode = log_episode
+        self.record_failed = record_failed
         self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
         self.done_workers: dict[str, PoolDone] = {}
         self.held: list[Trajectory | EpisodeFailed] = []
@@ -138,4 +136,4 @@ class Intake:
             detail = found.detail if found is not None else "disagrees with its group or the buffer"
             self.refusals.event(reason, "refused episode %.40r: %s: %s", message.episode_id, reason, detail)
         elif isinstance(message, EpisodeFailed) and self.buffer.failed.get(cause, 0) > before:
-            self.log_episode({"fate": "failed", "version": version, **msgspec.structs.asdict(message)})
+            self.record_failed(message, version)

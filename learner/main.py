@@ -58,6 +58,7 @@ from .experience import Experience, say
 from .fleet import Fleet, replica_weights
 from .follower import follow
 from .intake import Intake
+from .records import EpisodeRecords
 from .replay import Group, ReplayBuffer
 from .stats import CollapseWatch, NoSignalWatch, batch_metrics, buffer_metrics, progress_line
 from .team import Team
@@ -91,7 +92,9 @@ class Leader:
         self.no_signal = NoSignalWatch()
         self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0, group_size=train.group_size)
         check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))
-        self.intake = Intake(cfg, self.buffer, self.ledger, check, self._log_episode)
+        self.records = EpisodeRecords(cfg, run_dir)  # every episode's fate (learner/records.py)
+        self.buffer.on_drop = lambda trajs, why: self.records.dropped(trajs, str(why), self.trainer.version)
+        self.intake = Intake(cfg, self.buffer, self.ledger, check, self.records.failed)
         #: This learner process; a restarted learner is a new session, and workers say hello to it.
         self.session = uuid.uuid4().hex[:12]
         self.sessions = 1  # learner sessions of this run, this one included (resumes add)
@@ -137,7 +140,6 @@ class Leader:
             wandb_tags=cfg.metrics.wandb_tags,
             config=msgspec.to_builtins(cfg),
         )
-        self.episodes_log = (self.run_dir / "trajectories.jsonl").open("ab")
         if cfg.run.resume:
             self.metrics.write(
                 {
@@ -239,8 +241,9 @@ class Leader:
             **sync_metrics,
             **self.fleet.metrics(),
             **buffer_metrics(self.buffer.statistics()),
+            **self.records.statistics(),
         }
-        self._log_trained(scored, version)  # first: the metrics record counts these episodes
+        self.records.trained(scored, self.trainer.version, version)  # first: the record counts them
         self._report(record, step_metrics)
         self.last_step = now
         every = self.cfg.learner.checkpoint_every
@@ -309,21 +312,6 @@ class Leader:
             self.metrics.write({"event": "collapse_warning", "step": step, **warning})
         say(progress_line(record, self.cfg.train.steps, no_signal_after=self.no_signal.after))
 
-    def _log_trained(self, scored: list[tuple[Trajectory, list[float]]], version: int) -> None:
-        """One trajectory record per trained episode, flushed with the step (a kill keeps it)."""
-        for traj, adv in scored:
-            first = next((a for a, m in zip(adv, traj.loss_mask) if m), 0.0)
-            self._log_episode(
-                {
-                    "fate": "trained",
-                    "step": self.trainer.version,
-                    "trained_version": version,
-                    "advantage": first,
-                    **msgspec.structs.asdict(traj),
-                }
-            )
-        self.episodes_log.flush()
-
     # --- collective steps (every rank enters them) -----------------------------------------
 
     def _push_weights(self) -> dict:
@@ -334,10 +322,9 @@ class Leader:
         return self.trainer.named_weights()
 
     def _save(self) -> Path:
-        self.episodes_log.flush()
-        # Where the run's record files stand at this checkpoint: a resume from it marks every
-        # record after these offsets rolled back (shared/rundir.py).
-        records = {"metrics.jsonl": self.metrics.position(), "trajectories.jsonl": self.episodes_log.tell()}
+        # Where the run's records stand at this checkpoint: a resume from it marks every record
+        # after these positions rolled back (shared/rundir.py).
+        records = {"metrics.jsonl": self.metrics.position(), **self.records.positions()}
         extra = {
             "next_group": self._next_group(),
             "run_dir": str(self.run_dir),
@@ -420,12 +407,9 @@ class Leader:
         self.team.command("stop")
         self.metrics.write({"summary": summary})
         (self.run_dir / "summary.json").write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
-        for closable in (self.episodes_log, self.metrics, self.fleet, self.exp):
+        for closable in (self.records, self.metrics, self.fleet, self.exp):
             closable.close()
         return summary
-
-    def _log_episode(self, record: dict) -> None:
-        self.episodes_log.write(orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE))
 
 
 def run_learner(cfg: Config, ready_file: str | None = None) -> dict:

@@ -42,6 +42,7 @@ previous envpool, so loading drops them under a cause ("incomplete_at_resume") l
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,6 +135,8 @@ class ReplayBuffer:
         self.max_groups = max_groups
         self.min_group_size = min_group_size
 
+        #: Called with every dropped group's trajectories and the cause (the learner records them).
+        self.on_drop: Callable[[list[Trajectory], DropCause], None] | None = None
         self._pending: dict[str, _Pending] = {}
         # Insertion order is completion order, which is the FIFO order of take_batch.
         self._complete: OrderedDict[str, Group] = OrderedDict()
@@ -168,6 +171,8 @@ class ReplayBuffer:
             return
         if status == _LATE:
             self._count(self.dropped, self._closed.get(traj.group_id, _OVERFLOW), 1)
+            if self.on_drop is not None:
+                self.on_drop([traj], self._closed.get(traj.group_id, _OVERFLOW))
             return
         group = self._pending[traj.group_id]
         oldest = _oldest_version(traj)
@@ -175,6 +180,8 @@ class ReplayBuffer:
             # Mismatched lengths or no generated token: nothing to train on and no defined
             # staleness. The member slot still closes, like a failure, so the group can complete.
             self._count(self.dropped, DropCause.MALFORMED, 1)
+            if self.on_drop is not None:
+                self.on_drop([traj], DropCause.MALFORMED)
             group.failed += 1
         else:
             group.trajectories.append(traj)
@@ -338,6 +345,8 @@ class ReplayBuffer:
         if trajectories:
             self._count(self.dropped, cause, len(trajectories))
             self.buffered -= len(trajectories)
+            if self.on_drop is not None:
+                self.on_drop(trajectories, cause)
 
     def count_unreceived(self, cause: Cause, n: int) -> None:
         """`n` episodes that were started but can never arrive (their results died with a

@@ -20,7 +20,7 @@ import msgspec
 
 from .config_meta import doc as _doc
 from .config_ops import ChaosConfig, LauncherConfig, TransportConfig
-from .config_scoring import EvalConfig, JudgeConfig, MetricsConfig
+from .config_scoring import EvalConfig, JudgeConfig, MetricsConfig, StoreConfig
 
 __all__ = [
     "Config",
@@ -35,6 +35,7 @@ __all__ = [
     "LauncherConfig",
     "EvalConfig",
     "MetricsConfig",
+    "StoreConfig",
     "JudgeConfig",
 ]
 
@@ -476,3 +477,4 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     judge: JudgeConfig = msgspec.field(default_factory=JudgeConfig)
     eval: EvalConfig = msgspec.field(default_factory=EvalConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    store: StoreConfig = msgspec.field(default_factory=StoreConfig)

@@ -12,7 +12,7 @@ import msgspec
 
 from .config_meta import doc as _doc
 
-__all__ = ["EvalConfig", "MetricsConfig", "JudgeConfig"]
+__all__ = ["EvalConfig", "MetricsConfig", "JudgeConfig", "StoreConfig"]
 
 
 class JudgeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -119,3 +119,42 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     wandb_project: Annotated[str, _doc("wandb: the W&B project name of the offline run.")] = "millstream"
     wandb_name: Annotated[str, _doc("wandb: the run's display name (empty: the run directory's name).")] = ""
     wandb_tags: Annotated[list[str], _doc("wandb: tags of the run.")] = msgspec.field(default_factory=list)
+
+
+class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The trajectory store, `<run.dir>/store.sqlite` (shared/trajstore.py): every trained,
+    dropped and failed episode with its turns, read by `millstream inspect` and `millstream debug`.
+    The learner writes it from a thread: the run never waits on it."""
+
+    enabled: Annotated[
+        bool, _doc("Keep the store (false: no store.sqlite; inspect has nothing to show).")
+    ] = True
+    keep_success: Annotated[
+        float,
+        _doc(
+            "Share of trained episodes kept (chosen by episode id, so the same ones every time); "
+            "failed and dropped episodes are always kept.",
+            ge=0.0,
+            le=1.0,
+        ),
+    ] = 1.0
+    max_mb: Annotated[
+        float,
+        _doc(
+            "Size cap in MiB (0: none). Past it the oldest trained episodes are deleted to make room, "
+            "then the oldest of any kind: a week-long run does not fill the disk.",
+            ge=0.0,
+        ),
+    ] = 4096.0
+    queue: Annotated[
+        int,
+        _doc(
+            "Episodes the writer thread may hold unwritten; past it new ones are dropped and counted.", ge=1
+        ),
+    ] = 8192
+    jsonl: Annotated[
+        bool,
+        _doc(
+            "Also write trajectories.jsonl (a JSON line per trained or failed episode), as before the store."
+        ),
+    ] = False

@@ -5,16 +5,19 @@
                              kept as config-before-step-N.toml when a resume replaces it)
         logs/<name>.log      each process's output; <name>.exit.json: why it failed, if it did
         metrics.jsonl        one record per step, events, the summary; rolled-back ones marked
-        trajectories.jsonl   one record per trained or failed episode; rolled-back ones marked
+        store.sqlite         the trajectory store: every trained, dropped and failed episode with
+                             its turns (shared/trajstore.py; `millstream inspect` reads it)
+        trajectories.jsonl   with store.jsonl = true: a line per trained or failed episode
         envpool-w<i>.jsonl   each envpool worker's statistics
         summary.json         the final accounting
         checkpoints/latest   the name of the newest complete checkpoint (step_NNNNNN/)
 
 A resume (`run.resume=<run dir or checkpoint>`) continues **in the same run directory** from a
-checkpoint at step N. Each checkpoint records how far `metrics.jsonl` and `trajectories.jsonl`
-had been written when it was saved (`records`, in the learner's state). The records after those
-offsets are what the resumed session replaces: they are not deleted (they are what happened) but
-marked `"rolled_back": true` before anything starts, so reading the files never double counts.
+checkpoint at step N. Each checkpoint records how far `metrics.jsonl`, the store (its last row
+id) and `trajectories.jsonl` had been written when it was saved (`records`, in the learner's
+state). The records after those positions are what the resumed session replaces: they are not
+deleted (they are what happened) but marked rolled back (`"rolled_back": true`, the store's
+`rolled_back` column) before anything starts, so reading them never double counts.
 Checkpoints of the abandoned timeline (steps above N) are moved aside to
 `checkpoints/rolled-back-step_NNNNNN`, so `latest` and a later resume never pick them.
 
@@ -37,6 +40,7 @@ import msgspec
 import orjson
 
 from .config import Config, ConfigError, load_config
+from .trajstore import STORE_FILE, mark_rolled_back_after
 
 __all__ = [
     "STATE_FILE",
@@ -219,6 +223,9 @@ def mark_rolled_back(run_dir: Path, records: dict[str, int]) -> dict[str, int]:
     for name, offset in records.items():
         path = run_dir / name
         if not path.is_file():
+            continue
+        if name == STORE_FILE:  # the trajectory store: rows after the checkpoint's last id
+            marked[name] = mark_rolled_back_after(path, offset)
             continue
         tmp = path.with_name(f"{name}.tmp")
         count = 0

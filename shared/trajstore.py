@@ -41,6 +41,7 @@ import threading
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -68,6 +69,8 @@ __all__ = [
     "episode_from_failure",
     "write_episode",
     "last_id",
+    "read_episodes",
+    "episode_dict",
     "mark_rolled_back_after",
     "ints",
     "floats",
@@ -231,6 +234,50 @@ def write_episode(db: sqlite3.Connection, row: EpisodeRow) -> int:
         ],
     )
     return episode
+
+
+def episode_dict(db: sqlite3.Connection, row: sqlite3.Row) -> dict[str, Any]:
+    """One `episodes` row with its arrays decoded and its turns and failed requests attached,
+    in `Trajectory`'s field names where they exist."""
+    out = {
+        k: row[k]
+        for k in row.keys()  # noqa: SIM118 (a Row iterates its values)
+        if k not in ("tokens", "loss_mask", "logprobs", "versions", "advantages")
+    }
+    out["rolled_back"] = bool(out["rolled_back"])
+    out["success"] = None if out["success"] is None else bool(out["success"])
+    out["token_ids"] = ints(row["tokens"])
+    out["loss_mask"] = list(row["loss_mask"])
+    out["logprobs"] = floats(row["logprobs"])
+    out["versions"] = ints(row["versions"])
+    out["advantages"] = None if row["advantages"] is None else floats(row["advantages"])
+    out.update(orjson.loads(out.pop("extra")))
+    turns = [dict(t) for t in db.execute("SELECT * FROM turns WHERE episode = ? ORDER BY turn", (row["id"],))]
+    out["turns"] = turns
+    out["turn_starts"] = [t["start"] for t in turns]
+    out["turn_ends"] = [t["end"] for t in turns]
+    out["turn_rewards"] = [t["reward"] for t in turns]
+    out["request_ids"] = [t["request_id"] for t in turns]
+    out["requests"] = [
+        {
+            **dict(r),
+            "tokens": ints(r["tokens"]),
+            "logprobs": floats(r["logprobs"]),
+            "versions": ints(r["versions"]),
+        }
+        for r in db.execute("SELECT * FROM requests WHERE episode = ?", (row["id"],))
+    ]
+    return out
+
+
+def read_episodes(path: Path, where: str = "1", params: tuple = ()) -> list[dict[str, Any]]:
+    """Every episode of a store (or those matching `where`), oldest first, as `episode_dict`s."""
+    db = open_store(path, readonly=True)
+    try:
+        rows = db.execute(f"SELECT * FROM episodes WHERE {where} ORDER BY id", params).fetchall()
+        return [episode_dict(db, r) for r in rows]
+    finally:
+        db.close()
 
 
 def last_id(path: Path) -> int:

@@ -35,6 +35,8 @@ from millstream.shared.protocol import (
     Trajectory,
 )
 from millstream.shared.runtime import free_port
+from millstream.shared.trajstore import STORE_FILE
+from millstream.shared.trajstore import read_episodes as read_store
 from millstream.shared.transport import open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -309,12 +311,19 @@ def check_accounting(run_dir: Path, workers: int = 1) -> dict:
     assert summary["episodes_started"] == accounted > 0
     assert summary["accounting_ok"] is True and summary["workers_done"] == workers
     assert summary["duplicates"] == 0 and summary["decode_errors"] == 0
-    # The trajectory store agrees: one line per trained or failed episode that was not rolled back.
-    fates = [r["fate"] for r in read_jsonl(run_dir / "trajectories.jsonl") if not r.get("rolled_back")]
-    assert fates.count("trained") == summary["episodes_trained"]
+    # The trajectory store holds every episode of the accounting line, each once.
+    records = [r for r in read_episodes(run_dir) if not r["rolled_back"]]
+    fates = Counter(r["fate"] for r in records)
+    assert fates["trained"] == summary["episodes_trained"]
     # learner_lost is a count (the results died with a learner process), not records.
-    failed = sum(summary["episodes_failed"].values()) - summary["episodes_failed"].get("learner_lost", 0)
-    assert fates.count("failed") == failed
+    failed = Counter(r["cause"] for r in records if r["fate"] == "failed")
+    assert failed == Counter({k: v for k, v in summary["episodes_failed"].items() if k != "learner_lost"})
+    # Refused episodes (invalid_trajectory) may be forged: counted, never recorded as the run's.
+    dropped = Counter(r["cause"] for r in records if r["fate"] == "dropped")
+    assert dropped == Counter(
+        {k: v for k, v in summary["episodes_dropped"].items() if k != "invalid_trajectory"}
+    )
+    assert len({r["episode_id"] for r in records}) == len(records)
     return summary
 
 
@@ -386,3 +395,8 @@ class Attacker:
         finally:
             actor.close()
             learner.close()
+
+
+def read_episodes(run_dir: Path) -> list[dict[str, Any]]:
+    """Every episode record of a run, from its trajectory store (shared/trajstore.py)."""
+    return read_store(run_dir / STORE_FILE)

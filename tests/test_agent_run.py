@@ -7,9 +7,7 @@ the two calls the agent made, with loss on generated tokens only.
 
 import statistics
 
-from helpers import check_accounting, millstream_run, steps_of
-
-from millstream.shared.metrics import read_jsonl
+from helpers import check_accounting, millstream_run, read_episodes, steps_of
 
 STEPS = 12
 
@@ -29,7 +27,7 @@ def test_an_openai_client_agent_learns_inside_millstream_run(actor, tmp_path):
     summary = check_accounting(run_dir)
     assert set(summary["episodes_failed"]) <= {"run_ended"}, summary["episodes_failed"]
     assert "accounting ok" in proc.stdout
-    trained = [r for r in read_jsonl(run_dir / "trajectories.jsonl") if r.get("fate") == "trained"]
+    trained = [r for r in read_episodes(run_dir) if r.get("fate") == "trained"]
     assert trained
     for r in trained:
         # Two calls: the forced tool call and the final answer. The tiny template does not render

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, start_run, steps_of
+from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
 from millstream.shared.metrics import read_jsonl
 from millstream.shared.rundir import checkpoint_step, find_checkpoint
@@ -69,7 +69,7 @@ def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path)
     assert killed_at >= 5
     # The trajectory store holds every episode the metrics count, even after a kill.
     last = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r][-1]
-    records = read_jsonl(run_dir / "trajectories.jsonl")
+    records = read_episodes(run_dir)
     assert sum(r["fate"] == "trained" for r in records) >= last["episodes/trained"]
 
     # A resume that changes the environment or the learning rate is refused before anything starts.
@@ -105,11 +105,7 @@ def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path)
     summary = check_accounting(run_dir)  # the whole run adds up, earlier session included
     assert summary["version"] == 8 and summary["learner_sessions"] == 2
     assert "over 2 learner sessions" in resumed.stdout and "accounting ok" in resumed.stdout
-    trained = [
-        r
-        for r in read_jsonl(run_dir / "trajectories.jsonl")
-        if r["fate"] == "trained" and not r.get("rolled_back")
-    ]
+    trained = [r for r in read_episodes(run_dir) if r["fate"] == "trained" and not r["rolled_back"]]
     assert len({r["episode_id"] for r in trained}) == len(trained)  # nothing trained twice
 
     # A finished run says so and starts nothing.

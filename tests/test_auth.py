@@ -15,13 +15,12 @@ import subprocess
 import tomllib
 
 import zmq
-from helpers import check_accounting, start_run
+from helpers import check_accounting, read_episodes, start_run
 
 from millstream.learner.weights import WeightSender, WeightSyncError
 from millstream.shared.config import Config, LearnerConfig, RunConfig
 from millstream.shared.keys import load_keys, secure
 from millstream.shared.lifecycle import run_processes
-from millstream.shared.metrics import read_jsonl
 from millstream.shared.protocol import AttachLearner, Codec, ErrorReply, Hello, Trajectory
 
 FORGED_REWARD = 1e9
@@ -110,7 +109,7 @@ def test_a_run_admits_only_its_own_keys(tiny_model_dir, tmp_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     check_accounting(run_dir)
-    records = read_jsonl(run_dir / "trajectories.jsonl")
+    records = read_episodes(run_dir)
     assert records and not [r for r in records if str(r.get("episode_id", "")).startswith("forged")]
     assert max(r["reward"] for r in records if "reward" in r) < FORGED_REWARD
     assert "learner session intruder" not in (run_dir / "logs" / "actor.log").read_text()

@@ -12,7 +12,7 @@ among the run's episodes.
 import statistics
 
 import orjson
-from helpers import check_accounting, millstream_run, steps_of
+from helpers import check_accounting, millstream_run, read_episodes, steps_of
 
 from millstream.shared.metrics import read_jsonl
 
@@ -55,6 +55,6 @@ def test_dataset_run_learns_and_evaluates(actor, tmp_path):
     assert summary["eval_final"] is True and summary["eval"]["version"] == 20
     assert summary["eval_rounds"] == 5 and summary["eval_episodes"] == 60
     # Evaluation episodes are not the run's: every trained one is a training group's member.
-    trained = [r for r in read_jsonl(run_dir / "trajectories.jsonl") if r["fate"] == "trained"]
+    trained = [r for r in read_episodes(run_dir) if r["fate"] == "trained"]
     assert trained and all(r["group_id"].startswith("g") for r in trained)
     assert orjson.loads((run_dir / "summary.json").read_bytes())["eval"]["problems"] == 12

@@ -44,6 +44,8 @@ def test_multi_turn_trajectory_is_consistent(actor):
     assert all(traj.versions[i] >= 0 and traj.logprobs[i] <= 0 for i in generated)
     assert all(traj.versions[i] == -1 and traj.logprobs[i] == 0 for i in range(n) if i not in generated)
     assert traj.anchors == ["turn0", "turn1", "turn2"]
+    # Each turn names the request that made it (the trajectory store finds a call by it).
+    assert len(set(traj.request_ids)) == 3 and all(r.startswith("episode-test-") for r in traj.request_ids)
     assert traj.reward == pytest.approx(sum(traj.turn_rewards))
     # Each turn's reward is computed from exactly the tokens the model generated in that turn.
     for (s, e), r in zip(zip(traj.turn_starts, traj.turn_ends), traj.turn_rewards):
@@ -82,6 +84,28 @@ def test_environment_faults_end_the_episode_with_a_cause(actor, where, how, caus
     assert isinstance(result, EpisodeFailed)
     assert result.cause == cause and result.episode_id == "e0"
     assert where in result.message
+    # The scene of the failure: nothing before the first prompt; after it, the turn so far.
+    if where == "reset":
+        assert result.scene is None
+    else:
+        scene = result.scene
+        assert scene is not None and scene.request is None  # the generation itself went fine
+        assert scene.texts[0] == "go" and len(scene.turn_starts) == len(scene.request_ids) == 1
+        reply = scene.token_ids[scene.turn_starts[0] : scene.turn_ends[0]]
+        assert reply and scene.texts[1] == ChatFormat.from_model_dir(actor.model_dir).decode(reply)
+
+
+def test_a_turn_that_times_out_leaves_what_had_arrived_in_the_scene(actor):
+    """A generation cut by its timeout: the failed episode's scene names the request, holds the
+    tokens streamed before the cut (with their logprobs and versions) and the error."""
+    env = make_env("evenchars", {"turns": 3})
+    result, _ = play(actor, env, max_tokens=1000, turn_timeout_s=0.4, actor_retries=0)
+    assert isinstance(result, EpisodeFailed) and result.cause is Cause.ACTOR_TIMEOUT
+    assert result.scene is not None and result.scene.request is not None
+    request = result.scene.request
+    assert request.request_id.startswith("episode-test-") and "0.4s" in request.error
+    assert len(request.token_ids) == len(request.logprobs) == len(request.versions) < 1000
+    assert request.turn == len(result.scene.turn_starts)
 
 
 def test_context_budget_truncates_instead_of_failing(actor):

@@ -7,9 +7,7 @@ checks that such trajectories reach the learner, train, and are all accounted fo
 """
 
 import pytest
-from helpers import check_accounting, millstream_run, steps_of
-
-from millstream.shared.metrics import read_jsonl
+from helpers import check_accounting, millstream_run, read_episodes, steps_of
 
 
 @pytest.mark.parametrize("env", ["markovian", "agentflow"])
@@ -20,7 +18,7 @@ def test_multi_context_flows_train_end_to_end(actor, tmp_path, env):
     steps = steps_of(run_dir)
     assert [s["step"] for s in steps] == [1, 2]
     assert all(s["train/tokens"] > 0 for s in steps)
-    trained = [r for r in read_jsonl(run_dir / "trajectories.jsonl") if r["fate"] == "trained"]
+    trained = [r for r in read_episodes(run_dir) if r["fate"] == "trained"]
     assert trained
     # A random tiny model rarely finishes a chunk with an answer or writes a valid plan, so most
     # episodes run several turns: each later turn opened a fresh context.

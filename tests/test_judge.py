@@ -9,7 +9,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from helpers import check_accounting, millstream_run, start_actor, stop_group
+from helpers import check_accounting, millstream_run, read_episodes, start_actor, stop_group
 from hypothesis import given
 from hypothesis import strategies as st
 from test_hostile import dealer, replies
@@ -174,7 +174,7 @@ def test_a_run_takes_its_rewards_from_a_real_frozen_judge(actor, tmp_path):
         "envpool.env=echo",
     )
     summary = check_accounting(run_dir)
-    trained = [r for r in read_jsonl(run_dir / "trajectories.jsonl") if r["fate"] == "trained"]
+    trained = [r for r in read_episodes(run_dir) if r["fate"] == "trained"]
     assert trained and all(
         r["turn_rewards"][-1] * 9 == pytest.approx(round(r["reward"] * 9)) for r in trained
     )

@@ -11,7 +11,7 @@ import statistics
 
 import orjson
 import pytest
-from helpers import Attacker, check_accounting, millstream_run, start_run, steps_of
+from helpers import Attacker, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
 from millstream.shared.lifecycle import run_processes
 from millstream.shared.metrics import read_jsonl
@@ -32,7 +32,7 @@ def test_the_loop_learns_under_attack(learning_run):
     # may not attach), and the learner never saw the forged episode (no key, no handshake).
     assert attacker.sent["garbage_to_actor"] >= 40 and attacker.answers["malformed_frame"] > 0
     assert attacker.answers["not_learner"] > 0 and "attach_failed" not in attacker.answers
-    assert "forged" not in (run_dir / "trajectories.jsonl").read_text()
+    assert not [r for r in read_episodes(run_dir) if "forged" in r["episode_id"]]
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 21))
     first = statistics.fmean(r["reward/mean"] for r in steps[:5])
@@ -80,7 +80,7 @@ def test_staleness_bound_and_failures_are_accounted(actor, tmp_path):
     assert summary["episodes_dropped"].get("stale", 0) > 0
     assert summary["episodes_failed"].get("env_error", 0) > 0
     assert summary["episodes_failed"].get("env_timeout", 0) > 0
-    for record in read_jsonl(run_dir / "trajectories.jsonl"):
+    for record in read_episodes(run_dir):
         if record["fate"] == "trained":
             lags = [
                 record["trained_version"] - v for v, m in zip(record["versions"], record["loss_mask"]) if m
