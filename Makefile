@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml requirements/cpu-overrides.txt
 	$(BIN)/python -m pip install -q --disable-pip-version-check uv
 	$(BIN)/uv pip install $(UV_FLAGS) --override requirements/cpu-overrides.txt -e '.[cpu,test,bench,lint,ray,data,agents,lora,dashboards]'
 	$(BIN)/python -c "import importlib.util as u, torch, vllm, deepspeed; assert torch.version.cuda is None, 'a CUDA torch got in'; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') if u.find_spec(m)]; assert not bad, f'CUDA-only packages got in: {bad}'; print('stack:', 'torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
+	@# Debian's chromium: the web page of `millstream inspect` is tested in a real headless browser.
+	@command -v chromium >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium; \
+	else echo "note: chromium is missing (tests/test_inspect.py needs it): apt-get install chromium"; fi; }
 	touch $(STAMP)
 
 install-gpu:

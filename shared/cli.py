@@ -4,6 +4,7 @@
     millstream actor|learner|envpool [args ...]    run one role (see `--help` of each)
     millstream stress --env NAME --episodes N ...  how many concurrent episodes hold (bench/stress.py)
     millstream plot RUN_DIR [--out DIR]            PNGs of the run's curves (shared/plot.py)
+    millstream inspect RUN_DIR [filters] [--serve] the run's episodes, one turn by turn (--help)
     millstream tiny-model DIR [--seed N ...]       build the tiny random Qwen2 model
     millstream config                              every config key, default and meaning
 
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> None:
         from .plot import main as plot_main
 
         sys.exit(plot_main(rest))
+    if command == "inspect":
+        from .inspect_cli import main as inspect_main
+
+        sys.exit(inspect_main(rest))
     if command == "tiny-model":
         from .tinymodel import main as tiny_main
 

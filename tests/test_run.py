@@ -8,10 +8,11 @@ trajectories.jsonl.
 
 import signal
 import statistics
+import subprocess
 
 import orjson
 import pytest
-from helpers import Attacker, check_accounting, millstream_run, read_episodes, start_run, steps_of
+from helpers import MILLSTREAM, Attacker, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
 from millstream.shared.lifecycle import run_processes
 from millstream.shared.metrics import read_jsonl
@@ -87,6 +88,27 @@ def test_staleness_bound_and_failures_are_accounted(actor, tmp_path):
             ]
             assert lags and max(lags) <= 0 and min(lags) >= 0
             assert record["reward"] >= 0  # no failure was scored
+    # `millstream inspect` finds the timed-out episodes by cause and shows each one's scene.
+    listing = subprocess.run(
+        [*MILLSTREAM, "inspect", str(run_dir), "--cause", "env_timeout"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    timeouts = summary["episodes_failed"]["env_timeout"]
+    assert listing.stdout.startswith(f"{timeouts} episodes match: failed {timeouts}"), listing.stderr
+    for line in listing.stdout.splitlines()[2 : 2 + min(timeouts, 3)]:
+        shown = subprocess.run(
+            [*MILLSTREAM, "inspect", str(run_dir), "--episode", line.split()[0]],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert "fate failed (env_timeout)" in shown.stdout
+        # Stuck in step: the scene holds the turn it was stuck in; stuck in reset: nothing was played.
+        stuck_in_step = "env.step took longer than 1.5s" in shown.stdout
+        assert stuck_in_step or "env.reset took longer than 1.5s" in shown.stdout
+        assert ("--- turn 0" in shown.stdout and "<|im_start|>" in shown.stdout) == stuck_in_step
     assert all(r["staleness/max"] == 0 for r in steps_of(run_dir))
 
 
