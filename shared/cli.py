@@ -5,6 +5,7 @@
     millstream stress --env NAME --episodes N ...  how many concurrent episodes hold (bench/stress.py)
     millstream plot RUN_DIR [--out DIR]            PNGs of the run's curves (shared/plot.py)
     millstream inspect RUN_DIR [filters] [--serve] the run's episodes, one turn by turn (--help)
+    millstream debug [RUN_DIR] [--episode ROW ...] one episode under a GDB-like prompt (--help)
     millstream tiny-model DIR [--seed N ...]       build the tiny random Qwen2 model
     millstream config                              every config key, default and meaning
 
@@ -42,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         from .inspect_cli import main as inspect_main
 
         sys.exit(inspect_main(rest))
+    if command == "debug":
+        os.execv(sys.executable, [sys.executable, "-m", "millstream.envpool.debug_repl", *rest])
     if command == "tiny-model":
         from .tinymodel import main as tiny_main
 

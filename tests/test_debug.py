@@ -1,0 +1,126 @@
+"""`millstream debug` against the real vLLM actor (tiny model), scripted through stdin.
+
+The done-when session: a recorded episode is replayed from its seed, stops at turn 2, gets a
+new observation, and continues; the branch is in the store as a fork of the episode, and its
+turns from 2 on differ from the parent's while turns 0 and 1 are the parent's, token for token.
+"""
+
+import subprocess
+
+import orjson
+import pytest
+from helpers import KEYS, MILLSTREAM
+
+from millstream.shared.trajstore import STORE_FILE, read_episodes
+
+ENV_ARGS = 'envpool.env_args={turns=4, prompt="Write anything."}'
+
+
+def debug(actor, store, *args: str, script: str) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [
+            *MILLSTREAM,
+            "debug",
+            f"model.path={actor.model_dir}",
+            KEYS,
+            "envpool.env=evenchars",
+            ENV_ARGS,
+            "envpool.max_tokens=12",
+            "envpool.max_turns=4",
+            "--actor",
+            actor.address,
+            "--store",
+            str(store),
+            *args,
+        ],
+        input=script,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def recorded(actor, tmp_path_factory):
+    """A new episode played to its end without edits: recorded as fate "debug" (the parent)."""
+    store = tmp_path_factory.mktemp("debug") / STORE_FILE
+    out = debug(actor, store, "--env", "evenchars", "--seed", "3", script="run\nquit\n").stdout
+    assert "episode done after 4 turns" in out and "recorded as row 1" in out
+    return store
+
+
+def test_break_edit_the_observation_and_continue_records_a_fork(actor, recorded):
+    script = "break turn 2\nrun\nshow\nedit obs Write only the letter b.\ncont\nquit\n"
+    out = debug(actor, recorded, "--episode", "1", script=script).stdout
+    assert "stopped at turn 2 input (break turn 2)" in out
+    assert "<|im_start|>user\nWrite anything." in out  # show: the model input, specials visible
+    assert "edited obs at turn 2" in out and "recorded as row 2: a fork of row 1 at turn 2" in out
+    parent, fork = read_episodes(recorded)[:2]
+    assert fork["fate"] == "fork" and fork["fork_of"] == parent["id"] and fork["fork_turn"] == 2
+    assert orjson.loads(fork["note"]) == [{"turn": 2, "what": "obs", "value": "Write only the letter b."}]
+    assert fork["seed"] == parent["seed"] == 3 and fork["num_turns"] == parent["num_turns"] == 4
+
+    def reply(ep, t):
+        return ep["token_ids"][ep["turn_starts"][t] : ep["turn_ends"][t]]
+
+    # Turns 0 and 1 were replayed from the record, token for token; from turn 2 on the branch
+    # saw another observation and the actor generated anew.
+    assert [reply(fork, t) for t in (0, 1)] == [reply(parent, t) for t in (0, 1)]
+    assert fork["replayed_turns"] == [0, 1]
+    assert fork["turns"][2]["observation"] == "Write only the letter b."
+    assert parent["turns"][2]["observation"] != fork["turns"][2]["observation"]
+    assert [reply(fork, t) for t in (2, 3)] != [reply(parent, t) for t in (2, 3)]
+    assert all(
+        v >= 0 for t in (2, 3) for v in fork["versions"][fork["turn_starts"][t] : fork["turn_ends"][t]]
+    )
+
+
+def test_back_takes_another_branch_and_bad_commands_are_named(actor, recorded):
+    script = (
+        "step\n"  # before run: refused
+        "run\n"
+        "back 1\n"
+        "step\n"
+        "edit output bbbb\n"
+        "show\n"
+        "edit obs nope\n"  # at an output stop: refused
+        "frobnicate\n"
+        "break reward < x\n"
+        "cont\n"
+        "quit\n"
+    )
+    out = debug(actor, recorded, "--episode", "1", script=script).stdout
+    assert "error: the episode has not started: `run` first" in out
+    assert "no edits: nothing recorded" in out  # the first run replays the record unchanged
+    assert "stopped at turn 1 input (back to turn 1)" in out
+    assert "stopped at turn 1 output (step)" in out and "edited output at turn 1" in out
+    assert "model output (" in out and "bbbb" in out
+    assert "error: `edit obs` is for the input stop" in out
+    assert "error: unknown command 'frobnicate'" in out
+    assert "error: break reward < X needs a number, got 'x'" in out
+    assert "a fork of row 1 at turn 1" in out
+    fork = read_episodes(recorded)[-1]
+    assert fork["fork_turn"] == 1 and fork["turns"][1]["response"] == "bbbb"
+
+
+def test_an_unknown_episode_or_env_fails_before_any_actor_is_used(actor, tmp_path):
+    result = subprocess.run(
+        [
+            *MILLSTREAM,
+            "debug",
+            KEYS,
+            "--actor",
+            actor.address,
+            "--env",
+            "nosuchenv",
+            "--store",
+            str(tmp_path / "s"),
+        ],
+        input="run\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "nosuchenv" in result.stderr
