@@ -163,7 +163,9 @@ class SyntheticActor:
         a = self.cfg.actor
         if a.synthetic_length_median <= 0:
             return 0
-        return max(1, round(rng.lognormvariate(math.log(a.synthetic_length_median), a.synthetic_length_sigma)))
+        return max(
+            1, round(rng.lognormvariate(math.log(a.synthetic_length_median), a.synthetic_length_sigma))
+        )
 
     async def drain(self, timeout_s: float) -> int:
         """As `ActorServer.drain`: refuse new requests, wait for the live ones; returns how many

@@ -1,6 +1,6 @@
 """A fleet of actor replicas: throughput by replica count, router overhead, weight sync time.
 
-    python -m millstream.bench.fleet [--replicas 1,2,4,8] [--sync-replicas 1,2,4,8] [--out DIR]
+    python -m millstream.bench.fleet [--quick] [--rounds 3] [--replicas 1,2,4,8] [--sync-replicas 1,2,4,8]
 
 All through the production code, on loopback with `transport.curve=false`:
 
@@ -13,6 +13,8 @@ All through the production code, on loopback with `transport.curve=false`:
    same offered load for every N. After `--warmup` s, turns, tokens and CPU seconds (this
    process; all replicas, from /proc) are counted for `--duration` s. Then the router's own cost
    per turn is timed with every replica's `generate_once` replaced by a stub that answers at once.
+   The replica counts alternate round by round (bench/rounds.py, `--rounds`): fleet.json keeps
+   the sample of median tokens/s per N, and `fleet-throughput-<step>ms.json` + .png every sample.
 2. **Router overhead, end to end.** One replica with a zero-cost engine, one-token turns, one at
    a time. In one event loop, `Router.generate` and a bare `ActorClient.generate_once` (each with
    its own socket) alternate in blocks of `--overhead-turns`: wall and CPU µs per turn of this
@@ -64,6 +66,7 @@ from millstream.shared.tinymodel import build_tiny_model
 from millstream.shared.transport import open_channel
 
 from .fleet_report import plot, table
+from .rounds import compare, results_dir, write_outcome
 
 __all__ = ["main"]
 
@@ -327,8 +330,17 @@ def _numbers(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return lambda text: [kind(x) for x in text.split(",") if x]
 
 
+#: `--quick`: the same questions, smaller (about a minute here).
+QUICK = dict(
+    step_s=[0.02], sync_replicas=[1, 2], warmup=0.5, duration=2.0, overhead_turns=200, repeats=4,
+    pushes=3, big_mb=10.0,
+)  # fmt: skip
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m millstream.bench.fleet", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"smaller: {QUICK}")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the throughput comparison")
     p.add_argument("--replicas", type=_numbers(int), default=[1, 2, 4, 8], help="replica counts (throughput)")
     p.add_argument("--sync-replicas", type=_numbers(int), default=[1, 2, 4, 8], help="replica counts (sync)")
     p.add_argument("--episodes", type=int, default=128, help="concurrent episodes, every N")
@@ -342,8 +354,40 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10, help="router/bare block pairs")
     p.add_argument("--pushes", type=int, default=5, help="pushes per payload and replica count")
     p.add_argument("--big-mb", type=float, default=100, help="size of the random payload, MB")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="fleet.json, fleet.png go here")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None, help="fleet.json, fleet.png go here (bench/results/<date>-<host>/)")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])}
+        for key, value in QUICK.items():
+            if key not in given:  # an explicit option wins over the quick size
+                setattr(ns, key, value)
+    return ns
+
+
+def _numeric(row: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
+
+
+def throughput_rounds(
+    started: list[tuple[str, int]], step: float, ns: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Every N of `ns.replicas`, alternating round by round; per N the sample of median tokens/s."""
+    rows: dict[str, list[dict[str, Any]]] = {f"{n} replicas": [] for n in ns.replicas}
+
+    def system(n: int) -> Callable[[], dict[str, float]]:
+        def once() -> dict[str, float]:
+            row = anyio.run(_throughput, started[:n], step, ns, backend="trio")
+            rows[f"{n} replicas"].append(row)
+            return _numeric(row)
+
+        return once
+
+    systems = {f"{n} replicas": system(n) for n in ns.replicas}
+    settings = {"step_s": step, "max_num_seqs": ns.max_num_seqs, "episodes": ns.episodes, "turns": ns.turns}
+    outcome = compare(systems, rounds=ns.rounds, metric="tokens_per_s", settings=settings)
+    name = f"fleet-throughput-{step * 1000:g}ms{'-quick' if ns.quick else ''}"
+    write_outcome(outcome, Path(ns.out), name)
+    return [sorted(r, key=lambda x: x["tokens_per_s"])[(len(r) - 1) // 2] for r in rows.values()]
 
 
 def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -355,8 +399,7 @@ def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
     for i, step in enumerate(ns.step_s):  # the first set of replicas also serves the sync
         count = max(ns.replicas + (ns.sync_replicas if i == 0 else []))
         with replicas(count, [e.format(step=step) for e in engine], model, work) as started:
-            for n in ns.replicas:
-                results["throughput"].append(anyio.run(_throughput, started[:n], step, ns, backend="trio"))
+            results["throughput"] += throughput_rounds(started, step, ns)
             if i == 0:
                 loads = payloads(model, ns.big_mb)
                 results["sync"] = [
@@ -369,6 +412,7 @@ def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns, begun = parse(argv), time.perf_counter()
+    ns.out = ns.out or str(results_dir())
     work = Path(tempfile.mkdtemp(prefix="millstream-fleet-bench-"))
     try:
         results = measure(ns, work)
@@ -379,12 +423,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"synthetic replicas: {ns.max_num_seqs} slots, {ns.max_tokens} tokens/turn, {ns.episodes} "
         f"episodes of {ns.turns} turns; {results['cpus']} CPUs (shared); {results['total_s']:.0f} s in all"
     )
-    out = Path(ns.out)
+    out, name = Path(ns.out), "fleet-quick" if ns.quick else "fleet"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fleet.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
-    plot(results, out / "fleet.png")
+    (out / f"{name}.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    plot(results, out / f"{name}.png")
     print(table(results))
-    print(f"total {results['total_s']:.0f} s; {out / 'fleet.json'}, {out / 'fleet.png'}")
+    print(f"total {results['total_s']:.0f} s; {out / name}.json, {out / name}.png")
     return results
 
 

@@ -10,7 +10,15 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from helpers import MILLSTREAM, check_accounting, keys_for, start_synthetic_actor, steps_of, stop_group, with_client
+from helpers import (
+    MILLSTREAM,
+    check_accounting,
+    keys_for,
+    start_synthetic_actor,
+    steps_of,
+    stop_group,
+    with_client,
+)
 
 from millstream.envpool.client import GenerationFailed
 from millstream.learner.weights import WeightSender
