@@ -57,7 +57,7 @@ MILLSTREAM = [sys.executable, "-m", "millstream.shared.cli"]
 STACKS: dict[str, dict[str, list[str]]] = {
     "synthetic": {
         "full": [
-            "train.steps=30", "train.groups_per_batch=8", "train.group_size=8",
+            "train.steps=20", "train.groups_per_batch=8", "train.group_size=8",
             "actor.max_num_seqs=256", "actor.synthetic_step_s=0.004",
             "actor.synthetic_length_median=24", "actor.synthetic_length_sigma=1.2",
             "envpool.max_tokens=512", "envpool.env_args.turns=1",
@@ -189,6 +189,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=3, help="rounds (every setting once per round)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    p.add_argument("--out", default=None, help="results folder (bench/results/<date>-<host>/)")
     ns = p.parse_args(argv)
     ns.staleness = [int(k) for k in (ns.staleness or ("0,4" if ns.quick else "0,1,2,4")).split(",")]
     ns.stacks = (ns.stacks or ("synthetic" if ns.quick else "synthetic,real")).split(",")
@@ -200,7 +201,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     ns = parse(argv)
-    folder, written = results_dir(), []
+    folder, written = Path(ns.out) if ns.out else results_dir(), []
     work = Path(tempfile.mkdtemp(prefix="millstream-async-sync-"))
     try:
         for stack in ns.stacks:

@@ -164,6 +164,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="10 and 100 MB, 3 rounds")
     p.add_argument("--sizes", default=None, help="MB, comma-separated (full: 10,100,500,1000)")
     p.add_argument("--rounds", type=int, default=None, help="pushes per system and size (full: 5)")
+    p.add_argument("--out", default=None, help="results folder (bench/results/<date>-<host>/)")
     ns = p.parse_args(argv)
     ns.sizes = [float(x) for x in (ns.sizes or ("10,100" if ns.quick else "10,100,500,1000")).split(",")]
     ns.rounds = ns.rounds or (3 if ns.quick else 5)
@@ -172,7 +173,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     ns = parse(argv)
-    folder, suffix = results_dir(), "-quick" if ns.quick else ""
+    folder, suffix = Path(ns.out) if ns.out else results_dir(), "-quick" if ns.quick else ""
     cfg = LearnerConfig(sync_backend="gloo", sync_timeout_s=300)
     work = Path(tempfile.mkdtemp(prefix="millstream-weight-sync-"))
     rows: list[dict[str, Any]] = []
