@@ -42,12 +42,10 @@ import itertools
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,58 +59,17 @@ from millstream.envpool.router import Router
 from millstream.learner.weights import FlatWeights, ReplicaLink, attach_group, push_group
 from millstream.shared.config import LearnerConfig, TransportConfig
 from millstream.shared.protocol import ActorInfo, Hello, ReplicaRef
-from millstream.shared.runtime import free_port
 from millstream.shared.tinymodel import build_tiny_model
 from millstream.shared.transport import open_channel
 
 from .fleet_report import plot, table
+from .replicas import cpu_s, digest_s, replicas
 from .rounds import compare, results_dir, write_outcome
 
 __all__ = ["main"]
 
-ROOT = Path(__file__).resolve().parent.parent
 TRANSPORT = TransportConfig(curve=False)
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 VERSIONS = itertools.count(1)  # policy versions pushed, increasing across groups
-
-
-# --- replicas ---------------------------------------------------------------------------------
-
-
-@contextmanager
-def replicas(count: int, overrides: list[str], model: Path, work: Path) -> Iterator[list[tuple[str, int]]]:
-    """`count` synthetic actor processes, started together; yields [(address, pid)]."""
-    procs: list[tuple[str, subprocess.Popen, Path]] = []
-    try:
-        for _ in range(count):
-            address = f"tcp://127.0.0.1:{free_port()}"
-            ready = work / f"ready-{address.rsplit(':', 1)[1]}.json"
-            cmd = [
-                sys.executable, "-m", "millstream.actor", "--ready-file", str(ready),
-                f"model.path={model}", f"actor.address={address}", "actor.kind=synthetic",
-                "transport.curve=false", "run.log_level=WARNING", *overrides,
-            ]  # fmt: skip
-            with (work / f"actor-{len(procs)}.log").open("wb") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
-            procs.append((address, proc, ready))
-        deadline = time.monotonic() + 300
-        for k, (_, proc, ready) in enumerate(procs):
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = (work / f"actor-{k}.log").read_text()[-2000:]
-                    raise RuntimeError(f"synthetic actor {k} did not start:\n{tail}")
-                time.sleep(0.1)
-        yield [(address, proc.pid) for address, proc, _ in procs]
-    finally:
-        for _, proc, _ in procs:  # nothing to drain: the benchmark's turns are over
-            proc.kill()
-            proc.wait()
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 # --- 1. throughput ----------------------------------------------------------------------------
@@ -278,19 +235,6 @@ def payloads(model: Path, big_mb: float) -> dict[str, list[tuple[str, torch.Tens
     gen = torch.Generator().manual_seed(0)
     big = [(f"w{i}", torch.randn(piece, generator=gen)) for i in range(16)]
     return {"tiny": [(n, t.float()) for n, t in tiny], f"random-{big_mb:g}MB": big}
-
-
-def digest_s(flat: torch.Tensor | None) -> float:
-    """The synthetic replica's weight digest of `flat` (actor/synthetic.py), timed here (best of
-    3): the part of its push time that a real engine's load replaces."""
-    assert flat is not None
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        as64 = flat.to(torch.float64)
-        float(as64.sum()), float(as64.abs().sum())
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def sync_times(addresses: list[str], loads: dict[str, Any], ns: argparse.Namespace) -> dict[str, Any]:

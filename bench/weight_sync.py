@@ -49,7 +49,7 @@ from millstream.shared.protocol import ActorInfo, Hello
 from millstream.shared.runtime import free_port
 from millstream.shared.tinymodel import build_tiny_model
 
-from .fleet import digest_s, replicas
+from .replicas import digest_s, replicas
 from .rounds import Outcome, compare, machine, results_dir, write_outcome
 
 __all__ = ["main"]
