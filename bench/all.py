@@ -43,7 +43,7 @@ def run(name: str, quick: bool) -> dict[str, Any]:
     rc = subprocess.run(cmd).returncode
     wall = time.perf_counter() - clock
     status = "ok" if rc == 0 else f"failed ({rc})"
-    return {"name": name, "status": status, "wall_s": wall, "files": written_since(started - 1)}
+    return {"name": name, "status": status, "wall_s": wall, "files": written_since(started)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
