@@ -3,6 +3,10 @@
     python -m millstream.bench.async_sync [--quick] [--stacks synthetic,real] [--rounds 3]
 
 Each sample is one whole `millstream run` (launcher, envpool, learner, actor), as a user runs it.
+Full size: both stacks below, staleness 0, 1, 2, 4, 3 rounds (about 17 minutes here). `--quick`:
+the synthetic stack only, staleness 0 against 4, short runs (about 2-3 minutes); the real stack
+takes a minute to start its vLLM actor and ~25 s a run, too long for `make bench-quick`
+(`--quick --stacks real` runs it small).
 `train.max_staleness=0` is the synchronous baseline: the envpool admits a batch only after the
 learner has trained the one before (the admission limit is `(v + k + 1) * B` groups), so
 generation waits for training and training waits for the batch's longest episode. With k > 0
