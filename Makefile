@@ -16,7 +16,7 @@ STAMP := $(VENV)/.millstream-cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-gpu run test test-fast lint typecheck format bench-stress clean
+.PHONY: install install-gpu run test test-fast lint typecheck format bench-stress bench bench-quick clean
 
 install: $(STAMP)
 
@@ -71,6 +71,14 @@ format: install
 # The envpool scale benchmarks recorded in bench/README.md (about 4 minutes on 2 cores).
 bench-stress: install
 	$(BIN)/python -m millstream.bench.stress_suite $(ARGS)
+
+# Every benchmark of bench/ (bench/all.py lists them; README has each one's table): full size,
+# or each at its --quick size (under 10 minutes here). ARGS, e.g. ARGS="--only fleet".
+bench: install
+	$(BIN)/python -m millstream.bench.all $(ARGS)
+
+bench-quick: install
+	$(BIN)/python -m millstream.bench.all --quick $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .mypy-src .mypy_cache .ruff_cache

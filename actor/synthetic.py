@@ -15,6 +15,11 @@ The model of the engine:
 - a token is the end-of-turn token with probability `synthetic_stop_prob` (geometric, long-tailed
   lengths), otherwise a uniformly random id; its logprob is the log of the probability it was
   drawn with, so the numbers are honest for the sampler that made them;
+- or, with `synthetic_length_median` > 0, each request draws its output length once from a
+  lognormal (median, `synthetic_length_sigma`): a heavy tail like reasoning outputs, where a few
+  turns run to the cap (max_tokens) and decide how long a synchronous batch waits; the token at
+  that length is the end-of-turn token (logprob 0: it was certain), the others uniform over
+  the rest of the vocabulary;
 - sampling is seeded per request when the request carries a seed (reproducible runs).
 
 Weight updates are real on the wire, through the same learner link as the vLLM actor
@@ -74,6 +79,8 @@ class _Seq:
     rng: random.Random
     produced: int = 0
     stop: set[int] = field(default_factory=set)
+    #: The drawn output length (lognormal lengths), 0: stop by `synthetic_stop_prob`.
+    length: int = 0
     #: Tokens produced but not yet streamed (`actor.stream_interval`).
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
@@ -137,7 +144,8 @@ class SyntheticActor:
                 self.boundary.refuse(peer, str(refused.cause), refused, refused.message)
                 return
             stop = set(message.stop_token_ids) | {self.eos_id}
-            self._waiting.append(_Seq(peer, message, random.Random(message.seed), stop=stop))
+            rng = random.Random(message.seed)
+            self._waiting.append(_Seq(peer, message, rng, stop=stop, length=self._draw_length(rng)))
             self._queued.add(key)
             self._work.set()
         elif isinstance(message, Abort):
@@ -149,6 +157,15 @@ class SyntheticActor:
             self.link.dispatch(tg, peer, message)
         else:
             self.boundary.refuse_once(peer, unexpected(message))
+
+    def _draw_length(self, rng: random.Random) -> int:
+        """A lognormal output length (at least 1), or 0 when lengths come from the stop chance."""
+        a = self.cfg.actor
+        if a.synthetic_length_median <= 0:
+            return 0
+        return max(
+            1, round(rng.lognormvariate(math.log(a.synthetic_length_median), a.synthetic_length_sigma))
+        )
 
     async def drain(self, timeout_s: float) -> int:
         """As `ActorServer.drain`: refuse new requests, wait for the live ones; returns how many
@@ -194,7 +211,13 @@ class SyntheticActor:
             del self._running[key]
             await self._flush(seq, "abort")
             return
-        if seq.rng.random() < stop_p:
+        if seq.length:  # lognormal lengths: the end-of-turn token exactly at the drawn length
+            if seq.produced + 1 >= seq.length:
+                token, logprob = self.eos_id, 0.0
+            else:  # any token but the end-of-turn one, which would cut the drawn length
+                token = seq.rng.randrange(self.vocab_size - 1)
+                token, logprob = token + (token >= self.eos_id), -math.log(self.vocab_size - 1)
+        elif seq.rng.random() < stop_p:
             token, logprob = self.eos_id, stop_lp
         else:
             token, logprob = seq.rng.randrange(self.vocab_size), other_lp

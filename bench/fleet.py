@@ -1,6 +1,6 @@
 """A fleet of actor replicas: throughput by replica count, router overhead, weight sync time.
 
-    python -m millstream.bench.fleet [--replicas 1,2,4,8] [--sync-replicas 1,2,4,8] [--out DIR]
+    python -m millstream.bench.fleet [--quick] [--rounds 3] [--replicas 1,2,4,8] [--sync-replicas 1,2,4,8]
 
 All through the production code, on loopback with `transport.curve=false`:
 
@@ -13,6 +13,8 @@ All through the production code, on loopback with `transport.curve=false`:
    same offered load for every N. After `--warmup` s, turns, tokens and CPU seconds (this
    process; all replicas, from /proc) are counted for `--duration` s. Then the router's own cost
    per turn is timed with every replica's `generate_once` replaced by a stub that answers at once.
+   The replica counts alternate round by round (bench/rounds.py, `--rounds`): fleet.json keeps
+   the sample of median tokens/s per N, and `fleet-throughput-<step>ms.json` + .png every sample.
 2. **Router overhead, end to end.** One replica with a zero-cost engine, one-token turns, one at
    a time. In one event loop, `Router.generate` and a bare `ActorClient.generate_once` (each with
    its own socket) alternate in blocks of `--overhead-turns`: wall and CPU µs per turn of this
@@ -40,12 +42,10 @@ import itertools
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,57 +59,17 @@ from millstream.envpool.router import Router
 from millstream.learner.weights import FlatWeights, ReplicaLink, attach_group, push_group
 from millstream.shared.config import LearnerConfig, TransportConfig
 from millstream.shared.protocol import ActorInfo, Hello, ReplicaRef
-from millstream.shared.runtime import free_port
 from millstream.shared.tinymodel import build_tiny_model
 from millstream.shared.transport import open_channel
 
 from .fleet_report import plot, table
+from .replicas import cpu_s, digest_s, replicas
+from .rounds import compare, results_dir, write_outcome
 
 __all__ = ["main"]
 
-ROOT = Path(__file__).resolve().parent.parent
 TRANSPORT = TransportConfig(curve=False)
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 VERSIONS = itertools.count(1)  # policy versions pushed, increasing across groups
-
-
-# --- replicas ---------------------------------------------------------------------------------
-
-
-@contextmanager
-def replicas(count: int, overrides: list[str], model: Path, work: Path) -> Iterator[list[tuple[str, int]]]:
-    """`count` synthetic actor processes, started together; yields [(address, pid)]."""
-    procs: list[tuple[str, subprocess.Popen, Path]] = []
-    try:
-        for _ in range(count):
-            address = f"tcp://127.0.0.1:{free_port()}"
-            ready = work / f"ready-{address.rsplit(':', 1)[1]}.json"
-            cmd = [
-                sys.executable, "-m", "millstream.actor", "--ready-file", str(ready),
-                f"model.path={model}", f"actor.address={address}", "actor.kind=synthetic",
-                "transport.curve=false", "run.log_level=WARNING", *overrides,
-            ]  # fmt: skip
-            with (work / f"actor-{len(procs)}.log").open("wb") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
-            procs.append((address, proc, ready))
-        deadline = time.monotonic() + 300
-        for k, (_, proc, ready) in enumerate(procs):
-            while not ready.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = (work / f"actor-{k}.log").read_text()[-2000:]
-                    raise RuntimeError(f"synthetic actor {k} did not start:\n{tail}")
-                time.sleep(0.1)
-        yield [(address, proc.pid) for address, proc, _ in procs]
-    finally:
-        for _, proc, _ in procs:  # nothing to drain: the benchmark's turns are over
-            proc.kill()
-            proc.wait()
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 # --- 1. throughput ----------------------------------------------------------------------------
@@ -277,19 +237,6 @@ def payloads(model: Path, big_mb: float) -> dict[str, list[tuple[str, torch.Tens
     return {"tiny": [(n, t.float()) for n, t in tiny], f"random-{big_mb:g}MB": big}
 
 
-def digest_s(flat: torch.Tensor | None) -> float:
-    """The synthetic replica's weight digest of `flat` (actor/synthetic.py), timed here (best of
-    3): the part of its push time that a real engine's load replaces."""
-    assert flat is not None
-    times = []
-    for _ in range(3):
-        started = time.perf_counter()
-        as64 = flat.to(torch.float64)
-        float(as64.sum()), float(as64.abs().sum())
-        times.append(time.perf_counter() - started)
-    return min(times)
-
-
 def sync_times(addresses: list[str], loads: dict[str, Any], ns: argparse.Namespace) -> dict[str, Any]:
     """Form one group with `addresses`, push each payload `ns.pushes` times."""
     cfg = LearnerConfig(sync_backend="gloo", sync_timeout_s=120)
@@ -327,8 +274,17 @@ def _numbers(kind: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     return lambda text: [kind(x) for x in text.split(",") if x]
 
 
+#: `--quick`: the same questions, smaller (about a minute here).
+QUICK = dict(
+    step_s=[0.02], sync_replicas=[1, 2], warmup=0.5, duration=2.0, overhead_turns=200, repeats=4,
+    pushes=3, big_mb=10.0,
+)  # fmt: skip
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m millstream.bench.fleet", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"smaller: {QUICK}")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the throughput comparison")
     p.add_argument("--replicas", type=_numbers(int), default=[1, 2, 4, 8], help="replica counts (throughput)")
     p.add_argument("--sync-replicas", type=_numbers(int), default=[1, 2, 4, 8], help="replica counts (sync)")
     p.add_argument("--episodes", type=int, default=128, help="concurrent episodes, every N")
@@ -342,8 +298,40 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=10, help="router/bare block pairs")
     p.add_argument("--pushes", type=int, default=5, help="pushes per payload and replica count")
     p.add_argument("--big-mb", type=float, default=100, help="size of the random payload, MB")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results"), help="fleet.json, fleet.png go here")
-    return p.parse_args(argv)
+    p.add_argument("--out", default=None, help="fleet.json, fleet.png go here (bench/results/<date>-<host>/)")
+    ns = p.parse_args(argv)
+    if ns.quick:
+        given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in (argv or sys.argv[1:])}
+        for key, value in QUICK.items():
+            if key not in given:  # an explicit option wins over the quick size
+                setattr(ns, key, value)
+    return ns
+
+
+def _numeric(row: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in row.items() if isinstance(v, (int, float))}
+
+
+def throughput_rounds(
+    started: list[tuple[str, int]], step: float, ns: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Every N of `ns.replicas`, alternating round by round; per N the sample of median tokens/s."""
+    rows: dict[str, list[dict[str, Any]]] = {f"{n} replicas": [] for n in ns.replicas}
+
+    def system(n: int) -> Callable[[], dict[str, float]]:
+        def once() -> dict[str, float]:
+            row = anyio.run(_throughput, started[:n], step, ns, backend="trio")
+            rows[f"{n} replicas"].append(row)
+            return _numeric(row)
+
+        return once
+
+    systems = {f"{n} replicas": system(n) for n in ns.replicas}
+    settings = {"step_s": step, "max_num_seqs": ns.max_num_seqs, "episodes": ns.episodes, "turns": ns.turns}
+    outcome = compare(systems, rounds=ns.rounds, metric="tokens_per_s", settings=settings)
+    name = f"fleet-throughput-{step * 1000:g}ms{'-quick' if ns.quick else ''}"
+    write_outcome(outcome, Path(ns.out), name)
+    return [sorted(r, key=lambda x: x["tokens_per_s"])[(len(r) - 1) // 2] for r in rows.values()]
 
 
 def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -355,8 +343,7 @@ def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
     for i, step in enumerate(ns.step_s):  # the first set of replicas also serves the sync
         count = max(ns.replicas + (ns.sync_replicas if i == 0 else []))
         with replicas(count, [e.format(step=step) for e in engine], model, work) as started:
-            for n in ns.replicas:
-                results["throughput"].append(anyio.run(_throughput, started[:n], step, ns, backend="trio"))
+            results["throughput"] += throughput_rounds(started, step, ns)
             if i == 0:
                 loads = payloads(model, ns.big_mb)
                 results["sync"] = [
@@ -369,6 +356,7 @@ def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns, begun = parse(argv), time.perf_counter()
+    ns.out = ns.out or str(results_dir())
     work = Path(tempfile.mkdtemp(prefix="millstream-fleet-bench-"))
     try:
         results = measure(ns, work)
@@ -379,12 +367,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"synthetic replicas: {ns.max_num_seqs} slots, {ns.max_tokens} tokens/turn, {ns.episodes} "
         f"episodes of {ns.turns} turns; {results['cpus']} CPUs (shared); {results['total_s']:.0f} s in all"
     )
-    out = Path(ns.out)
+    out, name = Path(ns.out), "fleet-quick" if ns.quick else "fleet"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fleet.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
-    plot(results, out / "fleet.png")
+    (out / f"{name}.json").write_bytes(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+    plot(results, out / f"{name}.png")
     print(table(results))
-    print(f"total {results['total_s']:.0f} s; {out / 'fleet.json'}, {out / 'fleet.png'}")
+    print(f"total {results['total_s']:.0f} s; {out / name}.json, {out / name}.png")
     return results
 
 

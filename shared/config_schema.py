@@ -219,6 +219,23 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             le=1,
         ),
     ] = 0.02
+    synthetic_length_median: Annotated[
+        float,
+        _doc(
+            "Synthetic actor: >0 draws each request's output length from a lognormal with this "
+            "median (heavy-tailed, as reasoning outputs are; capped by the request's max_tokens) "
+            "instead of synthetic_stop_prob; 0: off.",
+            ge=0,
+        ),
+    ] = 0.0
+    synthetic_length_sigma: Annotated[
+        float,
+        _doc(
+            "Synthetic actor: sigma of the lognormal output lengths (1.0: p99 about 10x the "
+            "median). Used when synthetic_length_median > 0.",
+            ge=0,
+        ),
+    ] = 1.0
 
 
 class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -10,7 +10,15 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
-from helpers import MILLSTREAM, check_accounting, keys_for, steps_of, with_client
+from helpers import (
+    MILLSTREAM,
+    check_accounting,
+    keys_for,
+    start_synthetic_actor,
+    steps_of,
+    stop_group,
+    with_client,
+)
 
 from millstream.envpool.client import GenerationFailed
 from millstream.learner.weights import WeightSender
@@ -54,6 +62,43 @@ def test_many_concurrent_requests_stream_to_completion(synthetic):
     for r in results.values():
         assert len(r.logprobs) == len(r.token_ids) and all(lp < 0 for lp in r.logprobs)
         assert (r.finish_reason == "stop") == (r.token_ids[-1] == 2)
+
+
+def test_lognormal_lengths_are_heavy_tailed_and_capped(tiny_model_dir, tmp_path):
+    """`actor.synthetic_length_median`: each request's length is drawn once from a lognormal
+    (median 20, sigma 1), ended by the end-of-turn token, capped by max_tokens (the bench of
+    async against sync relies on this tail)."""
+    address, proc = start_synthetic_actor(
+        tiny_model_dir,
+        tmp_path,
+        "actor.max_num_seqs=256",
+        "actor.synthetic_step_s=0",
+        "actor.synthetic_length_median=20",
+        "actor.synthetic_length_sigma=1.0",
+    )
+
+    async def many(client, _tg):
+        results = {}
+
+        async def one(i):
+            results[i] = await gen(client, seed=i, n=200, stop=())
+
+        async with anyio.create_task_group() as tg:
+            for i in range(400):
+                tg.start_soon(one, i)
+        return list(results.values())
+
+    try:
+        results = run_client(address, many)
+    finally:
+        stop_group(proc)
+    lengths = sorted(len(r.token_ids) for r in results)
+    median = lengths[len(lengths) // 2]
+    assert 14 <= median <= 28, median  # lognormal median 20
+    assert lengths[-1] == 200 and lengths[int(0.99 * len(lengths))] > 5 * median  # the tail, capped
+    for r in results:
+        if len(r.token_ids) < 200:  # ended by the drawn length: the end-of-turn token, certain
+            assert r.finish_reason == "stop" and r.logprobs[-1] == 0.0
 
 
 def test_seeded_requests_are_reproducible_and_bad_ones_named(synthetic):

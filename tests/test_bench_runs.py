@@ -1,0 +1,41 @@
+"""The benchmarks of issue 13 run end to end at minimal sizes and write what they promise; their
+numbers are not checked (benchmarks measure, tests assert behaviour)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from millstream.bench import all as runner
+from millstream.bench import async_sync, weight_sync
+from millstream.shared.config import check_config, load_config
+
+
+def test_weight_sync_pushes_through_millstream_and_raw_gloo(tmp_path):
+    path = weight_sync.main(["--sizes", "1", "--rounds", "1", "--out", str(tmp_path)])
+    (row,) = orjson.loads(path.read_bytes())["rows"]
+    assert row["mb"] == 1 and row["gloo_s"] > 0 and row["ours_s"] > 0 and row["paused_s"] > 0
+    per_size = orjson.loads((tmp_path / "weight-sync-1MB.json").read_bytes())
+    assert per_size["settings"]["bytes"] == 16 * (2**20 // 64) * 4  # 1 MB of float32 in 16 tensors
+    assert set(per_size["samples"]) == {"gloo", "millstream"}
+    assert (tmp_path / "weight-sync-1MB.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("stack", sorted(async_sync.STACKS))
+@pytest.mark.parametrize("size", ["quick", "full"])
+def test_async_sync_settings_are_valid_config(stack, size):
+    """Every run the benchmark starts would pass `millstream run`'s config check."""
+    for k in (0, 4):
+        overrides = [*async_sync.COMMON, *async_sync.STACKS[stack][size], f"train.max_staleness={k}"]
+        check_config(load_config(None, overrides))
+
+
+def test_runner_skips_missing_modules_and_runs_the_rest(monkeypatch, capsys):
+    # `rounds` stands in for a benchmark: `python -m millstream.bench.rounds` exits 0 at once.
+    monkeypatch.setattr(runner, "MODULES", ["no_such_benchmark", "rounds"])
+    assert runner.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "no_such_benchmark: skipped" in out
+    assert "| rounds | ok |" in out and "| no_such_benchmark | skipped |" in out
+    with pytest.raises(SystemExit):
+        runner.main(["--only", "nope"])
