@@ -4,6 +4,7 @@
     millstream debug RUN_DIR --episode 42                      a recorded one, replayed from its seed
     millstream debug --config run.toml --checkpoint runs/x/checkpoints/step_000040 --env sokoban --seed 1
     printf 'break turn 2\\nrun\\nedit obs hello\\ncont\\nquit\\n' | millstream debug RUN_DIR --episode 42
+    millstream debug RUN_DIR --replay --against CKPT_A CKPT_B    where two policies part
 
 Commands (one per line; a script on stdin works the same):
 
@@ -255,6 +256,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--episode", help="replay this recorded episode (its store row id) from its seed")
     p.add_argument("--store", type=Path, help="where branches are recorded (default RUN_DIR/store.sqlite)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a whole session may take")
+    p.add_argument("--replay", action="store_true", help="replay recorded episodes against --against A B")
+    p.add_argument(
+        "--against", nargs=2, metavar=("A", "B"), help="two checkpoints, model dirs or tcp:// actors"
+    )
+    p.add_argument("--episodes", type=int, default=10, help="with --replay: how many recent episodes")
+    p.add_argument("--temperature", type=float, default=0.0, help="with --replay: sampling (0: greedy)")
     return p
 
 
@@ -335,10 +342,23 @@ async def _session(ns: argparse.Namespace, cfg: Config, lines: Any) -> int:
     return 0
 
 
+def _replay(ns: argparse.Namespace, cfg: Config) -> int:
+    from .debug_replay import replay_against
+
+    if not ns.against:
+        raise ConfigError("--replay needs --against A B (checkpoints, model dirs or tcp:// actors)")
+    store = ns.store or (ns.run_dir / STORE_FILE if ns.run_dir else Path(cfg.run.dir or ".") / STORE_FILE)
+    chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
+    replay_against(cfg, chat, store, ns.against, ns.episode, ns.episodes, ns.temperature)
+    return 0
+
+
 def main(argv: list[str]) -> int:
     ns = _parser().parse_args(argv)
     try:
         cfg = _config(ns)
+        if ns.replay:
+            return _replay(ns, cfg)
         return anyio.run(_session, ns, cfg, sys.stdin, backend="trio")
     except (ConfigError, FileNotFoundError, KeyError, ValueError) as exc:
         print(f"millstream debug: {exc}", file=sys.stderr)

@@ -124,3 +124,38 @@ def test_an_unknown_episode_or_env_fails_before_any_actor_is_used(actor, tmp_pat
         timeout=120,
     )
     assert result.returncode == 2 and "nosuchenv" in result.stderr
+
+
+def test_replay_against_two_policies_shows_where_they_part(actor, recorded, tmp_path):
+    """The recorded episode replayed greedily against the same actor twice never parts (the
+    control); against an actor on other weights (a model built with another seed, started by
+    the debugger as a checkpoint) it parts, at a turn and a token it names."""
+    from millstream.shared.tinymodel import build_tiny_model
+
+    other = build_tiny_model(tmp_path / "other", seed=1)
+
+    def replay(a: str, b: str) -> str:
+        return debug(actor, recorded, "--replay", "--episode", "1", "--against", a, b, script="").stdout
+
+    same = replay(actor.address, actor.address)
+    assert "row 1 (evenchars seed 3): the same in all 4 turns" in same
+    assert "0 of 1 episodes part" in same
+    parted = replay(actor.address, str(other))
+    assert f"replaying 1 episodes against {other}" in parted  # an actor was started on it
+    assert "row 1 (evenchars seed 3): parts at turn 0, token" in parted and "   A: " in parted
+    assert "1 of 1 episodes part" in parted
+
+
+@pytest.mark.parametrize(
+    "a, b, where",
+    [
+        ([[1, 2], [3]], [[1, 2], [3]], None),
+        ([[1, 2], [3, 4]], [[1, 2], [3, 5]], (1, 1)),
+        ([[1, 2]], [[1]], (0, 1)),  # one reply is a prefix of the other: parts where it ends
+        ([[1], [2]], [[1]], (1, 0)),  # one episode ended a turn earlier
+    ],
+)
+def test_first_parting(a, b, where):
+    from millstream.envpool.debug_replay import first_parting
+
+    assert first_parting(a, b) == where
