@@ -6,7 +6,10 @@ Layout:
 - `stress_suite.py`  the recorded scenarios (`make bench-stress`), results in `results/`;
 - `fleet.py`         actor replicas: throughput by replica count, router overhead, weight sync time;
 - `fleet_report.py`  its outputs: the PNG and the text table;
-- `auth_cost.py`     what CURVE authentication costs.
+- `auth_cost.py`     what CURVE authentication costs;
+- `rounds.py`        systems compared round by round: medians, spread, JSON and PNG;
+- `all.py`           every benchmark (`make bench`, `make bench-quick`);
+- `async_sync.py`, `weight_sync.py`, `replicas.py`, `store_overhead.py`: one question each.
 
 `README.md` here holds the measured numbers and how to read them.
 """

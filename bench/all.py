@@ -24,7 +24,7 @@ from .rounds import RESULTS
 __all__ = ["MODULES", "main"]
 
 #: In the order they run; the quick size of all of them takes under 10 minutes on 2 cores.
-MODULES = ["overhead", "pool_vs_http", "async_sync", "weight_sync", "fleet"]
+MODULES = ["overhead", "pool_vs_http", "store_overhead", "async_sync", "weight_sync", "fleet"]
 
 
 def written_since(started: float) -> list[Path]:

@@ -41,6 +41,7 @@ from millstream.shared.keys import load_keys, secure
 from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
 from millstream.shared.runtime import free_port, raise_fd_limit, resolve_model_dir
 from millstream.shared.supervisor import Supervisor
+from millstream.shared.trajstore import STORE_FILE, StoreWriter, episode_from_failure, episode_from_trajectory
 
 from .stress_report import StatsFollower, build_report, format_table, plot_report, write_json
 
@@ -80,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="", help="output folder (default runs/stress-<env>-<time>)")
     p.add_argument("--timeout-s", type=float, default=3600, help="give up (and report) after this")
     p.add_argument("--config", default=None, help="TOML config the run starts from")
+    p.add_argument(
+        "--store",
+        action="store_true",
+        help="write every episode to <out>/store.sqlite as the learner does (shared/trajstore.py)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",
@@ -195,6 +201,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
     turns = invalid = 0
     done: dict[str, PoolDone] = {}
     follower = StatsFollower(out)
+    store = StoreWriter(out / STORE_FILE) if ns.store else None  # the learner's writer, same thread model
     started = time.monotonic()
     try:
         if ns.actor == "synthetic":
@@ -237,8 +244,12 @@ def run_stress(ns: argparse.Namespace) -> dict:
                             outcomes["completed"] += 1
                             turns += m.num_turns
                             invalid += m.invalid_actions
+                            if store is not None:
+                                store.put(episode_from_trajectory(m, fate="trained", step=0))
                         elif isinstance(m, EpisodeFailed):
                             outcomes[str(m.cause)] += 1  # the cause's value: a JSON key
+                            if store is not None:
+                                store.put(episode_from_failure(m, step=0))
                         elif isinstance(m, PoolDone):
                             done[m.worker] = m
             accounted = sum(outcomes.values())
@@ -262,6 +273,8 @@ def run_stress(ns: argparse.Namespace) -> dict:
         sup.stop(grace_s=5)
         pull.close(0)
         pub.close(0)
+        if store is not None:
+            store.close()
     report = build_report(
         args=vars(ns),
         faults=faults,
@@ -274,6 +287,8 @@ def run_stress(ns: argparse.Namespace) -> dict:
         follower=follower,
         episodes=ns.episodes,
     )
+    if store is not None:
+        report["store"] = store.statistics()
     write_json(report, out / "report.json")
     plot_report(
         follower,

@@ -43,6 +43,7 @@ from .client import ActorClient
 from .debug_actor import actor_for_checkpoint
 from .debugger import DebugEpisode
 from .envs import make_env
+from .envs.agent import is_agent_env
 from .worker import tokenizer_dir
 
 __all__ = ["main", "Debugger"]
@@ -309,7 +310,8 @@ async def _session(ns: argparse.Namespace, cfg: Config, lines: Any) -> int:
         env_name, seed, parent = row["env"], row["seed"], row["id"]
         if env_name != cfg.envpool.env:
             env_args = {}
-    make_env(env_name, env_args)  # an unknown env or bad args fail here, before any actor starts
+    if is_agent_env(make_env(env_name, env_args)):  # an unknown env or bad args fail here too
+        raise ConfigError(f"{env_name} is an agent environment: its agent runs whole, not turn by turn")
     chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
     keys = load_keys(cfg, "envpool")
     async with AsyncExitStack() as stack:

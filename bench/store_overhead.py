@@ -1,0 +1,106 @@
+"""What the trajectory store costs the envpool: turns/s with the store on and off.
+
+    python -m millstream.bench.store_overhead [--quick] [--rounds 3]
+
+Each sample is one `millstream stress` run (bench/stress.py): real envpool worker processes, the
+synthetic actor with the "fast engine" settings (10,000 slots, no step time), so the envpool
+itself is the bottleneck and any cost shows. The stress process stands in for the learner; with
+`--store` it writes every episode it receives through the learner's `StoreWriter` (the same
+thread and queue) to `store.sqlite`, as a run does. Store on and off alternate round by round
+(bench/rounds.py); the goal of issue 14 is a ratio within 3%.
+
+On this 2-core machine the writer thread, the stress process, the envpool worker and the
+synthetic actor share two cores, so the store's CPU is taken from the others: this is an upper
+bound of what a machine with a core to spare would see.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+from .rounds import compare, results_dir, write_outcome
+from .stress import _parser as stress_parser
+from .stress import run_stress
+
+__all__ = ["main"]
+
+
+#: One key folder for every sample: a process serves one run's CURVE keys (shared/keys.py).
+KEYS = Path(tempfile.mkdtemp(prefix="store-bench-keys-")) / "keys"
+
+
+def _sample(store: bool, episodes: int, concurrency: int) -> dict[str, float]:
+    out = Path(tempfile.mkdtemp(prefix="store-bench-"))
+    args = [
+        "--set",
+        f"transport.keys_dir={KEYS}",
+        "--env",
+        "echo",
+        "--episodes",
+        str(episodes),
+        "--concurrency",
+        str(concurrency),
+        "--actor",
+        "synthetic",
+        "--out",
+        str(out),
+        "--set",
+        "actor.max_num_seqs=10000",
+        "--set",
+        "actor.synthetic_step_s=0",
+        "--set",
+        "actor.synthetic_step_s_per_seq=0",
+        *(["--store"] if store else []),
+    ]
+    try:
+        report = run_stress(stress_parser().parse_args(args))
+        sample = {"turns_s": float(report["turns_per_s"]), "wall_s": float(report["wall_s"])}
+        if store:
+            stats = report["store"]
+            sample |= {
+                "written": stats["written"],
+                "dropped": stats["dropped"],
+                "queue_peak": stats["queue_peak"],
+            }
+            sample["store_mb"] = (out / "store.sqlite").stat().st_size / 1e6
+        return sample
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m millstream.bench.store_overhead", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--quick", action="store_true", help="4,000 episodes at concurrency 1,000")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--episodes", type=int, default=20000)
+    p.add_argument("--concurrency", type=int, default=5000)
+    ns = p.parse_args(argv)
+    episodes, concurrency = (4000, 1000) if ns.quick else (ns.episodes, ns.concurrency)
+    outcome = compare(
+        {
+            "store off": lambda: _sample(False, episodes, concurrency),
+            "store on": lambda: _sample(True, episodes, concurrency),
+        },
+        rounds=ns.rounds,
+        metric="turns_s",
+        settings={
+            "episodes": episodes,
+            "concurrency": concurrency,
+            "env": "echo",
+            "engine": "synthetic, fast",
+        },
+    )
+    name = "store-overhead-quick" if ns.quick else "store-overhead"
+    path = write_outcome(outcome, results_dir(), name)
+    ratio = outcome.ratios()["store on"]
+    print(f"store on / off turns/s: {ratio:.3f} (goal >= 0.97); {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
