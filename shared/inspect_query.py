@@ -77,7 +77,8 @@ class Filters:
     newest_first: bool = True
 
     def where(self) -> tuple[str, list[Any]]:
-        clauses, params = [], []
+        clauses: list[str] = []
+        params: list[Any] = []
 
         def add(clause: str, *values: Any) -> None:
             clauses.append(clause)

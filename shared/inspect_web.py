@@ -152,8 +152,8 @@ def start_server(
 
 def serve(run_dir: Path, host: str, port: int) -> int:
     server, thread = start_server(run_dir, host, port)
-    bound_host, bound_port = server.server_address[:2]
-    print(f"millstream inspect: http://{bound_host}:{bound_port}/  (Ctrl-C stops)", flush=True)
+    bound_port = server.server_address[1]
+    print(f"millstream inspect: http://{host}:{bound_port}/  (Ctrl-C stops)", flush=True)
     try:
         while thread.is_alive():
             thread.join(1.0)
