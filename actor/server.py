@@ -66,6 +66,8 @@ def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> 
         return "empty prompt"
     if req.max_tokens < 1:
         return f"max_tokens must be >= 1, got {req.max_tokens}"
+    if not 0 <= req.min_tokens <= req.max_tokens:
+        return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens}"
     total = len(req.prompt_token_ids) + req.max_tokens
     if total > max_model_len:
         return (
@@ -388,7 +390,9 @@ def _sampling_params(req: GenerateRequest) -> Any:
         top_p=req.top_p,
         max_tokens=req.max_tokens,
         seed=req.seed,
-        stop_token_ids=list(req.stop_token_ids),
+        stop_token_ids=[] if req.ignore_eos else list(req.stop_token_ids),
+        ignore_eos=req.ignore_eos,
+        min_tokens=req.min_tokens,
         logprobs=0,  # the sampled token's logprob only
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,  # token in, token out: text is the envpool's business

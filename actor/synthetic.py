@@ -225,7 +225,8 @@ class SyntheticActor:
         self.tokens += 1
         seq.pending_ids.append(token)
         seq.pending_logprobs.append(logprob)
-        finish = "stop" if token in seq.stop else "length" if seq.produced >= seq.req.max_tokens else None
+        stops = token in seq.stop and not seq.req.ignore_eos and seq.produced >= seq.req.min_tokens
+        finish = "stop" if stops else "length" if seq.produced >= seq.req.max_tokens else None
         if finish:
             del self._running[key]
         if finish or len(seq.pending_ids) >= self.cfg.actor.stream_interval:

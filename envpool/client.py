@@ -332,6 +332,8 @@ class ActorClient:
         seed: int | None,
         stop_token_ids: list[int],
         timeout_s: float,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
     ) -> Generation:
         request_id = f"{self.worker}-{next(self._ids)}"
         inbox = _Inbox()
@@ -347,7 +349,15 @@ class ActorClient:
             with anyio.CancelScope(deadline=sent_at + timeout_s) as scope:
                 await self.channel.send(
                     GenerateRequest(
-                        request_id, prompt_token_ids, max_tokens, temperature, top_p, seed, stop_token_ids
+                        request_id,
+                        prompt_token_ids,
+                        max_tokens,
+                        temperature,
+                        top_p,
+                        seed,
+                        stop_token_ids,
+                        ignore_eos,
+                        min_tokens,
                     )
                 )
                 while not done:

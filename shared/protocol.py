@@ -147,6 +147,10 @@ class GenerateRequest(_Wire, tag="gen", gc=False, frozen=True):
     seed: int | None = None
     #: Generation stops after emitting one of these (the stop token is included in the output).
     stop_token_ids: list[int] = []
+    #: Benchmarks: generate exactly `max_tokens` (no stop on end-of-sequence or stop tokens) and
+    #: at least `min_tokens`, so every system compared makes the same amount of work.
+    ignore_eos: bool = False
+    min_tokens: int = 0
 
 
 class Abort(_Wire, tag="abort", gc=False, frozen=True):

@@ -78,6 +78,30 @@ def test_many_concurrent_requests_and_stop_tokens(actor):
             assert gen.finish_reason == "length" and len(gen.token_ids) == 32
 
 
+def test_ignore_eos_and_min_tokens_make_exactly_the_work_asked(actor):
+    """Benchmarks need fixed output lengths: a greedy reply's third token, made a stop token,
+    ends the reply there, unless the request ignores stops (then max_tokens, exactly) or asks
+    for more tokens first (min_tokens)."""
+
+    async def run(client, _tg):
+        free = await generate(client, n=16)
+        stop = [free.token_ids[2]]
+        cut = await generate(client, n=16, stop=stop)
+        kwargs = dict(
+            max_tokens=16, temperature=0.0, top_p=1.0, seed=None, stop_token_ids=stop, timeout_s=120
+        )
+        ignored = await client.generate_once(list(PROMPT), ignore_eos=True, **kwargs)
+        at_least = await client.generate_once(list(PROMPT), min_tokens=8, **kwargs)
+        return free, cut, ignored, at_least
+
+    free, cut, ignored, at_least = anyio.run(with_client, actor.address, run, backend="trio")
+    first = free.token_ids.index(free.token_ids[2])  # the stop may occur before position 2
+    assert cut.finish_reason == "stop" and len(cut.token_ids) == first + 1
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 16
+    assert ignored.token_ids[: len(free.token_ids)] == free.token_ids  # the same greedy path
+    assert len(at_least.token_ids) >= 8 and at_least.token_ids[:8] == free.token_ids[:8]
+
+
 def test_cancelled_generation_is_aborted_on_the_actor(actor):
     async def run(client, _tg):
         with anyio.move_on_after(0.3):
@@ -98,11 +122,12 @@ def test_cancelled_generation_is_aborted_on_the_actor(actor):
         # The hostile probe's: vLLM itself raises on these, outside any request's boundary.
         ([1, 2, 3], 4, 1e30, [], "bad sampling parameters temperature=1e[+]30"),
         ([1, 2, 3], 4, 1.0, [999_999], "stop token id 999999 outside the vocabulary"),
+        ([1, 2, 3], 4, 1.0, [], "min_tokens must be in \\[0, max_tokens=4\\], got 5"),
     ],
 )
 def test_bad_requests_fail_with_a_named_cause(actor, prompt, max_tokens, temperature, stop, message):
     async def run(client, _tg):
-        return await client.generate(
+        return await client.generate_once(
             prompt,
             max_tokens=max_tokens,
             temperature=temperature,
@@ -110,6 +135,7 @@ def test_bad_requests_fail_with_a_named_cause(actor, prompt, max_tokens, tempera
             seed=None,
             stop_token_ids=stop,
             timeout_s=60,
+            min_tokens=5 if "min_tokens" in message else 0,
         )
 
     with pytest.raises(GenerationFailed, match=message) as info:

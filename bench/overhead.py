@@ -1,0 +1,303 @@
+"""millstream's overhead against the engine alone: generated tokens/s, three ways, one model.
+
+    python -m millstream.bench.overhead [--quick] [--rounds 3] [--concurrency 64,256]
+
+The same tiny Qwen2 model (float32, CPU), the same engine settings (batch width, KV budget, whole
+prompt prefill: the actor's `build_engine`), the same prompts and exactly the same output
+lengths (`ignore_eos`, `min_tokens`), temperature 1, the sampled token's logprob, through:
+
+- **millstream**: the actor process (`python -m millstream.actor`), driven over ZeroMQ with CURVE
+  by envpool's `ActorClient` (trio): streamed deltas with logprobs and policy versions, as every
+  episode turn is;
+- **asyncllm**: vLLM's `AsyncLLM` driven directly in one process (bench/overhead_engine.py);
+- **vllm-serve**: vLLM's OpenAI server, driven by an asyncio + httpx client (the pattern most
+  peers use: one HTTP request per turn, `/v1/completions` with the prompt's token ids).
+
+Each load shape (bench/overhead_load.py: waves, closed loop) and concurrency is one comparison,
+the three systems interleaved round by round (bench/rounds.py); all three engines stay up for
+the whole run, started one at a time. Ratios are of median tokens/s against asyncllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from contextlib import ExitStack
+from pathlib import Path
+from typing import IO, Any
+
+import anyio
+import httpx
+
+from millstream.envpool.client import ActorClient
+from millstream.shared.config import Config, dump_config, load_config
+from millstream.shared.keys import load_keys
+from millstream.shared.runtime import free_port
+from millstream.shared.tinymodel import build_tiny_model
+from millstream.shared.transport import open_channel
+
+from .overhead_load import prompt_ids, run_load
+from .rounds import compare, results_dir, write_outcome
+
+__all__ = ["main"]
+
+
+class Load:
+    """One load command: the shape and sizes every system gets."""
+
+    def __init__(self, shape: str, concurrency: int, ns: argparse.Namespace, vocab: int) -> None:
+        self.shape, self.concurrency, self.vocab = shape, concurrency, vocab
+        self.waves, self.seconds = ns.waves, ns.seconds
+        self.prompt_len, self.output_len = ns.prompt_len, ns.output_len
+
+    def command(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape,
+            "concurrency": self.concurrency,
+            "waves": self.waves,
+            "seconds": self.seconds,
+            "prompt_len": self.prompt_len,
+            "output_len": self.output_len,
+        }
+
+
+# --- the three systems ------------------------------------------------------------------------
+
+
+def through_millstream(cfg: Config, load: Load) -> dict[str, float]:
+    async def main() -> dict[str, float]:
+        keys = load_keys(cfg, "envpool")
+        channel = open_channel("dealer", cfg.actor.address, bind=False, cfg=cfg.transport, keys=keys)
+        client = ActorClient(channel, "bench")
+        n = load.output_len
+
+        async def one(index: int) -> int:
+            gen = await client.generate_once(
+                prompt_ids(index, load.prompt_len, load.vocab),
+                max_tokens=n,
+                temperature=1.0,
+                top_p=1.0,
+                seed=None,
+                stop_token_ids=[],
+                timeout_s=600,
+                ignore_eos=True,
+                min_tokens=n,
+            )
+            return len(gen.token_ids)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(channel.run)
+            tg.start_soon(client.run)
+            result = await run_load(one, load.shape, load.concurrency, load.waves, load.seconds)
+            tg.cancel_scope.cancel()
+        return result
+
+    return anyio.run(main, backend="trio")
+
+
+def through_asyncllm(engine: subprocess.Popen, load: Load) -> dict[str, float]:
+    assert engine.stdin is not None and engine.stdout is not None
+    engine.stdin.write(json.dumps(load.command()) + "\n")
+    engine.stdin.flush()
+    return dict(json.loads(_read_json_line(engine.stdout, engine)))
+
+
+def through_vllm_serve(url: str, model: str, load: Load) -> dict[str, float]:
+    async def main() -> dict[str, float]:
+        limits = httpx.Limits(
+            max_connections=load.concurrency + 8, max_keepalive_connections=load.concurrency + 8
+        )
+        async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as http:
+
+            async def one(index: int) -> int:
+                body = {
+                    "model": model,
+                    "prompt": prompt_ids(index, load.prompt_len, load.vocab),
+                    "max_tokens": load.output_len,
+                    "min_tokens": load.output_len,
+                    "ignore_eos": True,
+                    "temperature": 1.0,
+                    "logprobs": 0,
+                }
+                response = await http.post("/v1/completions", json=body)
+                response.raise_for_status()
+                return int(response.json()["usage"]["completion_tokens"])
+
+            return await run_load(one, load.shape, load.concurrency, load.waves, load.seconds)
+
+    return anyio.run(main, backend="asyncio")
+
+
+# --- starting the engines ---------------------------------------------------------------------
+
+
+def _read_json_line(stream: IO[str], proc: subprocess.Popen, timeout_s: float = 900) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if line.startswith("{"):
+            return line
+        if not line and proc.poll() is not None:
+            raise RuntimeError(f"the AsyncLLM process exited with {proc.returncode}")
+    raise TimeoutError("no answer from the AsyncLLM process")
+
+
+def _spawn(stack: ExitStack, command: list[str], log: Path, **kwargs: Any) -> subprocess.Popen:
+    out = log.open("wb")
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    proc = subprocess.Popen(command, stderr=out, start_new_session=True, env=env, **kwargs)
+    stack.callback(_stop, proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _wait(check: Any, proc: subprocess.Popen, what: str, timeout_s: float = 900) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} was not ready within {timeout_s}s")
+        time.sleep(0.5)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start_engines(stack: ExitStack, cfg: Config, config_path: Path, work: Path) -> tuple[Any, Any, str]:
+    actor = _spawn(
+        stack,
+        [
+            sys.executable,
+            "-m",
+            "millstream.actor",
+            "--config",
+            str(config_path),
+            "--ready-file",
+            str(work / "ready"),
+        ],
+        work / "actor.log",
+        stdout=subprocess.DEVNULL,
+    )
+    _wait(lambda: (work / "ready").exists(), actor, "the actor")
+    print("actor ready", flush=True)
+    engine = _spawn(
+        stack,
+        [sys.executable, "-m", "millstream.bench.overhead_engine", str(config_path)],
+        work / "asyncllm.log",
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert engine.stdout is not None
+    _read_json_line(engine.stdout, engine)
+    print("AsyncLLM ready", flush=True)
+    port, a = free_port(), cfg.actor
+    serve = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *("--model", cfg.model.path, "--dtype", cfg.model.dtype, "--seed", str(cfg.run.seed)),
+        *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(a.max_model_len)),
+        *("--max-num-seqs", str(a.max_num_seqs), "--kv-cache-memory-bytes", str(a.kv_cache_bytes)),
+        *("--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(a.max_model_len, 8192))),
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+    ]
+    url = f"http://127.0.0.1:{port}"
+    server = _spawn(stack, serve, work / "vllm-serve.log", stdout=subprocess.DEVNULL)
+    _wait(lambda: _healthy(url), server, "vllm serve")
+    print("vllm serve ready", flush=True)
+    return actor, engine, url
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m millstream.bench.overhead", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--quick", action="store_true", help="2 waves / 4 s loops, 3 rounds")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", default="64,256")
+    p.add_argument("--shapes", default="waves,closed")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--waves", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=10.0)
+    ns = p.parse_args(argv)
+    if ns.quick:
+        ns.waves, ns.seconds = 2, 4.0
+    levels = [int(c) for c in ns.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="millstream-overhead-"))
+    model = build_tiny_model(work / "tiny", seed=0)
+    overrides = [
+        f"model.path={model}",
+        f"actor.address=tcp://127.0.0.1:{free_port()}",
+        f"actor.max_num_seqs={max(levels)}",
+        f"transport.keys_dir={work / 'keys'}",
+    ]
+    cfg = load_config(None, overrides)
+    config_path = work / "config.toml"
+    config_path.write_text(dump_config(cfg))
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rows = []
+    with ExitStack() as stack:
+        _, engine, url = start_engines(stack, cfg, config_path, work)
+        for shape in ns.shapes.split(","):
+            for concurrency in levels:
+                load = Load(shape, concurrency, ns, vocab)
+                outcome = compare(
+                    {
+                        "asyncllm": lambda load=load: through_asyncllm(engine, load),
+                        "millstream": lambda load=load: through_millstream(cfg, load),
+                        "vllm-serve": lambda load=load: through_vllm_serve(url, str(model), load),
+                    },
+                    rounds=ns.rounds,
+                    metric="tokens_s",
+                    settings={
+                        **load.command(),
+                        "model": "tiny Qwen2, float32, CPU",
+                        "kv_bytes": cfg.actor.kv_cache_bytes,
+                    },
+                )
+                name = f"overhead-{shape}-c{concurrency}" + ("-quick" if ns.quick else "")
+                write_outcome(outcome, results_dir(), name)
+                ratios = outcome.ratios()
+                rows.append((shape, concurrency, outcome, ratios))
+                m, v = ratios["millstream"], ratios["vllm-serve"]
+                print(f"{name}: millstream/asyncllm {m:.3f}, vllm-serve/asyncllm {v:.3f}")
+    print(
+        "\n| shape | concurrency | asyncllm tok/s | millstream tok/s | vllm serve tok/s "
+        "| millstream / asyncllm | millstream / vllm serve |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for shape, concurrency, outcome, _ in rows:
+        a, m, v = (outcome.median(s) for s in ("asyncllm", "millstream", "vllm-serve"))
+        print(f"| {shape} | {concurrency} | {a:,.0f} | {m:,.0f} | {v:,.0f} | {m / a:.3f} | {m / v:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""The load the overhead benchmark offers every system: the same prompts, the same two shapes.
+
+- **waves**: `concurrency` requests at once, wait for all, repeat `waves` times. The engine
+  empties between waves, so how fast a system fills it again shows.
+- **closed loop**: `concurrency` clients, each sends its next request when its last one ends,
+  for `seconds`; the engine stays full.
+
+A system is one coroutine function `one(index) -> tokens generated`, run under anyio (asyncio
+for vLLM's AsyncLLM and the HTTP client, trio for millstream's client). Every request has its
+own prompt (a fixed length of ids drawn from its index, so no two share a prefix in the cache)
+and asks for exactly `output_len` tokens (`ignore_eos`, `min_tokens`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Awaitable, Callable
+
+import anyio
+
+__all__ = ["prompt_ids", "run_load"]
+
+
+def prompt_ids(index: int, length: int, vocab: int) -> list[int]:
+    rng = random.Random(index)
+    return [rng.randrange(10, vocab - 10) for _ in range(length)]
+
+
+async def run_load(
+    one: Callable[[int], Awaitable[int]], shape: str, concurrency: int, waves: int, seconds: float
+) -> dict[str, float]:
+    """Offer the load; returns tokens/s, requests and wall time."""
+    tokens = requests = 0
+    counter = iter(range(10**9))
+
+    async def request() -> None:
+        nonlocal tokens, requests
+        tokens += await one(next(counter))
+        requests += 1
+
+    started = time.perf_counter()
+    if shape == "waves":
+        for _ in range(waves):
+            async with anyio.create_task_group() as tg:
+                for _ in range(concurrency):
+                    tg.start_soon(request)
+    elif shape == "closed":
+        deadline = started + seconds
+
+        async def client() -> None:
+            while time.perf_counter() < deadline:
+                await request()
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(concurrency):
+                tg.start_soon(client)
+    else:
+        raise ValueError(f"unknown load shape {shape!r}: waves or closed")
+    wall = time.perf_counter() - started
+    return {"tokens_s": tokens / wall, "tokens": tokens, "requests": requests, "wall_s": wall}
