@@ -3,7 +3,8 @@
 Every episode the run accounts for gets one record here: trained (with its per-token advantages
 and the version it was trained at), dropped (stale, group too small, run ended: with the cause),
 or failed (with its cause and, where the envpool sent it, the scene of the failure). The store
-(shared/trajstore.py) is written by its own thread, so recording never waits on the disk;
+(shared/trajstore.py) is written by its own thread, so recording never waits on the disk but
+once a step (see `trained`);
 `trajectories.jsonl` is written only with `store.jsonl = true` (the format before the store).
 
 A checkpoint records `positions()`: the store's last row id and the JSON lines' byte offset. A
@@ -59,8 +60,13 @@ class EpisodeRecords:
                 first = next((a for a, m in zip(adv, traj.loss_mask) if m), 0.0)
                 record = {"fate": "trained", "step": step, "trained_version": version, "advantage": first}
                 self._line({**record, **msgspec.structs.asdict(traj)})
+        # Committed before the step's metrics record is written, so that record never counts an
+        # episode a kill could lose. A commit takes milliseconds; a stuck disk waits at most 10 s,
+        # then the step goes on (the writer keeps the episodes queued).
+        if self.store is not None:
+            self.store.flush(timeout_s=10.0)
         if self.jsonl is not None:
-            self.jsonl.flush()  # with the step: a kill keeps it
+            self.jsonl.flush()
 
     def failed(self, message: EpisodeFailed, version: int) -> None:
         if self.store is not None:

@@ -334,6 +334,7 @@ class StoreWriter:
         self.batch_s = batch_s
         self._queue: queue.Queue[EpisodeRow | None] = queue.Queue(maxsize=capacity)
         self._written = threading.Event()
+        self._hurry = threading.Event()
         self._pending = 0
         self._lock = threading.Lock()
         self.stats = {"written": 0, "dropped": 0, "skipped": 0, "evicted": 0, "errors": 0, "queue_peak": 0}
@@ -358,15 +359,20 @@ class StoreWriter:
         return True
 
     def flush(self, timeout_s: float = 10.0) -> bool:
-        """Wait until everything queued so far is committed (a checkpoint calls this)."""
+        """Wait until everything queued so far is committed (each step and checkpoint calls
+        this); the writer commits at once instead of waiting to fill its batch."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if self._pending == 0:
-                    return True
-            self._written.wait(0.05)
-            self._written.clear()
-        return False
+        self._hurry.set()
+        try:
+            while time.monotonic() < deadline:
+                with self._lock:
+                    if self._pending == 0:
+                        return True
+                self._written.wait(0.01)
+                self._written.clear()
+            return False
+        finally:
+            self._hurry.clear()
 
     def last_id(self) -> int:
         self.flush()
@@ -388,10 +394,11 @@ class StoreWriter:
             batch: list[EpisodeRow | None] = [self._queue.get()]
             deadline = time.monotonic() + self.batch_s
             while batch[-1] is not None and len(batch) < 512:
-                try:
-                    batch.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                try:  # short waits: a flush must not wait out the whole batch time
+                    batch.append(self._queue.get(timeout=max(0.0, min(0.02, deadline - time.monotonic()))))
                 except queue.Empty:
-                    break
+                    if self._hurry.is_set() or time.monotonic() >= deadline:
+                        break
             rows = [r for r in batch if r is not None]
             self._commit(rows)
             with self._lock:

@@ -1,0 +1,200 @@
+"""envpool against the asyncio + HTTP pattern: turns/s, p99 turn latency, memory per episode.
+
+    python -m millstream.bench.pool_vs_http [--quick] [--rounds 3] [--concurrency 100,1000,10000]
+
+Both sides play the same episodes (the `echo` environment, 2 turns, 24 tokens a reply) against
+the same synthetic engine, set so that it is never the bottleneck (every request answered at
+once with its tokens: no batch limit, no step time):
+
+- **envpool**: `millstream stress` (bench/stress.py): one envpool worker process (trio, ZeroMQ,
+  the chat template, token in / token out), the synthetic actor over the real protocol;
+- **asyncio-http**: one asyncio process running the episodes as coroutines, one aiohttp POST of
+  JSON per turn to the same engine served over HTTP (bench/http_engine.py). It does the same
+  tokenizer work (envpool's `ChatFormat`: the first prompt, the close and the next prompt each
+  turn, the reply decoded once) and runs the same `Echo` environment code.
+
+Where envpool itself saturates: its turns/s as concurrency grows (the engine cannot be the
+limit here). Memory per live episode: the process's resident memory at the peak of live
+episodes, less before, over that peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+from millstream.envpool.chat import ChatFormat
+from millstream.envpool.envs import make_env
+from millstream.shared.runtime import free_port
+from millstream.shared.tinymodel import build_tiny_model
+
+from .rounds import compare, results_dir, write_outcome
+from .stress import _parser as stress_parser
+from .stress import run_stress
+
+__all__ = ["main"]
+
+TURNS, MAX_TOKENS = 2, 24
+#: One key folder for every envpool sample: a process serves one run's CURVE keys.
+KEYS = Path(tempfile.mkdtemp(prefix="pool-bench-keys-")) / "keys"
+
+
+def through_envpool(model: Path, concurrency: int, episodes: int) -> dict[str, float]:
+    out = Path(tempfile.mkdtemp(prefix="pool-bench-"))
+    args = [
+        *(
+            "--env",
+            "echo",
+            "--episodes",
+            str(episodes),
+            "--concurrency",
+            str(concurrency),
+            "--actor",
+            "synthetic",
+        ),
+        *("--out", str(out), "--set", f"transport.keys_dir={KEYS}", "--set", f"model.path={model}"),
+        *("--set", f"actor.max_num_seqs={max(concurrency, 64)}", "--set", "actor.synthetic_step_s=0"),
+        *("--set", "actor.synthetic_step_s_per_seq=0", "--set", f"envpool.max_tokens={MAX_TOKENS}"),
+        *("--set", "actor.synthetic_stop_prob=0"),
+    ]
+    try:
+        report = run_stress(stress_parser().parse_args(args))
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    per_episode = report["bytes_per_live_episode"] or 0.0
+    return {
+        "turns_s": float(report["turns_per_s"]),
+        "p99_ms": 1000 * float(report["turn_latency_s"]["p99"]),
+        "kib_per_episode": per_episode / 1024,
+    }
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes: int) -> dict[str, float]:
+    latencies: list[float] = []
+    turns = live = peak_live = 0
+    base_rss = peak_rss = _rss()
+    next_seed = iter(range(episodes))
+
+    async def episode(session: aiohttp.ClientSession, seed: int) -> None:
+        nonlocal turns, live, peak_live, peak_rss
+        env = make_env("echo", {"turns": TURNS})
+        live += 1
+        if live > peak_live:
+            peak_live, peak_rss = live, max(peak_rss, _rss())
+        obs = await env.reset(seed)
+        ids = chat.first_prompt("", obs.text)
+        for _ in range(TURNS):
+            sent = time.perf_counter()
+            async with session.post(url, json={"prompt_token_ids": ids, "max_tokens": MAX_TOKENS}) as r:
+                reply = await r.json()
+            latencies.append(time.perf_counter() - sent)
+            result = await env.step(chat.decode(reply["token_ids"]))
+            turns += 1
+            if result.done:
+                break
+            ids = (
+                ids
+                + reply["token_ids"]
+                + chat.close_turn(reply["token_ids"])
+                + chat.next_prompt(result.observation.text)
+            )
+        live -= 1
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for seed in next_seed:
+            await episode(session, seed)
+
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=600)
+    ) as session:
+        await asyncio.gather(*(client(session) for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    latencies.sort()
+    return {
+        "turns_s": turns / wall,
+        "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
+        "kib_per_episode": (peak_rss - base_rss) / max(peak_live, 1) / 1024,
+    }
+
+
+def through_http(url: str, model: Path, concurrency: int, episodes: int) -> dict[str, float]:
+    """One asyncio process per sample (fresh memory, as envpool's worker process is)."""
+    code = (
+        "import asyncio, json, sys; from millstream.bench.pool_vs_http import _http_episodes; "
+        "from millstream.envpool.chat import ChatFormat; "
+        f"print(json.dumps(asyncio.run(_http_episodes({url!r}, ChatFormat.from_model_dir({str(model)!r}), "
+        f"{concurrency}, {episodes}))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True
+    )
+    import json
+
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m millstream.bench.pool_vs_http", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--quick", action="store_true", help="concurrency 100 and 1,000")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", default="100,1000,10000")
+    ns = p.parse_args(argv)
+    levels = [100, 1000] if ns.quick else [int(c) for c in ns.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="pool-vs-http-"))
+    model = build_tiny_model(work / "tiny", seed=0)
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "millstream.bench.http_engine", str(port), str(model)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        server.stdout.readline()  # "ready"
+        url = f"http://127.0.0.1:{port}/generate"
+        for concurrency in levels:
+            episodes = max(2000, 2 * concurrency)
+            outcome = compare(
+                {
+                    "envpool": lambda c=concurrency, e=episodes: through_envpool(model, c, e),
+                    "asyncio-http": lambda c=concurrency, e=episodes: through_http(url, model, c, e),
+                },
+                rounds=ns.rounds,
+                metric="turns_s",
+                settings={"concurrency": concurrency, "episodes": episodes, "env": "echo", "turns": TURNS},
+            )
+            name = f"pool-vs-http-c{concurrency}" + ("-quick" if ns.quick else "")
+            write_outcome(outcome, results_dir(), name)
+            e, h = (outcome.summary()["systems"][s] for s in ("envpool", "asyncio-http"))
+            print(
+                f"| {concurrency} | {e['turns_s']['median']:,.0f} | {h['turns_s']['median']:,.0f} "
+                f"| {e['p99_ms']['median']:,.0f} | {h['p99_ms']['median']:,.0f} "
+                f"| {e['kib_per_episode']['median']:.1f} | {h['kib_per_episode']['median']:.1f} |",
+                flush=True,
+            )
+    finally:
+        server.terminate()
+        server.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
