@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import orjson
-from helpers import check_accounting, start_run, steps_of
+from helpers import check_accounting, read_episodes, start_run, steps_of
 
 from millstream.shared.lifecycle import run_processes
 
@@ -82,9 +82,5 @@ def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, 
     assert summary["replica_weights"]["actor"]["matches"] is True
     assert stats[-1]["client"]["retries_by_cause"].get("actor_lost", 0) >= 1
     assert run_processes(run_dir) == []
-    lost = [
-        r
-        for r in map(orjson.loads, (run_dir / "trajectories.jsonl").read_bytes().splitlines())
-        if r.get("cause") == "worker_lost"
-    ]
+    lost = [r for r in read_episodes(run_dir) if r["cause"] == "worker_lost"]
     assert len(lost) == summary["worker_lost"]

@@ -14,14 +14,13 @@ import math
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import anyio
 import msgspec
 import orjson
 import pytest
 import zmq
-from helpers import KEYS, ROOT, keys_for, start_actor, stop_group, wait_for_file, with_client
+from helpers import KEYS, ROOT, keys_for, read_episodes, start_actor, stop_group, wait_for_file, with_client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -388,4 +387,7 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
     assert refused.get("buffer_full", 0) > 0
     assert summary["episodes_dropped"]["invalid_trajectory"] == sum(refused.values())
     assert log.stat().st_size < 200_000
-    assert Path(tmp_path / "run" / "trajectories.jsonl").exists()
+    # The run's own episodes are in its store; none of the refused ones is.
+    recorded = read_episodes(tmp_path / "run")
+    assert recorded and all(r["fate"] in ("trained", "dropped", "failed") for r in recorded)
+    assert len(recorded) <= summary["episodes_started"]
