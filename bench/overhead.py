@@ -30,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 from contextlib import ExitStack
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -270,9 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                 load = Load(shape, concurrency, ns, vocab)
                 outcome = compare(
                     {
-                        "asyncllm": lambda load=load: through_asyncllm(engine, load),
-                        "millstream": lambda load=load: through_millstream(cfg, load),
-                        "vllm-serve": lambda load=load: through_vllm_serve(url, str(model), load),
+                        "asyncllm": partial(through_asyncllm, engine, load),
+                        "millstream": partial(through_millstream, cfg, load),
+                        "vllm-serve": partial(through_vllm_serve, url, str(model), load),
                     },
                     rounds=ns.rounds,
                     metric="tokens_s",

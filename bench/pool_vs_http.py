@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -173,8 +174,8 @@ def main(argv: list[str] | None = None) -> int:
             episodes = max(2000, 2 * concurrency)
             outcome = compare(
                 {
-                    "envpool": lambda c=concurrency, e=episodes: through_envpool(model, c, e),
-                    "asyncio-http": lambda c=concurrency, e=episodes: through_http(url, model, c, e),
+                    "envpool": partial(through_envpool, model, concurrency, episodes),
+                    "asyncio-http": partial(through_http, url, model, concurrency, episodes),
                 },
                 rounds=ns.rounds,
                 metric="turns_s",
