@@ -24,6 +24,7 @@ from pathlib import Path
 from .rounds import compare, results_dir, write_outcome
 from .stress import _parser as stress_parser
 from .stress import run_stress
+from .stress_suite import FAST_ENGINE
 
 __all__ = ["main"]
 
@@ -47,12 +48,7 @@ def _sample(store: bool, episodes: int, concurrency: int) -> dict[str, float]:
         "synthetic",
         "--out",
         str(out),
-        "--set",
-        "actor.max_num_seqs=10000",
-        "--set",
-        "actor.synthetic_step_s=0",
-        "--set",
-        "actor.synthetic_step_s_per_seq=0",
+        *FAST_ENGINE,
         *(["--store"] if store else []),
     ]
     try:

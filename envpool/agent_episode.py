@@ -31,7 +31,7 @@ import anyio
 import msgspec
 
 from millstream.shared.config import EnvPoolConfig
-from millstream.shared.protocol import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory, Truncation
+from millstream.shared.protocol import Cause, EpisodeFailed, Scene, Trajectory, Truncation
 
 from .client import Generation, GenerationFailed
 from .envs.agent import AgentEnv, AgentResult, is_agent_env
@@ -97,17 +97,7 @@ class EpisodeRecord:
     def scene(self, spec: EpisodeSpec, started: float, failed: GenerationFailed | None = None) -> Scene:
         """What the agent had done when the episode failed (its calls so far; `texts` holds
         one reply per call here, no observations: the agent's messages are in the tokens)."""
-        request = None
-        if failed is not None and failed.request_id is not None:
-            partial = failed.partial or Generation()
-            request = FailedRequest(
-                failed.request_id,
-                self.calls,
-                partial.token_ids,
-                partial.logprobs,
-                partial.versions,
-                str(failed)[:500],
-            )
+        request = failed.as_request(self.calls) if failed is not None else None
         return Scene(
             spec.env_name,
             spec.seed,

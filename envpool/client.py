@@ -41,6 +41,7 @@ from millstream.shared.protocol import (
     ActorInfo,
     Cause,
     ErrorReply,
+    FailedRequest,
     GenerateError,
     GenerateRequest,
     Hello,
@@ -68,6 +69,15 @@ class GenerationFailed(Exception):
         #: them as the failed episode's scene); set where the request was made.
         self.request_id: str | None = None
         self.partial: Generation | None = None
+
+    def as_request(self, turn: int) -> FailedRequest | None:
+        """The failed request as a scene records it: what had streamed, and why it ended."""
+        if self.request_id is None:
+            return None
+        partial = self.partial or Generation()
+        return FailedRequest(
+            self.request_id, turn, partial.token_ids, partial.logprobs, partial.versions, str(self)[:500]
+        )
 
 
 @dataclass

@@ -32,10 +32,10 @@ from dataclasses import dataclass
 import anyio
 
 from millstream.shared.config import EnvPoolConfig
-from millstream.shared.protocol import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory, Truncation
+from millstream.shared.protocol import Cause, EpisodeFailed, Scene, Trajectory, Truncation
 
 from .chat import ChatFormat
-from .client import Generation, GenerationFailed, TurnClient
+from .client import GenerationFailed, TurnClient
 from .envs import Env
 
 __all__ = ["EpisodeSpec", "run_episode", "sampling_seed"]
@@ -130,17 +130,7 @@ class _Context:
         """What the episode had done, and the request that failed, if one did."""
         if not self.ids and failed is None:
             return None  # it failed before its first prompt: there is nothing to see
-        request = None
-        if failed is not None and failed.request_id is not None:
-            partial = failed.partial or Generation()
-            request = FailedRequest(
-                failed.request_id,
-                len(self.rewards),
-                partial.token_ids,
-                partial.logprobs,
-                partial.versions,
-                str(failed)[:500],
-            )
+        request = failed.as_request(len(self.rewards)) if failed is not None else None
         return Scene(
             spec.env_name,
             spec.seed,
