@@ -38,38 +38,26 @@ from millstream.shared.runtime import free_port
 from millstream.shared.tinymodel import build_tiny_model
 
 from .rounds import compare, results_dir, write_outcome
-from .stress import _parser as stress_parser
-from .stress import run_stress
+from .stress import stress_once
 
 __all__ = ["main"]
 
 TURNS, MAX_TOKENS = 2, 24
-#: One key folder for every envpool sample: a process serves one run's CURVE keys.
-KEYS = Path(tempfile.mkdtemp(prefix="pool-bench-keys-")) / "keys"
 
 
 def through_envpool(model: Path, concurrency: int, episodes: int) -> dict[str, float]:
-    out = Path(tempfile.mkdtemp(prefix="pool-bench-"))
-    args = [
-        *(
-            "--env",
-            "echo",
-            "--episodes",
-            str(episodes),
-            "--concurrency",
-            str(concurrency),
-            "--actor",
-            "synthetic",
-        ),
-        *("--out", str(out), "--set", f"transport.keys_dir={KEYS}", "--set", f"model.path={model}"),
-        *("--set", f"actor.max_num_seqs={max(concurrency, 64)}", "--set", "actor.synthetic_step_s=0"),
-        *("--set", "actor.synthetic_step_s_per_seq=0", "--set", f"envpool.max_tokens={MAX_TOKENS}"),
-        *("--set", "actor.synthetic_stop_prob=0"),
+    args = ["--env", "echo", "--episodes", str(episodes), "--concurrency", str(concurrency)]
+    args += [
+        "--actor",
+        "synthetic",
+        "--set",
+        f"model.path={model}",
+        "--set",
+        f"envpool.max_tokens={MAX_TOKENS}",
     ]
-    try:
-        report = run_stress(stress_parser().parse_args(args))
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    args += ["--set", f"actor.max_num_seqs={max(concurrency, 64)}", "--set", "actor.synthetic_step_s=0"]
+    args += ["--set", "actor.synthetic_step_s_per_seq=0", "--set", "actor.synthetic_stop_prob=0"]
+    report = stress_once(args)
     per_episode = report["bytes_per_live_episode"] or 0.0
     return {
         "turns_s": float(report["turns_per_s"]),

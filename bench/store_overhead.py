@@ -17,54 +17,28 @@ bound of what a machine with a core to spare would see.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
-from pathlib import Path
 
 from .rounds import compare, results_dir, write_outcome
-from .stress import _parser as stress_parser
-from .stress import run_stress
+from .stress import stress_once
 from .stress_suite import FAST_ENGINE
 
 __all__ = ["main"]
 
 
-#: One key folder for every sample: a process serves one run's CURVE keys (shared/keys.py).
-KEYS = Path(tempfile.mkdtemp(prefix="store-bench-keys-")) / "keys"
-
-
 def _sample(store: bool, episodes: int, concurrency: int) -> dict[str, float]:
-    out = Path(tempfile.mkdtemp(prefix="store-bench-"))
-    args = [
-        "--set",
-        f"transport.keys_dir={KEYS}",
-        "--env",
-        "echo",
-        "--episodes",
-        str(episodes),
-        "--concurrency",
-        str(concurrency),
-        "--actor",
-        "synthetic",
-        "--out",
-        str(out),
-        *FAST_ENGINE,
-        *(["--store"] if store else []),
-    ]
-    try:
-        report = run_stress(stress_parser().parse_args(args))
-        sample = {"turns_s": float(report["turns_per_s"]), "wall_s": float(report["wall_s"])}
-        if store:
-            stats = report["store"]
-            sample |= {
-                "written": stats["written"],
-                "dropped": stats["dropped"],
-                "queue_peak": stats["queue_peak"],
-            }
-            sample["store_mb"] = (out / "store.sqlite").stat().st_size / 1e6
-        return sample
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
+    args = ["--env", "echo", "--episodes", str(episodes), "--concurrency", str(concurrency)]
+    args += ["--actor", "synthetic", *FAST_ENGINE, *(["--store"] if store else [])]
+    report = stress_once(args)
+    sample = {"turns_s": float(report["turns_per_s"]), "wall_s": float(report["wall_s"])}
+    if store:
+        stats = report["store"]
+        sample |= {
+            "written": stats["written"],
+            "dropped": stats["dropped"],
+            "queue_peak": stats["queue_peak"],
+        }
+        sample["store_mb"] = stats["bytes"] / 1e6
+    return sample
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -45,7 +47,7 @@ from millstream.shared.trajstore import STORE_FILE, StoreWriter, episode_from_fa
 
 from .stress_report import StatsFollower, build_report, format_table, plot_report, write_json
 
-__all__ = ["main", "parse_faults"]
+__all__ = ["main", "parse_faults", "stress_once"]
 
 FAULTS = ("crash", "hang", "garbage")
 
@@ -288,7 +290,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
         episodes=ns.episodes,
     )
     if store is not None:
-        report["store"] = store.statistics()
+        report["store"] = {**store.statistics(), "bytes": (out / STORE_FILE).stat().st_size}
     write_json(report, out / "report.json")
     plot_report(
         follower,
@@ -299,6 +301,23 @@ def run_stress(ns: argparse.Namespace) -> dict:
     print(format_table(report))
     print(f"report: {out / 'report.json'}  plot: {out / 'stress.png'}")
     return report
+
+
+#: The CURVE keys of every `stress_once` run in this process: a process serves one set of keys
+#: (shared/keys.py), so benchmarks that run stress many times share one folder.
+_SHARED_KEYS = Path(tempfile.mkdtemp(prefix="millstream-stress-keys-")) / "keys"
+
+
+def stress_once(args: list[str]) -> dict:
+    """One stress run (command-line `args`, without --out) in a temporary folder, removed after;
+    returns its report. For benchmarks that compare many runs in one process."""
+    out = Path(tempfile.mkdtemp(prefix="millstream-stress-"))
+    try:
+        return run_stress(
+            _parser().parse_args([*args, "--out", str(out), "--set", f"transport.keys_dir={_SHARED_KEYS}"])
+        )
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -89,14 +89,15 @@ class EpisodeRecord:
         self.turn_starts.append(len(self.ids))
         self._add(gen.token_ids, 1, gen.logprobs, gen.versions)
         self.turn_ends.append(len(self.ids))
-        self.texts.append(text)
+        # Trajectory.texts alternates observation and reply; an agent's "observation" is the
+        # messages it sent, which are in the tokens: left empty here, not decoded again.
+        self.texts += ["", text]
         self.request_ids.append(gen.request_id)
         self.calls += 1
         return fresh
 
     def scene(self, spec: EpisodeSpec, started: float, failed: GenerationFailed | None = None) -> Scene:
-        """What the agent had done when the episode failed (its calls so far; `texts` holds
-        one reply per call here, no observations: the agent's messages are in the tokens)."""
+        """What the agent had done when the episode failed: its calls so far."""
         request = failed.as_request(self.calls) if failed is not None else None
         return Scene(
             spec.env_name,

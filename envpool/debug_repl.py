@@ -35,7 +35,7 @@ import anyio
 
 from millstream.shared.config import Config, ConfigError, load_config
 from millstream.shared.keys import load_keys
-from millstream.shared.trajstore import STORE_FILE, ints, open_store, write_episode
+from millstream.shared.trajstore import STORE_FILE, open_store, read_episodes, write_episode
 from millstream.shared.transport import open_channel
 
 from .chat import ChatFormat
@@ -277,23 +277,12 @@ def _config(ns: argparse.Namespace) -> Config:
 
 
 def _recorded(store: Path, key: str) -> tuple[dict[str, Any], list[list[int]]]:
-    """A recorded episode's row and its replies (token ids per turn), from the store."""
-    db = open_store(store, readonly=True)
-    try:
-        row = (
-            db.execute("SELECT * FROM episodes WHERE id = ?", (int(key),)).fetchone()
-            if key.isdigit()
-            else None
-        )
-        if row is None:
-            raise ConfigError(f"no episode with row id {key!r} in {store}")
-        tokens = ints(row["tokens"])
-        turns = db.execute(
-            "SELECT start, end FROM turns WHERE episode = ? ORDER BY turn", (row["id"],)
-        ).fetchall()
-        return dict(row), [tokens[s:e] for s, e in turns]
-    finally:
-        db.close()
+    """A recorded episode (`episode_dict`) and its replies (token ids per turn), from the store."""
+    found = read_episodes(store, "id = ?", (int(key),)) if key.isdigit() else []
+    if not found:
+        raise ConfigError(f"no episode with row id {key!r} in {store}")
+    ep = found[0]
+    return ep, [ep["token_ids"][s:e] for s, e in zip(ep["turn_starts"], ep["turn_ends"], strict=True)]
 
 
 async def _session(ns: argparse.Namespace, cfg: Config, lines: Any) -> int:

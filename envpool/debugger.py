@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import orjson
 
 from millstream.shared.config import EnvPoolConfig
@@ -37,7 +36,7 @@ from millstream.shared.trajrows import EpisodeRow, TurnRow
 from .chat import ChatFormat
 from .client import Generation, GenerationFailed, TurnClient
 from .envs import Env
-from .episode import sampling_seed
+from .episode import EnvFailure, call_env, sampling_seed
 from .toolcalls import parse_tool_calls
 
 __all__ = ["Turn", "DebugEpisode", "Stop"]
@@ -239,14 +238,12 @@ class DebugEpisode:
         self._open_turn(self.turn.next_observation)
 
     async def _env(self, what: str, fn: Any, arg: Any) -> Any:
+        """The env call as a run makes it (envpool/episode.py); a failure ends the branch."""
         try:
-            with anyio.fail_after(self.cfg.step_timeout_s):
-                return await fn(arg)
-        except TimeoutError:
-            self._fail(Cause.ENV_TIMEOUT, f"env.{what} took longer than {self.cfg.step_timeout_s}s")
-        except Exception as exc:  # the environment's bug ends this branch, as in a run
-            self._fail(Cause.ENV_ERROR, f"env.{what} raised {type(exc).__name__}: {exc}")
-        return None
+            return await call_env(what, fn, arg, self.cfg.step_timeout_s)
+        except EnvFailure as exc:
+            self._fail(exc.cause, str(exc))
+            return None
 
     def _fail(self, cause: Cause, message: str) -> None:
         self.failure = (cause, message)

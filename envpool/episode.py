@@ -38,7 +38,7 @@ from .chat import ChatFormat
 from .client import GenerationFailed, TurnClient
 from .envs import Env
 
-__all__ = ["EpisodeSpec", "run_episode", "sampling_seed"]
+__all__ = ["EpisodeSpec", "run_episode", "sampling_seed", "call_env", "EnvFailure"]
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,13 @@ def sampling_seed(seed: int, member: int, turn: int) -> int:
     return (seed * 1_000_003 + member * 10_007 + turn) % (2**31 - 1)
 
 
-class _EnvFailure(Exception):
+class EnvFailure(Exception):
     def __init__(self, cause: Cause, message: str) -> None:
         super().__init__(message)
         self.cause = cause
 
 
-async def _call_env(what: str, coro_fn, arg, timeout_s: float):
+async def call_env(what: str, coro_fn, arg, timeout_s: float):
     try:
         # A class-based scope rather than `fail_after` (cheaper, and this runs twice a turn).
         with anyio.CancelScope(deadline=anyio.current_time() + timeout_s) as scope:
@@ -69,9 +69,9 @@ async def _call_env(what: str, coro_fn, arg, timeout_s: float):
     except anyio.get_cancelled_exc_class():
         raise
     except Exception as exc:  # the environment's bug ends this episode, nothing else
-        raise _EnvFailure(Cause.ENV_ERROR, f"env.{what} raised {type(exc).__name__}: {exc}") from None
+        raise EnvFailure(Cause.ENV_ERROR, f"env.{what} raised {type(exc).__name__}: {exc}") from None
     assert scope.cancelled_caught  # only a timeout leaves the scope without a return value
-    raise _EnvFailure(Cause.ENV_TIMEOUT, f"env.{what} took longer than {timeout_s}s")
+    raise EnvFailure(Cause.ENV_TIMEOUT, f"env.{what} took longer than {timeout_s}s")
 
 
 async def run_episode(
@@ -91,7 +91,7 @@ async def run_episode(
             return await _play(spec, env, chat, client, cfg, max_model_len, started, starting, ctx)
         message = f"episode took longer than {cfg.episode_timeout_s}s"
         return _failed(spec, Cause.EPISODE_TIMEOUT, message, ctx.scene(spec, started))
-    except _EnvFailure as exc:
+    except EnvFailure as exc:
         return _failed(spec, exc.cause, str(exc), ctx.scene(spec, started))
     except GenerationFailed as exc:
         return _failed(spec, exc.cause, str(exc), ctx.scene(spec, started, exc))
@@ -179,7 +179,7 @@ async def _play(
     ctx: _Context,
 ) -> Trajectory:
     async with starting or nullcontext():  # bounds envs starting at once (sandboxes, containers)
-        obs = await _call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
+        obs = await call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
     system = getattr(env, "system_prompt", "")
     ctx.add_prompt(chat.first_prompt(system, obs.text))
     rewards, starts, ends, texts = ctx.rewards, ctx.starts, ctx.ends, ctx.texts
@@ -190,7 +190,7 @@ async def _play(
     success: bool | None = None
     carried: list[int] = []  # carry-over ids that open the current reply (Delethink)
     if len(ctx.ids) + cfg.max_tokens > max_model_len:
-        raise _EnvFailure(
+        raise EnvFailure(
             Cause.PROMPT_TOO_LONG,
             f"the first prompt has {len(ctx.ids)} tokens; "
             f"with max_tokens {cfg.max_tokens} that exceeds max_model_len "
@@ -216,7 +216,7 @@ async def _play(
         ends.append(len(ctx.ids))
         response = chat.decode(gen.token_ids)
         texts.append(response)
-        result = await _call_env("step", env.step, response, cfg.step_timeout_s)
+        result = await call_env("step", env.step, response, cfg.step_timeout_s)
         rewards.append(float(result.reward))
         invalid += 0 if result.info.get("valid", True) else 1
         if "success" in result.info:

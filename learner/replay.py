@@ -170,18 +170,14 @@ class ReplayBuffer:
         if status == _DUPLICATE:
             return
         if status == _LATE:
-            self._count(self.dropped, self._closed.get(traj.group_id, _OVERFLOW), 1)
-            if self.on_drop is not None:
-                self.on_drop([traj], self._closed.get(traj.group_id, _OVERFLOW))
+            self._dropped([traj], self._closed.get(traj.group_id, _OVERFLOW))
             return
         group = self._pending[traj.group_id]
         oldest = _oldest_version(traj)
         if oldest is None:
             # Mismatched lengths or no generated token: nothing to train on and no defined
             # staleness. The member slot still closes, like a failure, so the group can complete.
-            self._count(self.dropped, DropCause.MALFORMED, 1)
-            if self.on_drop is not None:
-                self.on_drop([traj], DropCause.MALFORMED)
+            self._dropped([traj], DropCause.MALFORMED)
             group.failed += 1
         else:
             group.trajectories.append(traj)
@@ -343,10 +339,14 @@ class ReplayBuffer:
         if _number(gid) >= self.floor:
             self.dropped_from_floor += 1
         if trajectories:
-            self._count(self.dropped, cause, len(trajectories))
+            self._dropped(trajectories, cause)
             self.buffered -= len(trajectories)
-            if self.on_drop is not None:
-                self.on_drop(trajectories, cause)
+
+    def _dropped(self, trajectories: list[Trajectory], cause: DropCause) -> None:
+        """Count dropped trajectories under `cause` and tell `on_drop` (the learner records them)."""
+        self._count(self.dropped, cause, len(trajectories))
+        if self.on_drop is not None:
+            self.on_drop(trajectories, cause)
 
     def count_unreceived(self, cause: Cause, n: int) -> None:
         """`n` episodes that were started but can never arrive (their results died with a

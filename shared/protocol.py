@@ -296,7 +296,9 @@ class Trajectory(_Wire, tag="traj", gc=False, frozen=True):
     turn_ends: list[int] = []
     #: Canonical anchor of the state each turn acted on (GiGPO groups equal anchors).
     anchors: list[str] = []
-    #: Per-turn decoded model responses and environment observations, for inspection only.
+    #: Decoded text for inspection only: observation, reply, observation, ... (turn t's are
+    #: texts[2t] and texts[2t + 1]; an agent episode's observations are empty: they are its
+    #: own messages, in the tokens).
     texts: list[str] = []
     #: Where a fresh context begins after the first (Delethink chunks): `token_ids` is then the
     #: concatenation of independent contexts, and the learner trains each as its own sequence.

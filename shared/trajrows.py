@@ -97,28 +97,19 @@ def floats(blob: bytes | None) -> list[float]:
 def _turn_rows(
     texts: list[str], starts: list[int], ends: list[int], rewards: list[float], request_ids: list[str]
 ) -> list[TurnRow]:
-    """`texts` alternates observation, response, observation, ... (Trajectory.texts); an agent
-    episode's holds one reply per call and no observations (they are in its tokens)."""
-    replies_only = len(texts) == len(starts)
-    rows = []
-    for t, (start, end) in enumerate(zip(starts, ends, strict=False)):
-        if replies_only:
-            observation, response = "", texts[t]
-        else:
-            observation = texts[2 * t] if 2 * t < len(texts) else ""
-            response = texts[2 * t + 1] if 2 * t + 1 < len(texts) else ""
-        rows.append(
-            TurnRow(
-                turn=t,
-                request_id=request_ids[t] if t < len(request_ids) else None,
-                start=start,
-                end=end,
-                reward=rewards[t] if t < len(rewards) else None,
-                observation=observation,
-                response=response,
-            )
+    """`texts` alternates observation, response, observation, ... (Trajectory.texts)."""
+    return [
+        TurnRow(
+            turn=t,
+            request_id=request_ids[t] if t < len(request_ids) else None,
+            start=start,
+            end=end,
+            reward=rewards[t] if t < len(rewards) else None,
+            observation=texts[2 * t] if 2 * t < len(texts) else "",
+            response=texts[2 * t + 1] if 2 * t + 1 < len(texts) else "",
         )
-    return rows
+        for t, (start, end) in enumerate(zip(starts, ends, strict=False))
+    ]
 
 
 def episode_from_trajectory(
