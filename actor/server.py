@@ -112,20 +112,36 @@ def unexpected(message: Message) -> ErrorReply:
 
 
 class _Deltas:
-    """Tokens of one request waiting to be streamed, all produced under one policy version.
+    """Tokens of one request waiting to be streamed, all labelled with one policy version.
 
     Tokens wait until `interval` of them are there (fewer, larger messages at scale); a
-    version change sends the waiting ones first, so each delta's version is the one every
-    token in it was received under.
+    label change sends the waiting ones first, so each delta has one version.
+
+    The engine hands over tokens sampled at any moment since this request's last output, so
+    they are labelled with the version current when that last output (or the request) arrived:
+    versions only grow, so that is the oldest weights they can come from, and a token is never
+    labelled newer than the weights that made it (tokens sampled just after an update are
+    labelled one older, which the learner's staleness bound only makes stricter).
     """
 
-    __slots__ = ("request_id", "ids", "logprobs", "version")
+    __slots__ = ("request_id", "ids", "logprobs", "version", "seen")
 
     def __init__(self, request_id: str, version: int) -> None:
         self.request_id = request_id
         self.ids: list[int] = []
         self.logprobs: list[float] = []
-        self.version = version
+        self.version = version  # the label of the waiting tokens
+        self.seen = version  # the version when the last output arrived
+
+    def add(self, ids: list[int], logprobs: list[float], now: int) -> TokenDelta | None:
+        """Take one engine output arriving at version `now`; returns the waiting tokens as a
+        delta when they must go first (their label differs from the new tokens')."""
+        label, self.seen = self.seen, now
+        first = self.take() if self.ids and label != self.version else None
+        self.version = label
+        self.ids += ids
+        self.logprobs += logprobs
+        return first
 
     def take(self, finish: str | None = None, load: int = -1) -> TokenDelta:
         delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish, load)
@@ -327,11 +343,14 @@ class ActorServer:
         return refusal(req, len(self._live), self.max_live_requests, self.max_model_len, self.vocab_size)
 
     async def _stream(self, peer: bytes, req: GenerateRequest, key: str) -> str:
-        """Forward the engine's output stream as TokenDeltas; returns the finish reason."""
+        """Forward the engine's output stream as TokenDeltas (labelled as `_Deltas` says);
+        returns the finish reason."""
         pending = _Deltas(req.request_id, self.version)
         finish: str | None = None
         async for out in self.engine.generate(
-            {"prompt_token_ids": list(req.prompt_token_ids)}, _sampling_params(req), key
+            {"prompt_token_ids": list(req.prompt_token_ids)},
+            _sampling_params(req, self.stream_interval),
+            key,
         ):
             comp = out.outputs[0]
             ids = list(comp.token_ids)
@@ -340,11 +359,9 @@ class ActorServer:
                 raise RuntimeError(f"engine returned {len(ids)} tokens, {len(logprobs)} logprobs")
             if out.finished:
                 finish = comp.finish_reason or "stop"
-            if pending.ids and self.version != pending.version:
-                await self.channel.send(pending.take(), to=peer)
-            pending.version = self.version
-            pending.ids += ids
-            pending.logprobs += logprobs
+            first = pending.add(ids, logprobs, self.version)
+            if first is not None:
+                await self.channel.send(first, to=peer)
             self.stats.tokens += len(ids)
             if finish or len(pending.ids) >= self.stream_interval:
                 load = len(self._live) if finish else -1
@@ -378,9 +395,14 @@ class ActorServer:
             )
 
 
-def _sampling_params(req: GenerateRequest) -> Any:
+def _sampling_params(req: GenerateRequest, stream_interval: int = 1) -> Any:
     """vLLM's sampling parameters for a request: one sequence, streamed as deltas, token ids only,
-    the sampled token's logprob. Built inside the request's error boundary: vLLM validates here."""
+    the sampled token's logprob. Built inside the request's error boundary: vLLM validates here.
+
+    `stream_interval` makes vLLM's output processor hand over tokens `stream_interval` at a time
+    (the first and the last at once), the size of the deltas the actor sends anyway: the per-token
+    wake-ups of this process (output queue, request task, this loop) fall by that factor, and on
+    a machine where the engine has every core that is throughput (bench/README.md, overhead)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -395,6 +417,7 @@ def _sampling_params(req: GenerateRequest) -> Any:
         min_tokens=req.min_tokens,
         logprobs=0,  # the sampled token's logprob only
         output_kind=RequestOutputKind.DELTA,
+        stream_interval=stream_interval,
         detokenize=False,  # token in, token out: text is the envpool's business
         skip_special_tokens=False,
     )

@@ -49,6 +49,9 @@ from .rounds import compare, results_dir, write_outcome
 
 __all__ = ["main"]
 
+#: Transport errors retried per HTTP request, as the official OpenAI client does by default.
+HTTP_RETRIES = 2
+
 
 class Load:
     """One load command: the shape and sizes every system gets."""
@@ -70,6 +73,47 @@ class Load:
 
 
 # --- the three systems ------------------------------------------------------------------------
+
+
+def _tree_cpu_s() -> float:
+    """CPU seconds used so far by this process and every process under it (the three engines,
+    their engine cores and workers): what one sample costs the machine, whichever system runs."""
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        parent[int(entry)] = int(fields[1])
+        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    root, total = os.getpid(), 0.0
+    for pid, cpu in used.items():
+        p = pid
+        while p > 1 and p != root:
+            p = parent.get(p, 0)
+        total += cpu if p == root else 0.0
+    return total
+
+
+def with_cpu(system: Any) -> Any:
+    """`system` with the CPU it used per thousand tokens, and how many cores were busy."""
+
+    def measured() -> dict[str, float]:
+        before = _tree_cpu_s()
+        result = system()
+        cpu = _tree_cpu_s() - before
+        return {
+            **result,
+            "cpu_ms_per_ktok": 1e6 * cpu / max(result["tokens"], 1),
+            "busy_cores": cpu / result["wall_s"],
+        }
+
+    return measured
 
 
 def through_millstream(cfg: Config, load: Load) -> dict[str, float]:
@@ -127,11 +171,20 @@ def through_vllm_serve(url: str, model: str, load: Load) -> dict[str, float]:
                     "temperature": 1.0,
                     "logprobs": 0,
                 }
-                response = await http.post("/v1/completions", json=body)
+                for attempt in range(HTTP_RETRIES + 1):
+                    try:
+                        response = await http.post("/v1/completions", json=body)
+                        break
+                    except httpx.TransportError:  # a pooled connection the server closed
+                        if attempt == HTTP_RETRIES:
+                            raise
+                        retried[0] += 1
                 response.raise_for_status()
                 return int(response.json()["usage"]["completion_tokens"])
 
-            return await run_load(one, load.shape, load.concurrency, load.waves, load.seconds)
+            retried = [0]
+            result = await run_load(one, load.shape, load.concurrency, load.waves, load.seconds)
+            return {**result, "retries": retried[0]}
 
     return anyio.run(main, backend="asyncio")
 
@@ -239,17 +292,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m millstream.bench.overhead", description=__doc__.split("\n\n")[0]
     )
-    p.add_argument("--quick", action="store_true", help="2 waves / 4 s loops, 3 rounds")
+    p.add_argument("--quick", action="store_true", help="concurrency 64 only, 2 waves / 3 s loops")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="64,256")
     p.add_argument("--shapes", default="waves,closed")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--waves", type=int, default=4)
+    p.add_argument("--waves", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)
     ns = p.parse_args(argv)
     if ns.quick:
-        ns.waves, ns.seconds = 2, 4.0
+        ns.waves, ns.seconds, ns.concurrency = 2, 3.0, "64"
     levels = [int(c) for c in ns.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="millstream-overhead-"))
     model = build_tiny_model(work / "tiny", seed=0)
@@ -271,12 +324,13 @@ def main(argv: list[str] | None = None) -> int:
                 load = Load(shape, concurrency, ns, vocab)
                 outcome = compare(
                     {
-                        "asyncllm": partial(through_asyncllm, engine, load),
-                        "millstream": partial(through_millstream, cfg, load),
-                        "vllm-serve": partial(through_vllm_serve, url, str(model), load),
+                        "asyncllm": with_cpu(partial(through_asyncllm, engine, load)),
+                        "millstream": with_cpu(partial(through_millstream, cfg, load)),
+                        "vllm-serve": with_cpu(partial(through_vllm_serve, url, str(model), load)),
                     },
                     rounds=ns.rounds,
                     metric="tokens_s",
+                    warmup=True,
                     settings={
                         **load.command(),
                         "model": "tiny Qwen2, float32, CPU",
@@ -291,12 +345,18 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: millstream/asyncllm {m:.3f}, vllm-serve/asyncllm {v:.3f}")
     print(
         "\n| shape | concurrency | asyncllm tok/s | millstream tok/s | vllm serve tok/s "
-        "| millstream / asyncllm | millstream / vllm serve |"
+        "| millstream / asyncllm | millstream / vllm serve | CPU ms per 1k tokens (a / m / v) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for shape, concurrency, outcome, _ in rows:
-        a, m, v = (outcome.median(s) for s in ("asyncllm", "millstream", "vllm-serve"))
-        print(f"| {shape} | {concurrency} | {a:,.0f} | {m:,.0f} | {v:,.0f} | {m / a:.3f} | {m / v:.3f} |")
+        names = ("asyncllm", "millstream", "vllm-serve")
+        a, m, v = (outcome.median(s) for s in names)
+        systems = outcome.summary()["systems"]
+        cpu = " / ".join(f"{systems[s]['cpu_ms_per_ktok']['median']:,.0f}" for s in names)
+        print(
+            f"| {shape} | {concurrency} | {a:,.0f} | {m:,.0f} | {v:,.0f} | {m / a:.3f} | {m / v:.3f} "
+            f"| {cpu} |"
+        )
     return 0
 
 

@@ -7,7 +7,8 @@ dtype, batch width, KV budget, prefill settings), then answers load commands, on
 line on stdin (`{"shape": "waves", "concurrency": 64, "waves": 4, "seconds": 10, "prompt_len":
 64, "output_len": 64}`), with one JSON line of results on stdout. The engine stays up between
 commands, as the actor does between rounds. Requests use the actor's sampling parameters
-(streamed deltas, the sampled token's logprob, no detokenizing).
+(streamed deltas handed over `actor.stream_interval` tokens at a time, the sampled token's
+logprob, no detokenizing), so the two differ only by millstream's path, not by a setting.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ async def serve(config_path: str) -> None:
             ignore_eos=True,
             logprobs=0,
             output_kind=RequestOutputKind.DELTA,
+            stream_interval=cfg.actor.stream_interval,  # as the actor asks: the hop is measured
             detokenize=False,
         )
         session = uuid.uuid4().hex[:8]

@@ -8,7 +8,8 @@
 A system is one coroutine function `one(index) -> tokens generated`, run under anyio (asyncio
 for vLLM's AsyncLLM and the HTTP client, trio for millstream's client). Every request has its
 own prompt (a fixed length of ids drawn from its index, so no two share a prefix in the cache)
-and asks for exactly `output_len` tokens (`ignore_eos`, `min_tokens`).
+and asks for exactly `output_len` tokens (`ignore_eos`, `min_tokens`). Each call draws new
+indices, so no system finds the last round's prompts in its prefix cache.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ async def run_load(
 ) -> dict[str, float]:
     """Offer the load; returns tokens/s, requests and wall time."""
     tokens = requests = 0
-    counter = iter(range(10**9))
+    # Fresh prompts every call: a round must not hit the prefix cache the last round filled.
+    first = random.randrange(10**12)
+    counter = iter(range(first, first + 10**9))
 
     async def request() -> None:
         nonlocal tokens, requests
-        tokens += await one(next(counter))
+        made = await one(next(counter))  # not `tokens += await ...`: that reads `tokens` first
+        tokens += made
         requests += 1
 
     started = time.perf_counter()

@@ -85,12 +85,19 @@ def compare(
     metric: str,
     settings: dict[str, Any] | None = None,
     say: Callable[[str], None] = print,
+    warmup: bool = False,
 ) -> Outcome:
-    """Run every system once per round, alternating the order round to round."""
+    """Run every system once per round, alternating the order round to round.
+
+    `warmup` runs each system once first and discards it: an engine's first batches of a new
+    size build their kernels (oneDNN primitives on CPU), which would land on round 1 only.
+    """
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1, got {rounds}")
     outcome = Outcome(metric=metric, samples={name: [] for name in systems}, settings=dict(settings or {}))
     names = list(systems)
+    for name in names if warmup else []:
+        say(f"warm-up {name}: {metric} {systems[name]()[metric]:.4g} (not counted)")
     for round_ in range(rounds):
         order = names if round_ % 2 == 0 else names[::-1]
         for name in order:

@@ -200,3 +200,17 @@ def test_weight_update_from_unattached_session_is_refused(actor, hf_model):
         wrong.close()
     finally:
         sender.close()
+
+
+def test_delta_labels_are_never_newer_than_the_weights():
+    """Tokens an engine output hands over were sampled since the request's last output, so they
+    carry the version current then: an update between outputs labels the next batch old."""
+    from millstream.actor.server import _Deltas
+
+    pending = _Deltas("r", 3)
+    assert pending.add([1], [-0.1], now=3) is None  # sampled under 3
+    assert pending.add([2, 3], [-0.2, -0.3], now=4) is None  # update to 4 landed meanwhile: still 3
+    first = pending.add([4], [-0.4], now=4)  # sampled after the last output arrived at 4
+    assert (first.token_ids, first.version) == ([1, 2, 3], 3)
+    last = pending.take("length", 0)
+    assert (last.token_ids, last.logprobs, last.version, last.finish_reason) == ([4], [-0.4], 4, "length")

@@ -39,3 +39,20 @@ def test_runner_skips_missing_modules_and_runs_the_rest(monkeypatch, capsys):
     assert "| rounds | ok |" in out and "| no_such_benchmark | skipped |" in out
     with pytest.raises(SystemExit):
         runner.main(["--only", "nope"])
+
+
+@pytest.mark.parametrize("shape", ["waves", "closed"])
+def test_load_counts_every_token_of_concurrent_requests(shape):
+    """Requests that finish while others are in flight each add their tokens (a `tokens += await`
+    once kept only the last finisher's count per wave)."""
+    import anyio
+
+    from millstream.bench.overhead_load import run_load
+
+    async def one(index: int) -> int:
+        await anyio.sleep(0.001 * (index % 5))
+        return 7
+
+    result = anyio.run(run_load, one, shape, 16, 3, 0.05)
+    assert result["requests"] >= 16 * (3 if shape == "waves" else 1)
+    assert result["tokens"] == 7 * result["requests"]
