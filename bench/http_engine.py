@@ -1,43 +1,99 @@
 """The synthetic engine served over HTTP, for the asyncio + HTTP baseline of bench/pool_vs_http.py.
 
-    python -m millstream.bench.http_engine PORT MODEL_DIR
+    python -m millstream.bench.http_engine PORT MODEL_DIR [key=value ...]
 
-`POST /generate {"prompt_token_ids": [...], "max_tokens": N}` answers at once with N random token
-ids (never the end-of-sequence one) and their logprobs, as JSON: the same work as the synthetic
-actor in its never-the-bottleneck settings, over aiohttp instead of ZeroMQ. Loopback only.
+`POST /generate {"prompt_token_ids": [...], "max_tokens": N}` answers, when the request finishes,
+with its token ids and logprobs as JSON. Behind it runs the synthetic actor's own engine
+(`actor/synthetic.py`: admission, slots, steps, token draws, the `key=value` config overrides
+such as `actor.synthetic_step_s=0`), so both sides of the benchmark talk to the same engine and
+differ only in how they reach it: ZeroMQ + msgspec for envpool, aiohttp + JSON here. The
+engine's deltas land in a per-request reply instead of a socket (`_Replies`). Loopback only.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import random
+import asyncio
+import itertools
 import sys
-from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
+from millstream.actor.synthetic import SyntheticActor, model_vocab
+from millstream.shared.config import load_config
+from millstream.shared.protocol import GenerateError, GenerateRequest, Message, TokenDelta
 
-def app(vocab: int) -> web.Application:
-    rng = random.Random(0)
-    logprob = -math.log(vocab)
+__all__ = ["app"]
+
+PEER = b"http"
+
+
+class _Replies:
+    """Stands in for the actor's ROUTER channel: collects each request's deltas until its last."""
+
+    authenticated = False
+
+    def __init__(self) -> None:
+        self.open: dict[str, tuple[list[int], list[float], asyncio.Future[str]]] = {}
+
+    def send_nowait(self, message: Message, to: bytes = b"") -> None:
+        if isinstance(message, TokenDelta):
+            ids, logprobs, done = self.open[message.request_id]
+            ids += message.token_ids
+            logprobs += message.logprobs
+            if message.finish_reason is not None:
+                done.set_result(message.finish_reason)
+        elif isinstance(message, GenerateError):
+            self.open[message.request_id][2].set_exception(RuntimeError(message.message))
+
+    async def send(self, message: Message, to: bytes = b"") -> None:
+        self.send_nowait(message, to)
+
+
+def app(model: str, overrides: list[str]) -> web.Application:
+    cfg = load_config(None, [f"model.path={model}", *overrides])
+    vocab, eos = model_vocab(model)
+    replies = _Replies()
+    ids = itertools.count()
+    engine: dict[str, Any] = {}
+
+    async def start(application: web.Application) -> None:
+        # Built inside the loop: the engine's events and locks belong to it.
+        actor = SyntheticActor(replies, cfg, model=model, vocab_size=vocab, eos_id=eos)  # type: ignore[arg-type]
+        engine["actor"], engine["task"] = actor, asyncio.ensure_future(actor._engine())
+
+    async def stop(application: web.Application) -> None:
+        engine["task"].cancel()
 
     async def generate(request: web.Request) -> web.Response:
         body = await request.json()
         n = int(body["max_tokens"])
-        ids = [rng.randrange(3, vocab) for _ in range(n)]
-        return web.json_response({"token_ids": ids, "logprobs": [logprob] * n, "version": 0})
+        rid = str(next(ids))
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        replies.open[rid] = (token_ids, logprobs, done)
+        try:
+            req = GenerateRequest(rid, body["prompt_token_ids"], n, 1.0, 1.0, None, [], False, 0)
+            engine["actor"]._dispatch(None, PEER, req)
+            finish = await done
+        finally:
+            del replies.open[rid]
+        return web.json_response({"token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish})
 
     application = web.Application()
+    application.on_startup.append(start)
+    application.on_cleanup.append(stop)
     application.router.add_post("/generate", generate)
     return application
 
 
 def main() -> None:
-    port, model = int(sys.argv[1]), Path(sys.argv[2])
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    port, model, overrides = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
     print("ready", flush=True)
-    web.run_app(app(vocab), host="127.0.0.1", port=port, print=None, access_log=None, backlog=16384)
+    web.run_app(
+        app(model, overrides), host="127.0.0.1", port=port, print=None, access_log=None, backlog=16384
+    )
 
 
 if __name__ == "__main__":

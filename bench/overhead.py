@@ -15,7 +15,11 @@ lengths (`ignore_eos`, `min_tokens`), temperature 1, the sampled token's logprob
 
 Each load shape (bench/overhead_load.py: waves, closed loop) and concurrency is one comparison,
 the three systems interleaved round by round (bench/rounds.py); all three engines stay up for
-the whole run, started one at a time. Ratios are of median tokens/s against asyncllm.
+the whole run, started one at a time, and only the measured one runs: the other two are
+stopped (SIGSTOP of their process groups, `OneAwake`), because an idle vLLM CPU engine keeps
+spinning for a second after its last step and takes cores from the measured one. Ratios are of
+median tokens/s against asyncllm; each sample also records the CPU time of every process under
+the benchmark per thousand tokens (with all cores busy it only mirrors tokens/s).
 """
 
 from __future__ import annotations
@@ -98,6 +102,42 @@ def _tree_cpu_s() -> float:
             p = parent.get(p, 0)
         total += cpu if p == root else 0.0
     return total
+
+
+class OneAwake:
+    """Keeps every engine but the measured one stopped (SIGSTOP of its process group).
+
+    On a machine whose cores the engine fills, an idle vLLM engine is not idle: its worker and
+    engine core keep spinning (`sched_yield`) for a second after their last step, and any
+    background thread that wakes takes a core from the measured engine's OpenMP threads, which
+    then wait for each other at every barrier. Measured without this, samples of one system
+    varied by a factor of 1.5 and whichever system ran right after another inherited its spin.
+    `settle_s` lets the measured engine's own spinners see the clock has moved and go idle.
+    """
+
+    def __init__(self, groups: dict[str, int], settle_s: float = 0.5) -> None:
+        self.groups, self.settle_s = groups, settle_s
+
+    def only(self, name: str) -> None:
+        for other, group in self.groups.items():
+            if other != name:
+                os.killpg(group, signal.SIGSTOP)
+        os.killpg(self.groups[name], signal.SIGCONT)
+        time.sleep(self.settle_s)
+
+    def wake_all(self) -> None:
+        for group in self.groups.values():
+            try:
+                os.killpg(group, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+    def measuring(self, name: str, system: Any) -> Any:
+        def alone() -> dict[str, float]:
+            self.only(name)
+            return dict(system())
+
+        return alone
 
 
 def with_cpu(system: Any) -> Any:
@@ -213,6 +253,7 @@ def _spawn(stack: ExitStack, command: list[str], log: Path, **kwargs: Any) -> su
 
 def _stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGCONT)  # a stopped process would hold SIGTERM pending
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(20)
@@ -238,7 +279,9 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def start_engines(stack: ExitStack, cfg: Config, config_path: Path, work: Path) -> tuple[Any, Any, str]:
+def start_engines(
+    stack: ExitStack, cfg: Config, config_path: Path, work: Path
+) -> tuple[subprocess.Popen, subprocess.Popen, str, subprocess.Popen]:
     actor = _spawn(
         stack,
         [
@@ -282,7 +325,7 @@ def start_engines(stack: ExitStack, cfg: Config, config_path: Path, work: Path) 
     server = _spawn(stack, serve, work / "vllm-serve.log", stdout=subprocess.DEVNULL)
     _wait(lambda: _healthy(url), server, "vllm serve")
     print("vllm serve ready", flush=True)
-    return actor, engine, url
+    return actor, engine, url, server
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -318,15 +361,20 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rows = []
     with ExitStack() as stack:
-        _, engine, url = start_engines(stack, cfg, config_path, work)
+        actor, engine, url, server = start_engines(stack, cfg, config_path, work)
+        awake = OneAwake({"asyncllm": engine.pid, "millstream": actor.pid, "vllm-serve": server.pid})
+        stack.callback(awake.wake_all)
         for shape in ns.shapes.split(","):
             for concurrency in levels:
                 load = Load(shape, concurrency, ns, vocab)
                 outcome = compare(
                     {
-                        "asyncllm": with_cpu(partial(through_asyncllm, engine, load)),
-                        "millstream": with_cpu(partial(through_millstream, cfg, load)),
-                        "vllm-serve": with_cpu(partial(through_vllm_serve, url, str(model), load)),
+                        name: awake.measuring(name, with_cpu(system))
+                        for name, system in (
+                            ("asyncllm", partial(through_asyncllm, engine, load)),
+                            ("millstream", partial(through_millstream, cfg, load)),
+                            ("vllm-serve", partial(through_vllm_serve, url, str(model), load)),
+                        )
                     },
                     rounds=ns.rounds,
                     metric="tokens_s",

@@ -3,19 +3,24 @@
     python -m millstream.bench.pool_vs_http [--quick] [--rounds 3] [--concurrency 100,1000,10000]
 
 Both sides play the same episodes (the `echo` environment, 2 turns, 24 tokens a reply) against
-the same synthetic engine, set so that it is never the bottleneck (every request answered at
-once with its tokens: no batch limit, no step time):
+the same engine: the synthetic actor's engine model (actor/synthetic.py), set so that it is never
+the bottleneck (`ENGINE`: no step or prefill time, no batch limit to speak of):
 
-- **envpool**: `millstream stress` (bench/stress.py): one envpool worker process (trio, ZeroMQ,
-  the chat template, token in / token out), the synthetic actor over the real protocol;
+- **envpool**: `millstream stress` (bench/stress.py): one envpool worker process (trio, ZeroMQ
+  with CURVE, msgspec, the chat template, token in / token out, trajectories pushed to a
+  stand-in learner), the synthetic actor process over the real protocol;
 - **asyncio-http**: one asyncio process running the episodes as coroutines, one aiohttp POST of
-  JSON per turn to the same engine served over HTTP (bench/http_engine.py). It does the same
-  tokenizer work (envpool's `ChatFormat`: the first prompt, the close and the next prompt each
-  turn, the reply decoded once) and runs the same `Echo` environment code.
+  JSON per turn to the same engine model served over HTTP (bench/http_engine.py). It does the
+  same tokenizer work (envpool's `ChatFormat`: the first prompt, the close and the next prompt
+  each turn, the reply decoded once) and runs the same `Echo` environment code, but builds no
+  trajectory and sends nothing on.
 
-Where envpool itself saturates: its turns/s as concurrency grows (the engine cannot be the
-limit here). Memory per live episode: the process's resident memory at the peak of live
-episodes, less before, over that peak.
+Turns/s is counted by each side the same way (bench/stress_report.py `ResultWindow`): the turns
+of the episodes that ended after the first one, over the time from the first to the last, so
+neither side's process start (imports, tokenizer, handshakes) is in it; the wall-clock rate is
+kept as `turns_s_wall`. Where envpool itself saturates: its turns/s as concurrency grows.
+Memory per live episode: the process's resident memory at the peak of live episodes, less
+before, over that peak.
 """
 
 from __future__ import annotations
@@ -39,10 +44,22 @@ from millstream.shared.tinymodel import build_tiny_model
 
 from .rounds import compare, results_dir, write_outcome
 from .stress import stress_once
+from .stress_report import ResultWindow
 
 __all__ = ["main"]
 
 TURNS, MAX_TOKENS = 2, 24
+
+
+#: The synthetic engine both sides talk to, set so that it is never the bottleneck: no batch
+#: limit to speak of, no step or prefill time, every reply exactly MAX_TOKENS long.
+ENGINE = [
+    "actor.max_num_seqs=100000",
+    "actor.synthetic_step_s=0",
+    "actor.synthetic_step_s_per_seq=0",
+    "actor.synthetic_prefill_s_per_token=0",
+    "actor.synthetic_stop_prob=0",
+]
 
 
 def through_envpool(model: Path, concurrency: int, episodes: int) -> dict[str, float]:
@@ -55,12 +72,13 @@ def through_envpool(model: Path, concurrency: int, episodes: int) -> dict[str, f
         "--set",
         f"envpool.max_tokens={MAX_TOKENS}",
     ]
-    args += ["--set", f"actor.max_num_seqs={max(concurrency, 64)}", "--set", "actor.synthetic_step_s=0"]
-    args += ["--set", "actor.synthetic_step_s_per_seq=0", "--set", "actor.synthetic_stop_prob=0"]
+    for setting in ENGINE:
+        args += ["--set", setting]
     report = stress_once(args)
     per_episode = report["bytes_per_live_episode"] or 0.0
     return {
-        "turns_s": float(report["turns_per_s"]),
+        "turns_s": float(report["steady"]["turns_per_s"]),
+        "turns_s_wall": float(report["turns_per_s"]),
         "p99_ms": 1000 * float(report["turn_latency_s"]["p99"]),
         "kib_per_episode": per_episode / 1024,
     }
@@ -76,6 +94,7 @@ async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes:
     turns = live = peak_live = 0
     base_rss = peak_rss = _rss()
     next_seed = iter(range(episodes))
+    window = ResultWindow()
 
     async def episode(session: aiohttp.ClientSession, seed: int) -> None:
         nonlocal turns, live, peak_live, peak_rss
@@ -85,13 +104,14 @@ async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes:
             peak_live, peak_rss = live, max(peak_rss, _rss())
         obs = await env.reset(seed)
         ids = chat.first_prompt("", obs.text)
+        played = 0
         for _ in range(TURNS):
             sent = time.perf_counter()
             async with session.post(url, json={"prompt_token_ids": ids, "max_tokens": MAX_TOKENS}) as r:
                 reply = await r.json()
             latencies.append(time.perf_counter() - sent)
             result = await env.step(chat.decode(reply["token_ids"]))
-            turns += 1
+            turns, played = turns + 1, played + 1
             if result.done:
                 break
             ids = (
@@ -101,6 +121,7 @@ async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes:
                 + chat.next_prompt(result.observation.text)
             )
         live -= 1
+        window.saw(played)
 
     async def client(session: aiohttp.ClientSession) -> None:
         for seed in next_seed:
@@ -115,7 +136,8 @@ async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes:
     wall = time.perf_counter() - started
     latencies.sort()
     return {
-        "turns_s": turns / wall,
+        "turns_s": window.summary()["turns_per_s"],
+        "turns_s_wall": turns / wall,
         "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))],
         "kib_per_episode": (peak_rss - base_rss) / max(peak_live, 1) / 1024,
     }
@@ -144,13 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="concurrency 100 and 1,000")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="100,1000,10000")
+    p.add_argument("--episodes", type=int, default=0, help="per sample (default: 10,000, or twice the concurrency)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<date>-<host>)")
     ns = p.parse_args(argv)
     levels = [100, 1000] if ns.quick else [int(c) for c in ns.concurrency.split(",")]
+    least = ns.episodes or (3000 if ns.quick else 10_000)
+    out = ns.out or results_dir()
     work = Path(tempfile.mkdtemp(prefix="pool-vs-http-"))
     model = build_tiny_model(work / "tiny", seed=0)
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "millstream.bench.http_engine", str(port), str(model)],
+        [sys.executable, "-m", "millstream.bench.http_engine", str(port), str(model), *ENGINE],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -159,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         server.stdout.readline()  # "ready"
         url = f"http://127.0.0.1:{port}/generate"
         for concurrency in levels:
-            episodes = max(2000, 2 * concurrency)
+            episodes = max(least, 2 * concurrency)
             outcome = compare(
                 {
                     "envpool": partial(through_envpool, model, concurrency, episodes),
@@ -170,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings={"concurrency": concurrency, "episodes": episodes, "env": "echo", "turns": TURNS},
             )
             name = f"pool-vs-http-c{concurrency}" + ("-quick" if ns.quick else "")
-            write_outcome(outcome, results_dir(), name)
+            write_outcome(outcome, out, name)
             e, h = (outcome.summary()["systems"][s] for s in ("envpool", "asyncio-http"))
             print(
                 f"| {concurrency} | {e['turns_s']['median']:,.0f} | {h['turns_s']['median']:,.0f} "

@@ -45,7 +45,7 @@ from millstream.shared.runtime import free_port, raise_fd_limit, resolve_model_d
 from millstream.shared.supervisor import Supervisor
 from millstream.shared.trajstore import STORE_FILE, StoreWriter, episode_from_failure, episode_from_trajectory
 
-from .stress_report import StatsFollower, build_report, format_table, plot_report, write_json
+from .stress_report import ResultWindow, StatsFollower, build_report, format_table, plot_report, write_json
 
 __all__ = ["main", "parse_faults", "stress_once"]
 
@@ -204,6 +204,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
     done: dict[str, PoolDone] = {}
     follower = StatsFollower(out)
     store = StoreWriter(out / STORE_FILE) if ns.store else None  # the learner's writer, same thread model
+    window = ResultWindow()
     started = time.monotonic()
     try:
         if ns.actor == "synthetic":
@@ -242,6 +243,8 @@ def run_stress(ns: argparse.Namespace) -> dict:
                     except zmq.Again:
                         break
                     for m in codec.decode(frame):
+                        if isinstance(m, (Trajectory, EpisodeFailed)):
+                            window.saw(m.num_turns if isinstance(m, Trajectory) else 0)
                         if isinstance(m, Trajectory):
                             outcomes["completed"] += 1
                             turns += m.num_turns
@@ -289,6 +292,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
         follower=follower,
         episodes=ns.episodes,
     )
+    report["steady"] = window.summary()
     if store is not None:
         report["store"] = {**store.statistics(), "bytes": (out / STORE_FILE).stat().st_size}
     write_json(report, out / "report.json")

@@ -15,6 +15,7 @@ episodes that just started hold short contexts). Freed memory the allocator keep
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,35 @@ import orjson
 
 from millstream.shared.metrics import LatencyHistogram
 
-__all__ = ["StatsFollower", "build_report", "format_table", "plot_report", "write_json"]
+__all__ = ["ResultWindow", "StatsFollower", "build_report", "format_table", "plot_report", "write_json"]
+
+
+class ResultWindow:
+    """Turns/s between the first and the last finished episode, as the receiving side sees them.
+
+    A run's wall time also holds its start (processes, imports, tokenizer, handshakes: a second
+    or two) and its shutdown handshake, which dwarf a short benchmark sample; comparing two
+    systems needs the same clock on both, so each counts the turns of the episodes that ended
+    after its first one over the time from that first to its last.
+    """
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.last = 0.0
+        self.turns = 0
+        self.episodes = 0
+
+    def saw(self, turns: int) -> None:
+        """One episode ended now (a failed one with 0 turns still marks the clock)."""
+        now = time.perf_counter()
+        if self.first is None:
+            self.first = now
+            return
+        self.last, self.turns, self.episodes = now, self.turns + turns, self.episodes + 1
+
+    def summary(self) -> dict[str, float]:
+        span = self.last - self.first if self.first is not None and self.last > self.first else 0.0
+        return {"turns_per_s": self.turns / span if span else 0.0, "window_s": span, "turns": self.turns}
 
 
 class StatsFollower:

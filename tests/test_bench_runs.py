@@ -56,3 +56,50 @@ def test_load_counts_every_token_of_concurrent_requests(shape):
     result = anyio.run(run_load, one, shape, 16, 3, 0.05)
     assert result["requests"] >= 16 * (3 if shape == "waves" else 1)
     assert result["tokens"] == 7 * result["requests"]
+
+
+def test_one_awake_stops_every_engine_but_the_measured_one():
+    """The overhead benchmark measures one engine at a time: the others' process groups are
+    stopped (an idle vLLM engine spins), and all are woken again at the end."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from millstream.bench.overhead import OneAwake
+
+    def state(pid: int) -> str:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    procs = {
+        name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+        for name in ("a", "b", "c")
+    }
+    try:
+        awake = OneAwake({name: p.pid for name, p in procs.items()}, settle_s=0.05)
+        awake.only("b")
+        time.sleep(0.1)
+        assert [state(p.pid) for p in procs.values()] == ["T", "S", "T"]
+        awake.only("a")
+        time.sleep(0.1)
+        assert [state(p.pid) for p in procs.values()] == ["S", "T", "T"]
+        awake.wake_all()
+        time.sleep(0.1)
+        assert [state(p.pid) for p in procs.values()] == ["S", "S", "S"]
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
+def test_pool_vs_http_plays_both_sides_against_the_same_engine(tmp_path):
+    """envpool (real worker + synthetic actor) and the asyncio + HTTP baseline (the synthetic
+    actor's engine over aiohttp) both finish every episode and report their rates."""
+    from millstream.bench import pool_vs_http
+
+    pool_vs_http.main(["--concurrency", "16", "--episodes", "64", "--rounds", "1", "--out", str(tmp_path)])
+    result = orjson.loads((tmp_path / "pool-vs-http-c16.json").read_bytes())
+    for system in ("envpool", "asyncio-http"):
+        (sample,) = result["samples"][system]
+        assert sample["turns_s"] > 0 and sample["turns_s_wall"] > 0 and sample["p99_ms"] > 0
+    assert (tmp_path / "pool-vs-http-c16.png").stat().st_size > 0
