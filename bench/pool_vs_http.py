@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="concurrency 100 and 1,000")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", default="100,1000,10000")
-    p.add_argument("--episodes", type=int, default=0, help="per sample (default: 10,000, or twice the concurrency)")
-    p.add_argument("--out", type=Path, default=None, help="results folder (default bench/results/<date>-<host>)")
+    p.add_argument("--episodes", type=int, default=0, help="per sample (default 10,000, or 2x concurrency)")
+    p.add_argument("--out", type=Path, default=None, help="default bench/results/<date>-<host>")
     ns = p.parse_args(argv)
     levels = [100, 1000] if ns.quick else [int(c) for c in ns.concurrency.split(",")]
     least = ns.episodes or (3000 if ns.quick else 10_000)
