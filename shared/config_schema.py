@@ -175,7 +175,8 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _doc(
             "Tokens per streamed delta (the last delta of a request may be shorter; a "
             "policy-version change flushes early, so every token keeps its true version). "
-            "1 streams every token; larger values cut messages at scale.",
+            "The vLLM actor asks the engine to hand tokens over this many at a time too. "
+            "1 streams every token; larger values cut messages and wake-ups at scale.",
             ge=1,
         ),
     ] = 16
