@@ -11,11 +11,13 @@ requests stay queued, nothing is lost), the workers receive the broadcast and re
 (`actor/weights.py`), and generation resumes. Pausing also clears the KV and prefix caches:
 live requests are recomputed with the new weights instead of continuing on KV written by the old
 ones, and a new request can never hit a cached prefix from old weights. Tokens sampled before the
-update keep the old version; tokens after it carry the new one.
+update keep the old version; tokens after it carry the new one, except the first two engine
+outputs of each request after the update (`_Deltas`).
 
 Version labels are conservative: the new version is adopted only after `resume_generation`
-returns, so a token can at worst be labelled one version *older* than the weights that made it,
-never newer. The learner's staleness bound therefore never admits a token that is too old.
+returns, and an output is labelled with the version of two reads before, so a token can at
+worst be labelled one version *older* than the weights that made it, never newer. The
+learner's staleness bound therefore never admits a token that is too old.
 
 Every request ends with exactly one final message: a `TokenDelta` with a finish_reason, or a
 `GenerateError` naming the cause. A malformed frame is answered with an `ErrorReply` by the
@@ -117,26 +119,31 @@ class _Deltas:
     Tokens wait until `interval` of them are there (fewer, larger messages at scale); a
     label change sends the waiting ones first, so each delta has one version.
 
-    The engine hands over tokens sampled at any moment since this request's last output, so
-    they are labelled with the version current when that last output (or the request) arrived:
-    versions only grow, so that is the oldest weights they can come from, and a token is never
-    labelled newer than the weights that made it (tokens sampled just after an update are
-    labelled one older, which the learner's staleness bound only makes stricter).
+    Which version made a token is not visible in an engine output, so the label is a lower
+    bound. vLLM hands a request's tokens over `stream_interval` at a time and keeps the rest
+    (up to `stream_interval - 1` tokens, sampled earlier) for a later output; an output this
+    task reads may also have waited while it was sending. Every token of the output read k was
+    sampled after output k-1 was put out, which was after this task read output k-2 (the
+    request itself counts as read -1 and -2). So output k is labelled with the version current
+    when output k-2 was read: versions only grow, so no token is ever labelled newer than the
+    weights that made it; around an update up to two outputs are labelled one version older,
+    which the learner's staleness bound only makes stricter.
     """
 
-    __slots__ = ("request_id", "ids", "logprobs", "version", "seen")
+    __slots__ = ("request_id", "ids", "logprobs", "version", "seen", "seen_before")
 
     def __init__(self, request_id: str, version: int) -> None:
         self.request_id = request_id
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.version = version  # the label of the waiting tokens
-        self.seen = version  # the version when the last output arrived
+        self.seen = version  # the version when the last output was read
+        self.seen_before = version  # ... and the one before it
 
     def add(self, ids: list[int], logprobs: list[float], now: int) -> TokenDelta | None:
-        """Take one engine output arriving at version `now`; returns the waiting tokens as a
+        """Take one engine output read at version `now`; returns the waiting tokens as a
         delta when they must go first (their label differs from the new tokens')."""
-        label, self.seen = self.seen, now
+        label, self.seen_before, self.seen = self.seen_before, self.seen, now
         first = self.take() if self.ids and label != self.version else None
         self.version = label
         self.ids += ids

@@ -28,6 +28,10 @@ __all__ = ["app"]
 PEER = b"http"
 
 
+class Refused(Exception):
+    """The engine refused the request (answered 503 with the reason)."""
+
+
 class _Replies:
     """Stands in for the actor's ROUTER channel: collects each request's deltas until its last."""
 
@@ -37,14 +41,23 @@ class _Replies:
         self.open: dict[str, tuple[list[int], list[float], asyncio.Future[str]]] = {}
 
     def send_nowait(self, message: Message, to: bytes = b"") -> None:
+        entry = self.open.get(getattr(message, "request_id", ""))
+        if entry is None:  # its handler is gone (the client went away): nobody to tell
+            return
+        ids, logprobs, done = entry
         if isinstance(message, TokenDelta):
-            ids, logprobs, done = self.open[message.request_id]
             ids += message.token_ids
             logprobs += message.logprobs
-            if message.finish_reason is not None:
+            if message.finish_reason is not None and not done.done():
                 done.set_result(message.finish_reason)
-        elif isinstance(message, GenerateError):
-            self.open[message.request_id][2].set_exception(RuntimeError(message.message))
+        elif isinstance(message, GenerateError) and not done.done():
+            done.set_exception(Refused(f"{message.cause}: {message.message}"))
+
+    def fail_all(self, task: asyncio.Task) -> None:
+        """The engine task ended: every open request fails now instead of waiting forever."""
+        for _, _, done in self.open.values():
+            if not done.done():
+                done.set_exception(RuntimeError(f"the synthetic engine stopped: {task!r}"))
 
     async def send(self, message: Message, to: bytes = b"") -> None:
         self.send_nowait(message, to)
@@ -61,6 +74,7 @@ def app(model: str, overrides: list[str]) -> web.Application:
         # Built inside the loop: the engine's events and locks belong to it.
         actor = SyntheticActor(replies, cfg, model=model, vocab_size=vocab, eos_id=eos)  # type: ignore[arg-type]
         engine["actor"], engine["task"] = actor, asyncio.ensure_future(actor._engine())
+        engine["task"].add_done_callback(replies.fail_all)
 
     async def stop(application: web.Application) -> None:
         engine["task"].cancel()
@@ -74,9 +88,12 @@ def app(model: str, overrides: list[str]) -> web.Application:
         done: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         replies.open[rid] = (token_ids, logprobs, done)
         try:
-            req = GenerateRequest(rid, body["prompt_token_ids"], n, 1.0, 1.0, None, [], False, 0)
+            stops = list(body.get("stop_token_ids", []))
+            req = GenerateRequest(rid, body["prompt_token_ids"], n, 1.0, 1.0, None, stops, False, 0)
             engine["actor"]._dispatch(None, PEER, req)
             finish = await done
+        except Refused as exc:
+            return web.json_response({"error": str(exc)}, status=503)
         finally:
             del replies.open[rid]
         return web.json_response({"token_ids": token_ids, "logprobs": logprobs, "finish_reason": finish})

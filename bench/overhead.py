@@ -344,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--waves", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)
     ns = p.parse_args(argv)
+    # A SIGTERM unwinds like an exception, so the engines are woken and stopped, not left
+    # SIGSTOPped as orphans.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if ns.quick:
         ns.waves, ns.seconds, ns.concurrency = 2, 3.0, "64"
     levels = [int(c) for c in ns.concurrency.split(",")]

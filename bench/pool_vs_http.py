@@ -52,7 +52,8 @@ TURNS, MAX_TOKENS = 2, 24
 
 
 #: The synthetic engine both sides talk to, set so that it is never the bottleneck: no batch
-#: limit to speak of, no step or prefill time, every reply exactly MAX_TOKENS long.
+#: limit to speak of, no step or prefill time, no stop chance of its own (a reply ends at
+#: MAX_TOKENS or on a uniformly drawn stop id of the chat template, the same ones both sides).
 ENGINE = [
     "actor.max_num_seqs=100000",
     "actor.synthetic_step_s=0",
@@ -95,6 +96,7 @@ async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes:
     base_rss = peak_rss = _rss()
     next_seed = iter(range(episodes))
     window = ResultWindow()
+    stops = list(chat.stop_token_ids)  # as envpool's requests carry them
 
     async def episode(session: aiohttp.ClientSession, seed: int) -> None:
         nonlocal turns, live, peak_live, peak_rss
@@ -107,7 +109,9 @@ async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes:
         played = 0
         for _ in range(TURNS):
             sent = time.perf_counter()
-            async with session.post(url, json={"prompt_token_ids": ids, "max_tokens": MAX_TOKENS}) as r:
+            async with session.post(
+                url, json={"prompt_token_ids": ids, "max_tokens": MAX_TOKENS, "stop_token_ids": stops}
+            ) as r:
                 reply = await r.json()
             latencies.append(time.perf_counter() - sent)
             result = await env.step(chat.decode(reply["token_ids"]))

@@ -174,7 +174,7 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         int,
         _doc(
             "Tokens per streamed delta (the last delta of a request may be shorter; a "
-            "policy-version change flushes early, so every token keeps its true version). "
+            "policy-version change flushes early, so each delta has one version label). "
             "The vLLM actor asks the engine to hand tokens over this many at a time too. "
             "1 streams every token; larger values cut messages and wake-ups at scale.",
             ge=1,

@@ -162,9 +162,10 @@ class Abort(_Wire, tag="abort", gc=False, frozen=True):
 class TokenDelta(_Wire, tag="delta", gc=False, frozen=True):
     """New tokens of one request, in order, with the logprob of each under the sampling policy.
 
-    All tokens of one delta were produced by the weights of `version` (the actor never mixes
-    versions within one engine step). A sequence that spans a weight update is a series of deltas
-    with increasing versions, so per-token versions are exact.
+    `version` is a lower bound of the weights that produced every token of the delta: never
+    newer, and at most one version older around a weight update (the vLLM actor cannot see
+    which step of a batched handover came before an update, actor/server.py `_Deltas`). A
+    sequence that spans a weight update is a series of deltas with non-decreasing versions.
     """
 
     request_id: str

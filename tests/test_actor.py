@@ -203,14 +203,15 @@ def test_weight_update_from_unattached_session_is_refused(actor, hf_model):
 
 
 def test_delta_labels_are_never_newer_than_the_weights():
-    """Tokens an engine output hands over were sampled since the request's last output, so they
-    carry the version current then: an update between outputs labels the next batch old."""
+    """An engine output read at version v may hold tokens sampled before the update to v (held
+    back by stream_interval, or read late): output k is labelled with the version of read k-2."""
     from millstream.actor.server import _Deltas
 
     pending = _Deltas("r", 3)
-    assert pending.add([1], [-0.1], now=3) is None  # sampled under 3
-    assert pending.add([2, 3], [-0.2, -0.3], now=4) is None  # update to 4 landed meanwhile: still 3
-    first = pending.add([4], [-0.4], now=4)  # sampled after the last output arrived at 4
-    assert (first.token_ids, first.version) == ([1, 2, 3], 3)
+    assert pending.add([1], [-0.1], now=3) is None  # read 0: the request's version, 3
+    assert pending.add([2, 3], [-0.2, -0.3], now=4) is None  # read 1 at 4: still the request's 3
+    assert pending.add([4], [-0.4], now=4) is None  # read 2: labelled as read 0 was, 3
+    first = pending.add([5], [-0.5], now=4)  # read 3: labelled as read 1 was, 4: label changes
+    assert (first.token_ids, first.logprobs, first.version) == ([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4], 3)
     last = pending.take("length", 0)
-    assert (last.token_ids, last.logprobs, last.version, last.finish_reason) == ([4], [-0.4], 4, "length")
+    assert (last.token_ids, last.logprobs, last.version, last.finish_reason) == ([5], [-0.5], 4, "length")
