@@ -63,7 +63,8 @@ from millstream.shared.tinymodel import build_tiny_model
 from millstream.shared.transport import open_channel
 
 from .fleet_report import plot, table
-from .replicas import cpu_s, digest_s, replicas
+from .procstat import cpu_s
+from .replicas import digest_s, replicas
 from .rounds import compare, results_dir, write_outcome
 
 __all__ = ["main"]

@@ -49,6 +49,7 @@ from millstream.shared.tinymodel import build_tiny_model
 from millstream.shared.transport import open_channel
 
 from .overhead_load import prompt_ids, run_load
+from .procstat import tree_cpu_s
 from .rounds import compare, results_dir, write_outcome
 
 __all__ = ["main"]
@@ -77,31 +78,6 @@ class Load:
 
 
 # --- the three systems ------------------------------------------------------------------------
-
-
-def _tree_cpu_s() -> float:
-    """CPU seconds used so far by this process and every process under it (the three engines,
-    their engine cores and workers): what one sample costs the machine, whichever system runs."""
-    parent: dict[int, int] = {}
-    used: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # ended meanwhile
-            continue
-        parent[int(entry)] = int(fields[1])
-        used[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    root, total = os.getpid(), 0.0
-    for pid, cpu in used.items():
-        p = pid
-        while p > 1 and p != root:
-            p = parent.get(p, 0)
-        total += cpu if p == root else 0.0
-    return total
 
 
 class OneAwake:
@@ -144,9 +120,9 @@ def with_cpu(system: Any) -> Any:
     """`system` with the CPU it used per thousand tokens, and how many cores were busy."""
 
     def measured() -> dict[str, float]:
-        before = _tree_cpu_s()
+        before = tree_cpu_s(os.getpid())
         result = system()
-        cpu = _tree_cpu_s() - before
+        cpu = tree_cpu_s(os.getpid()) - before
         return {
             **result,
             "cpu_ms_per_ktok": 1e6 * cpu / max(result["tokens"], 1),

@@ -10,7 +10,6 @@ are over by then). Also the CPU seconds of a process and the synthetic replica's
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -22,10 +21,9 @@ import torch
 
 from millstream.shared.runtime import free_port
 
-__all__ = ["replicas", "cpu_s", "digest_s"]
+__all__ = ["replicas", "digest_s"]
 
 ROOT = Path(__file__).resolve().parent.parent
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager
@@ -56,12 +54,6 @@ def replicas(count: int, overrides: list[str], model: Path, work: Path) -> Itera
         for _, proc, _ in procs:  # nothing to drain: the benchmark's turns are over
             proc.kill()
             proc.wait()
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def digest_s(flat: torch.Tensor | None) -> float:

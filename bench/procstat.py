@@ -1,0 +1,45 @@
+"""CPU time of processes, read from Linux's /proc: one place for the benchmarks that count it.
+
+`cpu_s(pid)` is one process's user + system seconds (bench/fleet.py, per replica);
+`tree_cpu_s(root)` sums a process and everything under it (bench/overhead.py: the engines, their
+engine cores and workers), whatever started them, by walking parent pids.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+__all__ = ["cpu_s", "tree_cpu_s"]
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> tuple[int, float]:
+    """(parent pid, user + system CPU seconds) of `pid`."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process."""
+    return _stat(pid)[1]
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by `root` and every process under it."""
+    parent: dict[int, int] = {}
+    used: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent[int(entry)], used[int(entry)] = _stat(int(entry))
+            except OSError:  # ended meanwhile
+                continue
+    total = 0.0
+    for pid, cpu in used.items():
+        p = pid
+        while p > 1 and p != root:
+            p = parent.get(p, 0)
+        total += cpu if p == root else 0.0
+    return total
