@@ -1,3 +1,3 @@
-from .main import main
+from millstream.actor.main import main
 
 main()

@@ -28,9 +28,9 @@ from typing import Any
 
 import anyio
 
-from millstream.shared.protocol import ErrorReply, Message, ReplyCause
-from millstream.shared.ratelog import RateLog
-from millstream.shared.transport import Channel
+from millstream.shared.obs.ratelog import RateLog
+from millstream.shared.wire import ErrorReply, Message, ReplyCause
+from millstream.shared.wire.transport import Channel
 
 __all__ = ["Boundary"]
 

@@ -40,7 +40,8 @@ from typing import Any, Protocol
 import anyio
 from anyio.abc import TaskGroup
 
-from millstream.shared.protocol import (
+from millstream.actor.boundary import Boundary
+from millstream.shared.wire import (
     ActorInfo,
     AttachLearner,
     DigestWeights,
@@ -52,10 +53,8 @@ from millstream.shared.protocol import (
     WeightsDigest,
     WeightUpdate,
 )
-from millstream.shared.transport import Channel
-from millstream.shared.weightsync import await_session
-
-from .boundary import Boundary
+from millstream.shared.wire.transport import Channel
+from millstream.shared.wire.weightsync import await_session
 
 __all__ = ["LearnerLink", "WeightEngine"]
 

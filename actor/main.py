@@ -3,9 +3,9 @@
     millstream actor [--config run.toml] [--ready-file F] actor.address=tcp://127.0.0.1:5555
     millstream actor actor.kind=synthetic ...     (a timing model on the same protocol; no vLLM)
     millstream actor --join RUN_DIR               (one more replica for a running run)
-    millstream actor --judge                      (the run's frozen judge: envpool/judge.py)
+    millstream actor --judge                      (the run's frozen judge: envpool/scoring/judge.py)
 
-The launcher starts `actor.replicas` of these, `--worker-index I` each (shared/replicas.py names
+The launcher starts `actor.replicas` of these, `--worker-index I` each (shared/wire/replicas.py names
 and places them); one started by hand with `--join` registers with the run (actor/membership.py).
 On SIGTERM a replica drains: it leaves the run's replica list, refuses new requests (the
 envpool's router sheds them to the others) and waits `actor.drain_timeout_s` for the live ones.
@@ -40,11 +40,12 @@ from typing import Any
 
 import anyio
 
+from millstream.actor.membership import Membership
+from millstream.actor.server import ActorServer
+from millstream.actor.synthetic import SyntheticActor, model_vocab
 from millstream.shared.config import Config
-from millstream.shared.keys import RunKeys, load_keys
-from millstream.shared.lifecycle import run_until_signal
-from millstream.shared.replicas import joined_name, replica_address, replica_name
-from millstream.shared.runtime import (
+from millstream.shared.process.lifecycle import run_until_signal
+from millstream.shared.process.runtime import (
     STOPPED,
     check_tensor_parallel,
     raise_fd_limit,
@@ -52,11 +53,9 @@ from millstream.shared.runtime import (
     run_role,
     write_ready,
 )
-from millstream.shared.transport import open_channel
-
-from .membership import Membership
-from .server import ActorServer
-from .synthetic import SyntheticActor, model_vocab
+from millstream.shared.wire.keys import RunKeys, load_keys
+from millstream.shared.wire.replicas import joined_name, replica_address, replica_name
+from millstream.shared.wire.transport import open_channel
 
 __all__ = ["main", "build_engine", "use_cuda", "ActorProcess", "Replica", "identify"]
 

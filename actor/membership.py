@@ -4,7 +4,7 @@
     millstream actor --join tcp://HOST:PORT --config run.toml transport.keys_dir=...  (elsewhere)
 
 The run's registry is its learner: it keeps the list of replicas that hold its current weights
-and announces it to the envpool workers in every `PolicyVersion` (learner/fleet.py). A replica
+and announces it to the envpool workers in every `PolicyVersion` (learner/sync/fleet.py). A replica
 reaches it on the learner's experience address, the PULL socket every worker pushes episodes to,
 with the actor's CURVE key, so joining needs nothing the run does not already serve.
 
@@ -23,10 +23,10 @@ import uuid
 import anyio
 
 from millstream.shared.config import Config
-from millstream.shared.keys import RunKeys
-from millstream.shared.protocol import ReplicaJoin, ReplicaLeave
-from millstream.shared.replicas import JOIN_EVERY_S
-from millstream.shared.transport import Channel, open_channel
+from millstream.shared.wire import ReplicaJoin, ReplicaLeave
+from millstream.shared.wire.keys import RunKeys
+from millstream.shared.wire.replicas import JOIN_EVERY_S
+from millstream.shared.wire.transport import Channel, open_channel
 
 __all__ = ["Membership"]
 

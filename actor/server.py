@@ -36,7 +36,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from millstream.shared.protocol import (
+from millstream.actor.boundary import Boundary
+from millstream.actor.link import LearnerLink
+from millstream.shared.wire import (
     Abort,
     ActorInfo,
     AttachLearner,
@@ -49,10 +51,7 @@ from millstream.shared.protocol import (
     TurnError,
     WeightUpdate,
 )
-from millstream.shared.transport import Channel
-
-from .boundary import Boundary
-from .link import LearnerLink
+from millstream.shared.wire.transport import Channel
 
 __all__ = ["ActorServer", "ActorStats", "VllmWeights", "check_request", "refusal", "unexpected"]
 

@@ -23,7 +23,7 @@ The model of the engine:
 - sampling is seeded per request when the request carries a seed (reproducible runs).
 
 Weight updates are real on the wire, through the same learner link as the vLLM actor
-(`actor/link.py`): the actor joins the learner's broadcast group (`shared/weightsync.py`),
+(`actor/link.py`): the actor joins the learner's broadcast group (`shared/wire/weightsync.py`),
 receives the flat buffer (so sync time and bytes are measured), and then adopts the version. The
 weights themselves are discarded: there is no model to load.
 """
@@ -42,8 +42,11 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from millstream.actor.boundary import Boundary
+from millstream.actor.link import LearnerLink
+from millstream.actor.server import refusal, unexpected
 from millstream.shared.config import Config
-from millstream.shared.protocol import (
+from millstream.shared.wire import (
     Abort,
     ActorInfo,
     AttachLearner,
@@ -54,11 +57,7 @@ from millstream.shared.protocol import (
     TurnError,
     WeightUpdate,
 )
-from millstream.shared.transport import Channel
-
-from .boundary import Boundary
-from .link import LearnerLink
-from .server import refusal, unexpected
+from millstream.shared.wire.transport import Channel
 
 __all__ = ["SyntheticActor", "model_vocab"]
 
@@ -263,7 +262,7 @@ class _DiscardingWeights:
         self._digest = (0.0, 0.0, 0)
 
     async def join(self, msg: AttachLearner) -> None:
-        from millstream.shared.weightsync import make_group, open_store
+        from millstream.shared.wire.weightsync import make_group, open_store
 
         def join() -> tuple[Any, Any]:
             store = open_store(msg.host, msg.port, msg.world_size, is_master=False, timeout_s=msg.timeout_s)
@@ -276,7 +275,7 @@ class _DiscardingWeights:
     async def load(self, msg: WeightUpdate) -> None:
         import torch
 
-        from millstream.shared.weightsync import DTYPES, broadcast, flat_digest
+        from millstream.shared.wire.weightsync import DTYPES, broadcast, flat_digest
 
         flat = torch.empty(msg.numel, dtype=DTYPES[msg.dtype])
         await anyio.to_thread.run_sync(broadcast, self._group, flat, self._timeout_s)

@@ -11,7 +11,7 @@ loopback gloo a 106 MiB model took 45 ms flat against 80 ms tensor by tensor), a
 describes the layout once per update in the `WeightUpdate` message.
 
 How the group is formed (stateless, its own TCPStore, rebuilt per learner session) is in
-`shared/weightsync.py`, which the learner uses too.
+`shared/wire/weightsync.py`, which the learner uses too.
 
 Tensor parallelism (`actor.tensor_parallel_size` > 1): vLLM runs one worker per TP rank, each
 holding a shard of every split layer. Each worker joins the group (rank 1 + its vLLM rank, so
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from millstream.shared.weightsync import DTYPES, broadcast, flat_digest, make_group, open_store
+from millstream.shared.wire.weightsync import DTYPES, broadcast, flat_digest, make_group, open_store
 
 __all__ = ["WeightSyncExtension"]
 

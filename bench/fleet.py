@@ -8,7 +8,7 @@ All through the production code, on loopback with `transport.curve=false`:
    one set per value of `--step-s`): `--max-num-seqs` slots, that decode step time, no other
    cost, every turn exactly `--max-tokens` tokens. One replica then makes at most
    max_num_seqs / step_s tokens/s: the replicas are the bottleneck, not the client. For each N,
-   an envpool `Router` (envpool/router.py) over the first N replicas serves `--episodes`
+   an envpool `Router` (envpool/actors/router.py) over the first N replicas serves `--episodes`
    concurrent loops of episodes of `--turns` sticky turns (the prompt grows by each reply), the
    same offered load for every N. After `--warmup` s, turns, tokens and CPU seconds (this
    process; all replicas, from /proc) are counted for `--duration` s. Then the router's own cost
@@ -19,7 +19,7 @@ All through the production code, on loopback with `transport.curve=false`:
    a time. In one event loop, `Router.generate` and a bare `ActorClient.generate_once` (each with
    its own socket) alternate in blocks of `--overhead-turns`: wall and CPU µs per turn of this
    process. Overhead: the difference of the means; spread over `--repeats` block pairs.
-3. **Weight sync.** For each N of `--sync-replicas`, learner/weights.py as the fleet uses it:
+3. **Weight sync.** For each N of `--sync-replicas`, learner/sync/weights.py as the fleet uses it:
    `attach_group` (learner + N replicas, gloo), timed as group formation, then `--pushes` times
    pack + `push_group` (as `Fleet.push`) of the tiny model's tensors (~1.7 MB) and of `--big-mb`
    MB of random float32: what a training step waits for its weights to reach every replica.
@@ -54,18 +54,18 @@ import orjson
 import torch
 from safetensors.torch import load_file
 
-from millstream.envpool.client import ActorClient, Generation
-from millstream.envpool.router import Router
-from millstream.learner.weights import FlatWeights, ReplicaLink, attach_group, push_group
+from millstream.bench.fleet_report import plot, table
+from millstream.bench.procstat import cpu_s
+from millstream.bench.replicas import digest_s, replicas
+from millstream.bench.rounds import compare, results_dir, write_outcome
+from millstream.envpool.actors.client import ActorClient, Generation
+from millstream.envpool.actors.generation import Retry, Sampling
+from millstream.envpool.actors.router import Router
+from millstream.learner.sync.weights import FlatWeights, ReplicaLink, attach_group, push_group
 from millstream.shared.config import LearnerConfig, TransportConfig
-from millstream.shared.protocol import ActorInfo, Hello, ReplicaRef
-from millstream.shared.tinymodel import build_tiny_model
-from millstream.shared.transport import open_channel
-
-from .fleet_report import plot, table
-from .procstat import cpu_s
-from .replicas import digest_s, replicas
-from .rounds import compare, results_dir, write_outcome
+from millstream.shared.models.tiny import build_tiny_model
+from millstream.shared.wire import ActorInfo, Hello, ReplicaRef
+from millstream.shared.wire.transport import open_channel
 
 __all__ = ["main"]
 
@@ -96,8 +96,8 @@ async def _episodes(router: Router, ns: argparse.Namespace, counts: dict[str, in
             episode, prompt = f"e{i}-{n}", [1 + i % 50, 2, 3, 4]
             for _ in range(ns.turns):
                 gen = await router.generate(
-                    prompt, max_tokens=ns.max_tokens, temperature=1.0, top_p=1.0, seed=None,
-                    stop_token_ids=[], timeout_s=120, retries=3, backoff_s=0.1, affinity=episode,
+                    prompt, Sampling(max_tokens=ns.max_tokens, timeout_s=120), seed=None,
+                    retry=Retry(3, 0.1), affinity=episode,
                 )  # fmt: skip
                 counts["turns"] += 1
                 counts["tokens"] += len(gen.token_ids)
@@ -154,9 +154,7 @@ async def _throughput(replicas: list[tuple[str, int]], step: float, ns: argparse
 
 # --- 2. router overhead -----------------------------------------------------------------------
 
-_ONE_TOKEN: dict[str, Any] = dict(
-    max_tokens=1, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=[], timeout_s=30
-)
+_ONE_TOKEN = Sampling(max_tokens=1, timeout_s=30)
 
 
 async def _block(turn: Callable[[int], Awaitable[Any]], turns: int) -> tuple[float, float]:
@@ -171,7 +169,7 @@ def _routed(router: Router) -> Callable[[int], Awaitable[None]]:
     """Turn `i` of episodes of 4 turns through `router`."""
 
     async def turn(i: int) -> None:
-        await router.generate([1, 2, 3, 4], affinity=f"e{i // 4}", **_ONE_TOKEN)
+        await router.generate([1, 2, 3, 4], _ONE_TOKEN, seed=None, affinity=f"e{i // 4}")
         if i % 4 == 3:
             router.release(f"e{i // 4}")
 
@@ -199,7 +197,7 @@ async def _overhead(address: str, ns: argparse.Namespace) -> dict[str, Any]:
     routed = _routed(router)
 
     async def direct(i: int) -> None:
-        await bare.generate_once([1, 2, 3, 4], **_ONE_TOKEN)
+        await bare.generate_once([1, 2, 3, 4], _ONE_TOKEN, seed=None)
 
     rows: dict[str, list[tuple[float, float]]] = {"router": [], "bare": []}
     async with anyio.create_task_group() as tg:

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from millstream.actor.synthetic import SyntheticActor, model_vocab
 from millstream.shared.config import load_config
-from millstream.shared.protocol import GenerateError, GenerateRequest, Message, TokenDelta
+from millstream.shared.wire import GenerateError, GenerateRequest, Message, TokenDelta
 
 __all__ = ["app"]
 

@@ -41,16 +41,16 @@ from typing import IO, Any
 import anyio
 import httpx
 
-from millstream.envpool.client import ActorClient
+from millstream.bench.overhead_load import prompt_ids, run_load
+from millstream.bench.procstat import tree_cpu_s
+from millstream.bench.rounds import compare, results_dir, write_outcome
+from millstream.envpool.actors.client import ActorClient
+from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
-from millstream.shared.keys import load_keys
-from millstream.shared.runtime import free_port
-from millstream.shared.tinymodel import build_tiny_model
-from millstream.shared.transport import open_channel
-
-from .overhead_load import prompt_ids, run_load
-from .procstat import tree_cpu_s
-from .rounds import compare, results_dir, write_outcome
+from millstream.shared.models.tiny import build_tiny_model
+from millstream.shared.process.runtime import free_port
+from millstream.shared.wire.keys import load_keys
+from millstream.shared.wire.transport import open_channel
 
 __all__ = ["main"]
 
@@ -142,14 +142,8 @@ def through_millstream(cfg: Config, load: Load) -> dict[str, float]:
         async def one(index: int) -> int:
             gen = await client.generate_once(
                 prompt_ids(index, load.prompt_len, load.vocab),
-                max_tokens=n,
-                temperature=1.0,
-                top_p=1.0,
+                Sampling(max_tokens=n, timeout_s=600, ignore_eos=True, min_tokens=n),
                 seed=None,
-                stop_token_ids=[],
-                timeout_s=600,
-                ignore_eos=True,
-                min_tokens=n,
             )
             return len(gen.token_ids)
 

@@ -19,10 +19,9 @@ import sys
 import uuid
 
 from millstream.actor.main import build_engine
+from millstream.bench.overhead_load import prompt_ids, run_load
 from millstream.shared.config import load_config
-from millstream.shared.runtime import resolve_model_dir
-
-from .overhead_load import prompt_ids, run_load
+from millstream.shared.process.runtime import resolve_model_dir
 
 
 async def serve(config_path: str) -> None:

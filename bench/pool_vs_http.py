@@ -37,14 +37,13 @@ from pathlib import Path
 
 import aiohttp
 
+from millstream.bench.rounds import compare, results_dir, write_outcome
+from millstream.bench.stress import stress_once
+from millstream.bench.stress_report import ResultWindow
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.envs import make_env
-from millstream.shared.runtime import free_port
-from millstream.shared.tinymodel import build_tiny_model
-
-from .rounds import compare, results_dir, write_outcome
-from .stress import stress_once
-from .stress_report import ResultWindow
+from millstream.shared.models.tiny import build_tiny_model
+from millstream.shared.process.runtime import free_port
 
 __all__ = ["main"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from millstream.shared.runtime import free_port
+from millstream.shared.process.runtime import free_port
 
 __all__ = ["replicas", "digest_s"]
 

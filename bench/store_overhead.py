@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 
-from .rounds import compare, results_dir, write_outcome
-from .stress import stress_once
-from .stress_suite import FAST_ENGINE
+from millstream.bench.rounds import compare, results_dir, write_outcome
+from millstream.bench.stress import stress_once
+from millstream.bench.stress_suite import FAST_ENGINE
 
 __all__ = ["main"]
 

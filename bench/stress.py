@@ -37,15 +37,26 @@ from pathlib import Path
 
 import zmq
 
+from millstream.bench.stress_report import (
+    ResultWindow,
+    StatsFollower,
+    build_report,
+    format_table,
+    plot_report,
+    write_json,
+)
 from millstream.envpool.envs import make_env
 from millstream.shared.config import ConfigError, dump_config, load_config, toml_value
-from millstream.shared.keys import load_keys, secure
-from millstream.shared.protocol import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
-from millstream.shared.runtime import free_port, raise_fd_limit, resolve_model_dir
-from millstream.shared.supervisor import Supervisor
-from millstream.shared.trajstore import STORE_FILE, StoreWriter, episode_from_failure, episode_from_trajectory
-
-from .stress_report import ResultWindow, StatsFollower, build_report, format_table, plot_report, write_json
+from millstream.shared.process.runtime import free_port, raise_fd_limit, resolve_model_dir
+from millstream.shared.process.supervisor import Supervisor
+from millstream.shared.store.trajstore import (
+    STORE_FILE,
+    StoreWriter,
+    episode_from_failure,
+    episode_from_trajectory,
+)
+from millstream.shared.wire import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
+from millstream.shared.wire.keys import load_keys, secure
 
 __all__ = ["main", "parse_faults", "stress_once"]
 
@@ -86,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--store",
         action="store_true",
-        help="write every episode to <out>/store.sqlite as the learner does (shared/trajstore.py)",
+        help="write every episode to <out>/store.sqlite as the learner does (shared/store/trajstore.py)",
     )
     p.add_argument(
         "--set",
@@ -308,7 +319,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
 
 
 #: The CURVE keys of every `stress_once` run in this process: a process serves one set of keys
-#: (shared/keys.py), so benchmarks that run stress many times share one folder.
+#: (shared/wire/keys.py), so benchmarks that run stress many times share one folder.
 _SHARED_KEYS = Path(tempfile.mkdtemp(prefix="millstream-stress-keys-")) / "keys"
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from millstream.shared.metrics import LatencyHistogram
+from millstream.shared.obs.metrics import LatencyHistogram
 
 __all__ = ["ResultWindow", "StatsFollower", "build_report", "format_table", "plot_report", "write_json"]
 

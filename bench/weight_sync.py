@@ -4,7 +4,7 @@
 
 For every size (MB of float32, in 16 tensors), two systems alternate push by push
 (bench/rounds.py), each with one receiving process on this machine:
-- `millstream`: learner/weights.py as the learner's fleet uses it (bench/fleet.py section 3):
+- `millstream`: learner/sync/weights.py as the learner's fleet uses it (bench/fleet.py section 3):
   `FlatWeights.pack` of the tensors, then `push_group` to one synthetic actor replica
   (`python -m millstream.actor actor.kind=synthetic`), which receives the broadcast into a fresh
   buffer, streams its pending tokens, takes its weight digest (a float64 sum) and answers
@@ -43,14 +43,13 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from millstream.learner.weights import FlatWeights, ReplicaLink, attach_group, push_group
+from millstream.bench.replicas import digest_s, replicas
+from millstream.bench.rounds import Outcome, compare, machine, results_dir, write_outcome
+from millstream.learner.sync.weights import FlatWeights, ReplicaLink, attach_group, push_group
 from millstream.shared.config import LearnerConfig
-from millstream.shared.protocol import ActorInfo, Hello
-from millstream.shared.runtime import free_port
-from millstream.shared.tinymodel import build_tiny_model
-
-from .replicas import digest_s, replicas
-from .rounds import Outcome, compare, machine, results_dir, write_outcome
+from millstream.shared.models.tiny import build_tiny_model
+from millstream.shared.process.runtime import free_port
+from millstream.shared.wire import ActorInfo, Hello
 
 __all__ = ["main"]
 

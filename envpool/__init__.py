@@ -12,11 +12,11 @@ This package never imports torch or vllm: it talks to the actor and learner only
 `shared.protocol` messages.
 """
 
-from .chat import ChatFormat
-from .client import ActorClient, ActorUnreachable, Generation, GenerationFailed
-from .episode import EpisodeSpec, run_episode
-from .gate import AdmissionGate
-from .worker import WorkerStats, run_worker
+from millstream.envpool.actors.client import ActorClient, ActorUnreachable, Generation, GenerationFailed
+from millstream.envpool.chat import ChatFormat
+from millstream.envpool.episode import EpisodeSpec, run_episode
+from millstream.envpool.gate import AdmissionGate
+from millstream.envpool.worker import WorkerStats, run_worker
 
 __all__ = [
     "ChatFormat",

@@ -1,3 +1,3 @@
-from .worker import main
+from millstream.envpool.worker import main
 
 main()

@@ -46,15 +46,18 @@ import json
 from collections import OrderedDict
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from millstream.shared.config import Config
 from tokenizers import Tokenizer
 
-__all__ = ["ChatFormat", "ChatTemplateError", "load_chat_templates"]
+__all__ = ["ChatFormat", "ChatTemplateError", "load_chat_templates", "tokenizer_dir"]
 
 SPECIAL_TOKEN_NAMES = (
     "bos_token",
@@ -366,3 +369,17 @@ class ChatFormat:
                             "model saw, so its trained context differs from a fresh render"
                         )
         return None
+
+
+def tokenizer_dir(cfg: Config) -> str:
+    """The model directory whose tokenizer and chat template the envpool uses.
+
+    The envpool never builds the tiny model (that needs torch); the launcher or actor does.
+    """
+    path = Path(cfg.model.path or cfg.model.tiny_dir).expanduser()
+    if not (path / "tokenizer.json").exists():
+        raise FileNotFoundError(
+            f"no tokenizer.json in {path}: set model.path (the launcher does) or build the tiny "
+            "model first with `millstream tiny-model DIR`"
+        )
+    return str(path)

@@ -25,34 +25,20 @@ reproducible and the members of a group still sample differently.
 
 from __future__ import annotations
 
-import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import anyio
 
+from millstream.envpool.actors.client import TurnClient
+from millstream.envpool.actors.generation import GenerationFailed, Retry, Sampling
+from millstream.envpool.chat import ChatFormat
+from millstream.envpool.envs import Env, Observation, StepResult
+from millstream.envpool.record import EpisodeRecord, EpisodeSpec
+from millstream.envpool.seeds import sampling_seed
 from millstream.shared.config import EnvPoolConfig
-from millstream.shared.protocol import Cause, EpisodeFailed, Scene, Trajectory, Truncation
+from millstream.shared.wire import Cause, EpisodeFailed, Trajectory, Truncation
 
-from .chat import ChatFormat
-from .client import GenerationFailed, TurnClient
-from .envs import Env
-
-__all__ = ["EpisodeSpec", "run_episode", "sampling_seed", "call_env", "EnvFailure"]
-
-
-@dataclass(frozen=True)
-class EpisodeSpec:
-    episode_id: str
-    group_id: str
-    seed: int
-    member: int
-    group_size: int
-    env_name: str
-
-
-def sampling_seed(seed: int, member: int, turn: int) -> int:
-    return (seed * 1_000_003 + member * 10_007 + turn) % (2**31 - 1)
+__all__ = ["EpisodeSpec", "run_episode", "call_env", "EnvFailure"]
 
 
 class EnvFailure(Exception):
@@ -82,196 +68,118 @@ async def run_episode(
     cfg: EnvPoolConfig,
     max_model_len: int,
     starting: anyio.CapacityLimiter | None = None,
+    *,
+    sampling: Sampling | None = None,
 ) -> Trajectory | EpisodeFailed:
-    """Play one episode; `starting` (optional) bounds how many environments reset at once."""
-    started = time.monotonic()
-    ctx = _Context()
+    """Play one episode; `starting` (optional) bounds how many environments reset at once.
+
+    `sampling` is the worker's, built once (`Sampling.for_turns`); without it, built here.
+    """
+    turn = sampling or Sampling.for_turns(cfg, chat.stop_token_ids)
+    record = EpisodeRecord(spec)
     try:
         with anyio.CancelScope(deadline=anyio.current_time() + cfg.episode_timeout_s):
-            return await _play(spec, env, chat, client, cfg, max_model_len, started, starting, ctx)
-        message = f"episode took longer than {cfg.episode_timeout_s}s"
-        return _failed(spec, Cause.EPISODE_TIMEOUT, message, ctx.scene(spec, started))
+            return await _play(record, env, chat, client, cfg, turn, max_model_len, starting)
+        return record.failed(Cause.EPISODE_TIMEOUT, f"episode took longer than {cfg.episode_timeout_s}s")
     except EnvFailure as exc:
-        return _failed(spec, exc.cause, str(exc), ctx.scene(spec, started))
+        return record.failed(exc.cause, str(exc))
     except GenerationFailed as exc:
-        return _failed(spec, exc.cause, str(exc), ctx.scene(spec, started, exc))
-
-
-def _failed(spec: EpisodeSpec, cause: Cause, message: str, scene: Scene | None = None) -> EpisodeFailed:
-    return EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, cause, message[:500], scene)
-
-
-class _Context:
-    """The growing record of one episode: every context it used, concatenated, and its turns.
-
-    Token lists are parallel: ids, loss mask, behaviour logprobs, policy versions. `segment`
-    is where the context the model currently sees begins (0 unless the environment asked for a
-    fresh context). Per turn: where its reply starts and ends, its reward, the request that
-    made it; `texts` alternates observation and reply. A failed episode sends all of it as its
-    `Scene`, so the trajectory store shows what happened up to the failure.
-    """
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
-        self.segment = 0
-        self.segment_starts: list[int] = []
-        self.rewards: list[float] = []
-        self.starts: list[int] = []
-        self.ends: list[int] = []
-        self.texts: list[str] = []
-        self.request_ids: list[str] = []
-
-    def scene(
-        self, spec: EpisodeSpec, started: float, failed: GenerationFailed | None = None
-    ) -> Scene | None:
-        """What the episode had done, and the request that failed, if one did."""
-        if not self.ids and failed is None:
-            return None  # it failed before its first prompt: there is nothing to see
-        request = failed.as_request(len(self.rewards)) if failed is not None else None
-        return Scene(
-            spec.env_name,
-            spec.seed,
-            self.ids,
-            self.mask,
-            self.logprobs,
-            self.versions,
-            self.rewards,
-            self.starts,
-            self.ends,
-            self.texts,
-            self.request_ids,
-            time.monotonic() - started,
-            request,
-        )
-
-    def add_prompt(self, ids: list[int]) -> None:
-        self.ids.extend(ids)
-        self.mask.extend([0] * len(ids))
-        self.logprobs.extend([0.0] * len(ids))
-        self.versions.extend([-1] * len(ids))
-
-    def add_generation(self, gen, trained: bool) -> None:
-        self.ids.extend(gen.token_ids)
-        self.mask.extend([1 if trained else 0] * len(gen.token_ids))
-        self.logprobs.extend(gen.logprobs)
-        self.versions.extend(gen.versions)
-
-    def visible(self) -> list[int]:
-        return self.ids[self.segment :]
-
-    def start_segment(self) -> None:
-        self.segment = len(self.ids)
-        self.segment_starts.append(self.segment)
+        return record.failed(exc.cause, str(exc), exc)
 
 
 async def _play(
-    spec: EpisodeSpec,
+    record: EpisodeRecord,
     env: Env,
     chat: ChatFormat,
     client: TurnClient,
     cfg: EnvPoolConfig,
+    sampling: Sampling,
     max_model_len: int,
-    started: float,
     starting: anyio.CapacityLimiter | None,
-    ctx: _Context,
 ) -> Trajectory:
+    """Reset, then generate and step until the environment is done or the context is full."""
+    spec = record.spec
     async with starting or nullcontext():  # bounds envs starting at once (sandboxes, containers)
         obs = await call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
     system = getattr(env, "system_prompt", "")
-    ctx.add_prompt(chat.first_prompt(system, obs.text))
-    rewards, starts, ends, texts = ctx.rewards, ctx.starts, ctx.ends, ctx.texts
-    anchors: list[str] = []
-    texts.append(obs.text)
-    invalid = 0
-    truncated: Truncation | None = None
-    success: bool | None = None
-    carried: list[int] = []  # carry-over ids that open the current reply (Delethink)
-    if len(ctx.ids) + cfg.max_tokens > max_model_len:
+    record.add_prompt(chat.first_prompt(system, obs.text))
+    record.texts.append(obs.text)
+    if len(record.ids) + sampling.max_tokens > max_model_len:
         raise EnvFailure(
             Cause.PROMPT_TOO_LONG,
-            f"the first prompt has {len(ctx.ids)} tokens; "
-            f"with max_tokens {cfg.max_tokens} that exceeds max_model_len "
-            f"{max_model_len}",
+            f"the first prompt has {len(record.ids)} tokens; "
+            f"with max_tokens {sampling.max_tokens} that exceeds max_model_len {max_model_len}",
         )
+    retry = Retry.from_config(cfg)
+    carried: list[int] = []  # carry-over ids that open the current reply (Delethink)
     for turn in range(cfg.max_turns):
         gen = await client.generate(
-            ctx.visible(),
-            max_tokens=cfg.max_tokens,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
+            record.visible(),
+            sampling,
             seed=sampling_seed(spec.seed, spec.member, turn),
-            stop_token_ids=chat.stop_token_ids,
-            timeout_s=cfg.turn_timeout_s,
-            retries=cfg.actor_retries,
-            backoff_s=cfg.actor_retry_backoff_s,
+            retry=retry,
             affinity=spec.episode_id,
         )
-        starts.append(len(ctx.ids))
-        ctx.request_ids.append(gen.request_id)
-        anchors.append(obs.anchor)
-        ctx.add_generation(gen, obs.trained)
-        ends.append(len(ctx.ids))
+        record.add_reply(gen, trained=obs.trained, anchor=obs.anchor)
         response = chat.decode(gen.token_ids)
-        texts.append(response)
+        record.texts.append(response)
         result = await call_env("step", env.step, response, cfg.step_timeout_s)
-        rewards.append(float(result.reward))
-        invalid += 0 if result.info.get("valid", True) else 1
-        if "success" in result.info:
-            success = bool(result.info["success"])
-        texts.append(result.observation.text)
+        _take_step(record, result)
         if result.done:
             break
         if turn == cfg.max_turns - 1:
-            truncated = Truncation.MAX_TURNS  # no prompt for a turn that is never played
+            record.truncated = Truncation.MAX_TURNS  # no prompt for a turn that is never played
             break
         obs = result.observation
         if obs.new_context:
-            # Delethink: a fresh context of the prompt plus the reply's last tokens, as ids.
-            reply = carried + gen.token_ids  # a reply that continued a carry-over includes it
-            carry = (
-                [t for t in reply if t not in chat.stop_token_ids][-obs.carry_tokens :]
-                if obs.carry_tokens > 0
-                else []
+            carried = _fresh_context(
+                record, chat, system, obs, carried + gen.token_ids, sampling, max_model_len
             )
-            fresh = chat.first_prompt(system, obs.text)
-            if len(fresh) + len(carry) + cfg.max_tokens > max_model_len:
-                truncated = Truncation.CONTEXT_FULL
+            if record.truncated is not None:
                 break
-            ctx.start_segment()
-            ctx.add_prompt(fresh)
-            ctx.add_prompt(carry)  # model tokens, but trained in the turn that produced them
-            carried = carry
             continue
         carried = []
         bridge = chat.close_turn(gen.token_ids) + chat.next_prompt(obs.text)
-        if len(ctx.visible()) + len(bridge) + cfg.max_tokens > max_model_len:
-            truncated = Truncation.CONTEXT_FULL  # no room for a whole turn: trained, not failed
+        if len(record.visible()) + len(bridge) + sampling.max_tokens > max_model_len:
+            record.truncated = Truncation.CONTEXT_FULL  # no room for a whole turn: trained, not failed
             break
-        ctx.add_prompt(bridge)
-    return Trajectory(
-        episode_id=spec.episode_id,
-        group_id=spec.group_id,
-        seed=spec.seed,
-        env=spec.env_name,
-        token_ids=ctx.ids,
-        loss_mask=ctx.mask,
-        logprobs=ctx.logprobs,
-        versions=ctx.versions,
-        reward=sum(rewards),
-        turn_rewards=rewards,
-        num_turns=len(rewards),
-        group_size=spec.group_size,
-        duration_s=time.monotonic() - started,
-        turn_starts=starts,
-        turn_ends=ends,
-        anchors=anchors,
-        texts=texts,
-        segment_starts=ctx.segment_starts,
-        invalid_actions=invalid,
-        truncated=truncated,
-        success=success,
-        request_ids=ctx.request_ids,
+        record.add_prompt(bridge)
+    return record.trajectory()
+
+
+def _take_step(record: EpisodeRecord, result: StepResult) -> None:
+    """The environment's answer to a reply: its reward, validity, success and next text."""
+    record.rewards.append(float(result.reward))
+    record.invalid_actions += 0 if result.info.get("valid", True) else 1
+    if "success" in result.info:
+        record.success = bool(result.info["success"])
+    record.texts.append(result.observation.text)
+
+
+def _fresh_context(
+    record: EpisodeRecord,
+    chat: ChatFormat,
+    system: str,
+    obs: Observation,
+    reply: list[int],
+    sampling: Sampling,
+    max_model_len: int,
+) -> list[int]:
+    """Delethink: a fresh context of the prompt plus the reply's last tokens, as ids.
+
+    `reply` includes the carry-over it continued. Returns the new carry-over, or marks the
+    record truncated (`context_full`) when the fresh context leaves no room for a turn.
+    """
+    carry = (
+        [t for t in reply if t not in chat.stop_token_ids][-obs.carry_tokens :]
+        if obs.carry_tokens > 0
+        else []
     )
+    fresh = chat.first_prompt(system, obs.text)
+    if len(fresh) + len(carry) + sampling.max_tokens > max_model_len:
+        record.truncated = Truncation.CONTEXT_FULL
+        return []
+    record.start_segment()
+    record.add_prompt(fresh)
+    record.add_prompt(carry)  # model tokens, but trained in the turn that produced them
+    return carry

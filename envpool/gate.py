@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import anyio
 
-from millstream.shared.protocol import PolicyVersion
+from millstream.shared.wire import PolicyVersion
 
 __all__ = ["AdmissionGate"]
 

@@ -25,14 +25,13 @@ import logging
 
 import anyio
 
+from millstream.envpool.agents.episode import is_agent_env
+from millstream.envpool.chat import ChatFormat, ChatTemplateError, tokenizer_dir
+from millstream.envpool.envs import Env, Observation, UnknownEnvironment, make_env
+from millstream.envpool.scoring.evaluator import eval_env
+from millstream.envpool.scoring.judge import judge_messages
+from millstream.envpool.seeds import group_seed
 from millstream.shared.config import Config
-
-from .agent_episode import is_agent_env
-from .chat import ChatFormat, ChatTemplateError
-from .envs import Env, Observation, UnknownEnvironment, make_env
-from .evaluator import eval_env
-from .judge import judge_messages
-from .worker import group_seed, tokenizer_dir
 
 __all__ = ["preflight", "check_envpool"]
 

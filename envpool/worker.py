@@ -3,7 +3,7 @@
     millstream envpool [--config run.toml] [--worker-index I]
 
 Sockets: one DEALER per actor replica (every episode's requests, multiplexed, routed by
-envpool/router.py among the replicas the learner announces), one SUB for the
+envpool/actors/router.py among the replicas the learner announces), one SUB for the
 learner's `PolicyVersion`s (they drive the admission gate), one PUSH of `Trajectory` /
 `EpisodeFailed` to the learner.
 
@@ -14,7 +14,7 @@ with the same environment seed. When the learner announces `final`, stop admitti
 episodes still running (each is reported as failed with cause `run_ended`, so nothing is lost),
 send `PoolDone` with this worker's totals, and exit.
 
-With `eval.every` > 0, worker 0 also plays evaluation rounds (envpool/evaluator.py), never
+With `eval.every` > 0, worker 0 also plays evaluation rounds (envpool/scoring/evaluator.py), never
 trained and outside this accounting; the final version's round is played before `PoolDone`.
 
 Accounting is exact by construction: every started episode sends exactly one message to the
@@ -37,10 +37,19 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup
 
+from millstream.envpool.actors.generation import Sampling
+from millstream.envpool.actors.router import Router
+from millstream.envpool.agents.episode import is_agent_env, run_agent_episode
+from millstream.envpool.chat import ChatFormat, tokenizer_dir
+from millstream.envpool.envs import make_env
+from millstream.envpool.episode import EpisodeSpec, run_episode
+from millstream.envpool.gate import AdmissionGate
+from millstream.envpool.scoring.evaluator import Evaluator
+from millstream.envpool.scoring.judge import Judge
+from millstream.envpool.seeds import group_seed, sampling_seed
 from millstream.shared.config import Config
-from millstream.shared.keys import load_keys
-from millstream.shared.metrics import MetricsWriter, NullMetrics
-from millstream.shared.protocol import (
+from millstream.shared.obs.metrics import MetricsWriter, NullMetrics
+from millstream.shared.wire import (
     ACTOR_CAUSES,
     Cause,
     EpisodeFailed,
@@ -51,21 +60,13 @@ from millstream.shared.protocol import (
     WorkerHello,
     group_id,
 )
-from millstream.shared.transport import open_channel
-
-from .agent_episode import is_agent_env, run_agent_episode
-from .chat import ChatFormat
-from .envs import make_env
-from .episode import EpisodeSpec, run_episode, sampling_seed
-from .evaluator import Evaluator
-from .gate import AdmissionGate
-from .judge import Judge
-from .router import Router
+from millstream.shared.wire.keys import load_keys
+from millstream.shared.wire.transport import open_channel
 
 if TYPE_CHECKING:
-    from .openai_api import Endpoint
+    from millstream.envpool.agents.endpoint import Endpoint
 
-__all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable", "tokenizer_dir", "group_seed"]
+__all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable"]
 
 log = logging.getLogger("envpool")
 
@@ -96,20 +97,6 @@ class ActorUnavailable(RuntimeError):
     """Too many episodes in a row failed on the actor's side: stop instead of burning episodes."""
 
 
-def tokenizer_dir(cfg: Config) -> str:
-    """The model directory whose tokenizer and chat template the envpool uses.
-
-    The envpool never builds the tiny model (that needs torch); the launcher or actor does.
-    """
-    path = Path(cfg.model.path or cfg.model.tiny_dir).expanduser()
-    if not (path / "tokenizer.json").exists():
-        raise FileNotFoundError(
-            f"no tokenizer.json in {path}: set model.path (the launcher does) or build the tiny "
-            "model first with `millstream tiny-model DIR`"
-        )
-    return str(path)
-
-
 def rss_bytes() -> int:
     """Resident memory of this process now (Linux /proc), or its peak where /proc is missing."""
     try:
@@ -117,10 +104,6 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def group_seed(run_seed: int, group_number: int) -> int:
-    return (run_seed * 7_919_981 + group_number * 104_729 + 17) % (2**31 - 1)
 
 
 class Worker:
@@ -138,6 +121,8 @@ class Worker:
         self.cfg, self.pool = cfg, pool
         self.name = f"w{worker_index}"
         self.chat = ChatFormat.from_model_dir(tokenizer_dir(cfg))
+        #: How every turn of this worker's episodes is sampled: built once, passed down.
+        self.sampling = Sampling.for_turns(pool, self.chat.stop_token_ids)
         self.actor_address = actor_address or cfg.actor.connect or cfg.actor.address
         keys = load_keys(cfg, "envpool")
         self.sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport, keys=keys)
@@ -150,7 +135,9 @@ class Worker:
         #: Agent environments talk to an OpenAI-compatible endpoint per episode (loopback).
         self.endpoint: Endpoint | None = None
         if is_agent_env(probe):
-            from .openai_api import Endpoint  # the agents extra: only agent runs need it
+            from millstream.envpool.agents.endpoint import (
+                Endpoint,  # the agents extra: only agent runs need it
+            )
 
             self.endpoint = Endpoint(self.chat, self.client, pool, lambda: self.max_model_len)
         self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
@@ -165,7 +152,7 @@ class Worker:
         self.max_model_len = cfg.actor.max_model_len
         self.slots = anyio.Semaphore(pool.max_concurrent_episodes)
         self.starting = anyio.CapacityLimiter(pool.max_starting_envs)
-        #: Evaluation rounds (envpool/evaluator.py): worker 0 plays them, when `eval.every` > 0.
+        #: Evaluation rounds (envpool/scoring/evaluator.py): worker 0 plays them, when `eval.every` > 0.
         self.evaluator = (
             Evaluator(cfg, self.name, self.chat, self.client, self.push.send, lambda: self.max_model_len)
             if cfg.eval.every > 0 and worker_index == 0
@@ -307,7 +294,14 @@ class Worker:
                 result = await run_agent_episode(spec, env, self.endpoint, self.pool)
             else:
                 result = await run_episode(
-                    spec, env, self.chat, self.client, self.pool, self.max_model_len, self.starting
+                    spec,
+                    env,
+                    self.chat,
+                    self.client,
+                    self.pool,
+                    self.max_model_len,
+                    self.starting,
+                    sampling=self.sampling,
                 )
             if self.judge is not None and isinstance(result, Trajectory):
                 result = await self.judge.score(result, sampling_seed(spec.seed, spec.member, -1))
@@ -409,12 +403,12 @@ async def run_worker(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from millstream.shared.lifecycle import run_until_signal
-    from millstream.shared.runtime import STOPPED, raise_fd_limit, run_role
+    from millstream.shared.process.lifecycle import run_until_signal
+    from millstream.shared.process.runtime import STOPPED, raise_fd_limit, run_role
 
     def body(cfg: Config, ns: Any) -> int:
         if ns.check:
-            from .preflight import preflight
+            from millstream.envpool.preflight import preflight
 
             return preflight(cfg)
         raise_fd_limit()

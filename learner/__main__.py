@@ -1,3 +1,3 @@
-from .main import main
+from millstream.learner.main import main
 
 main()

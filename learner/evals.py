@@ -1,6 +1,6 @@
 """The learner's side of evaluation: `EvalResult`s become `eval/...` metrics and a summary part.
 
-Evaluation rounds are played by envpool worker 0 (envpool/evaluator.py) and arrive on the
+Evaluation rounds are played by envpool worker 0 (envpool/scoring/evaluator.py) and arrive on the
 experience socket. Each becomes one metrics.jsonl record at `step` = the evaluated version:
 
     eval/version, eval/reward_mean, eval/success, eval/pass@<k>, eval/episodes (finished),
@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from millstream.shared.protocol import EvalResult
+from millstream.shared.wire import EvalResult
 
 __all__ = ["EvalLog", "eval_record"]
 

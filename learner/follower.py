@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from millstream.learner.persist.checkpoint import load_checkpoint, save_checkpoint
+from millstream.learner.team import Team
+from millstream.learner.train.trainer import Trainer
 from millstream.shared.config import Config
-
-from .checkpoint import load_checkpoint, save_checkpoint
-from .team import Team
-from .trainer import Trainer
 
 __all__ = ["follow"]
 

@@ -34,10 +34,32 @@ from typing import Any
 import msgspec
 import orjson
 
+from millstream.learner.episodes.accounting import close_accounts
+from millstream.learner.episodes.experience import Experience, say
+from millstream.learner.episodes.intake import Intake
+from millstream.learner.episodes.records import EpisodeRecords
+from millstream.learner.episodes.validate import EpisodeCheck, vocab_size
+from millstream.learner.episodes.workers import WorkerLedger
+from millstream.learner.evals import EvalLog
+from millstream.learner.follower import follow
+from millstream.learner.persist.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from millstream.learner.replay import Group, ReplayBuffer
+from millstream.learner.stats import (
+    CollapseWatch,
+    NoSignalWatch,
+    batch_metrics,
+    buffer_metrics,
+    progress_line,
+)
+from millstream.learner.sync.fleet import Fleet, replica_weights
+from millstream.learner.team import Team
+from millstream.learner.train.advantages import compute_advantages, filter_groups, filter_pool_size
+from millstream.learner.train.batching import train_samples
+from millstream.learner.train.trainer import Trainer
 from millstream.shared.config import Config
-from millstream.shared.dashboards import open_metrics
-from millstream.shared.keys import RunKeys, load_keys
-from millstream.shared.protocol import (
+from millstream.shared.obs.dashboards import open_metrics
+from millstream.shared.process.runtime import ACCOUNTING_FAILED, resolve_model_dir, run_role, write_ready
+from millstream.shared.wire import (
     DropCause,
     EvalResult,
     Message,
@@ -47,24 +69,7 @@ from millstream.shared.protocol import (
     admit_limit,
     group_number,
 )
-from millstream.shared.runtime import ACCOUNTING_FAILED, resolve_model_dir, run_role, write_ready
-
-from .accounting import close_accounts
-from .advantages import compute_advantages, filter_groups, filter_pool_size
-from .batching import train_samples
-from .checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
-from .evals import EvalLog
-from .experience import Experience, say
-from .fleet import Fleet, replica_weights
-from .follower import follow
-from .intake import Intake
-from .records import EpisodeRecords
-from .replay import Group, ReplayBuffer
-from .stats import CollapseWatch, NoSignalWatch, batch_metrics, buffer_metrics, progress_line
-from .team import Team
-from .trainer import Trainer
-from .validate import EpisodeCheck, vocab_size
-from .workers import WorkerLedger
+from millstream.shared.wire.keys import RunKeys, load_keys
 
 __all__ = ["run_learner", "main"]
 
@@ -92,7 +97,7 @@ class Leader:
         self.no_signal = NoSignalWatch()
         self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0, group_size=train.group_size)
         check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))
-        self.records = EpisodeRecords(cfg, run_dir)  # every episode's fate (learner/records.py)
+        self.records = EpisodeRecords(cfg, run_dir)  # every episode's fate (learner/episodes/records.py)
         self.buffer.on_drop = lambda trajs, why: self.records.dropped(trajs, str(why), self.trainer.version)
         self.intake = Intake(cfg, self.buffer, self.ledger, check, self.records.failed)
         #: This learner process; a restarted learner is a new session, and workers say hello to it.
@@ -323,7 +328,7 @@ class Leader:
 
     def _save(self) -> Path:
         # Where the run's records stand at this checkpoint: a resume from it marks every record
-        # after these positions rolled back (shared/rundir.py).
+        # after these positions rolled back (shared/store/rundir.py).
         records = {"metrics.jsonl": self.metrics.position(), **self.records.positions()}
         extra = {
             "next_group": self._next_group(),
@@ -428,7 +433,7 @@ def check_learner(cfg: Config) -> str | None:
     """What the learner would refuse only after the run started, in one line, or None: today
     LoRA target modules that match no linear layer (read from the model's config, no weights)."""
     if cfg.learner.lora_rank > 0:
-        from .lora import check_targets
+        from millstream.learner.train.lora import check_targets
 
         try:
             check_targets(resolve_model_dir(cfg), cfg.learner.lora_target_modules)

@@ -27,14 +27,14 @@ counts groups, can free one slot per group that will never fill a batch.
 The buffer is bounded by `max_groups` (complete + partial). The envpool's admission gate is meant
 to make overflow impossible, so `add` and `fail` raise `BufferFull` on it (and ValueError on a
 group_size that disagrees): a bug signal. The learner calls `accept` instead, which never raises:
-what `add` or `fail` would raise on, and what learner/validate.py found wrong, is *refused*:
+what `add` or `fail` would raise on, and what learner/episodes/validate.py found wrong, is *refused*:
 counted as received and dropped under `invalid_trajectory`, the reason in `refused[reason]`.
 A refusal of the message's content closes its member slot (the group still completes); a refusal
 of its identity (wrong group size, an environment or seed other than its group's, a full buffer,
 a group never admitted) touches no group, so a forged message cannot complete or open one.
 The buffer is single-threaded (the learner's receive loop owns it) and does no I/O.
 
-`state_dict` / `load_state_dict` carry it across a learner restart (learner/checkpoint.py writes
+`state_dict` / `load_state_dict` carry it across a learner restart (learner/persist/checkpoint.py writes
 the state to disk). Partial groups do not survive a resume: their missing members died with the
 previous envpool, so loading drops them under a cause ("incomplete_at_resume") like `drain`.
 """
@@ -48,7 +48,7 @@ from typing import Any
 
 import msgspec
 
-from millstream.shared.protocol import Cause, DropCause, EpisodeFailed, Trajectory, group_number
+from millstream.shared.wire import Cause, DropCause, EpisodeFailed, Trajectory, group_number
 
 __all__ = ["Group", "ReplayBuffer", "BufferFull"]
 

@@ -21,9 +21,8 @@ import math
 import statistics
 from collections import Counter
 
-from millstream.shared.protocol import Trajectory
-
-from .replay import Group
+from millstream.learner.replay import Group
+from millstream.shared.wire import Trajectory
 
 __all__ = [
     "batch_metrics",
@@ -107,7 +106,7 @@ def domain_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
 
 def _sync(record: dict) -> str:
     if "sync/total_s" not in record:
-        return "sync waiting for a replica"  # learner/fleet.py: pushed once one is back
+        return "sync waiting for a replica"  # learner/sync/fleet.py: pushed once one is back
     return f"sync {record['sync/total_s']:.2f}s"
 
 

@@ -38,7 +38,7 @@ def no_run_left_behind() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
-    from millstream.shared.tinymodel import build_tiny_model
+    from millstream.shared.models.tiny import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0))
 

@@ -21,12 +21,14 @@ import orjson
 import pytest
 import zmq
 
-from millstream.envpool.client import ActorClient
+from millstream.envpool.actors.client import ActorClient
 from millstream.shared.config import Config, TransportConfig
-from millstream.shared.keys import RunKeys, ensure_keys, load_keys, secure
-from millstream.shared.lifecycle import ENV_PARENT
-from millstream.shared.metrics import read_jsonl
-from millstream.shared.protocol import (
+from millstream.shared.obs.metrics import read_jsonl
+from millstream.shared.process.lifecycle import ENV_PARENT
+from millstream.shared.process.runtime import free_port
+from millstream.shared.store.trajstore import STORE_FILE
+from millstream.shared.store.trajstore import read_episodes as read_store
+from millstream.shared.wire import (
     AttachLearner,
     Codec,
     EpisodeFailed,
@@ -34,20 +36,18 @@ from millstream.shared.protocol import (
     PoolDone,
     Trajectory,
 )
-from millstream.shared.runtime import free_port
-from millstream.shared.trajstore import STORE_FILE
-from millstream.shared.trajstore import read_episodes as read_store
-from millstream.shared.transport import open_channel
+from millstream.shared.wire.keys import RunKeys, ensure_keys, load_keys, secure
+from millstream.shared.wire.transport import open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
-MILLSTREAM = [sys.executable, "-m", "millstream.shared.cli"]
+MILLSTREAM = [sys.executable, "-m", "millstream.shared.launch.cli"]
 
 #: One CURVE key folder for the test session: the session's actors, the stand-in learner, the
 #: test's own clients and every run that connects to a session actor use it (a run with its own
 #: actor could use its own `<run.dir>/keys`; sharing these changes nothing for it).
 KEYS_DIR = ensure_keys(Path(tempfile.mkdtemp(prefix="millstream-test-")) / "keys")
 atexit.register(shutil.rmtree, KEYS_DIR.parent, ignore_errors=True)
-#: Processes a test starts stop when this test session is gone, even killed (shared/lifecycle.py).
+#: Processes a test starts stop when this test session is gone, even killed (shared/process/lifecycle.py).
 WATCHED = {ENV_PARENT: str(os.getpid())}
 #: The override that points a role or a run at the session's keys.
 KEYS = f"transport.keys_dir={KEYS_DIR}"
@@ -63,9 +63,9 @@ class Recorder:
         self.prompts: list[list[int]] = []
         self.generations: list[Any] = []
 
-    async def generate(self, prompt_token_ids: list[int], **kwargs: Any) -> Any:
+    async def generate(self, prompt_token_ids: list[int], sampling: Any, **kwargs: Any) -> Any:
         self.prompts.append(list(prompt_token_ids))
-        gen = await self.client.generate(prompt_token_ids, **kwargs)
+        gen = await self.client.generate(prompt_token_ids, sampling, **kwargs)
         self.generations.append(gen)
         return gen
 
@@ -398,5 +398,5 @@ class Attacker:
 
 
 def read_episodes(run_dir: Path) -> list[dict[str, Any]]:
-    """Every episode record of a run, from its trajectory store (shared/trajstore.py)."""
+    """Every episode record of a run, from its trajectory store (shared/store/trajstore.py)."""
     return read_store(run_dir / STORE_FILE)

@@ -2,7 +2,7 @@
 
 import random
 
-from millstream.learner.trainer import TrainSample
+from millstream.learner.train.trainer import TrainSample
 
 
 def random_samples(n: int, seed: int, max_len: int = 24) -> list[TrainSample]:

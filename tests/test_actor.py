@@ -1,28 +1,23 @@
 """The real vLLM actor (one per session, see conftest): streaming, logprobs, aborts, weights."""
 
 import anyio
+import msgspec
 import pytest
 import torch
 from helpers import keys_for, with_client
 from transformers import AutoModelForCausalLM
 
-from millstream.envpool.client import GenerationFailed
-from millstream.learner.weights import WeightSender, WeightSyncError
+from millstream.envpool.actors.client import GenerationFailed
+from millstream.envpool.actors.generation import Sampling
+from millstream.learner.sync.weights import WeightSender, WeightSyncError
 from millstream.shared.config import LearnerConfig
 
 PROMPT = [1, 367, 201, 316, 276, 223, 19, 20, 425, 2, 201, 1, 366, 201]
 
 
 def generate(client, prompt=PROMPT, n=12, temperature=0.0, seed=None, stop=()):
-    return client.generate(
-        list(prompt),
-        max_tokens=n,
-        temperature=temperature,
-        top_p=1.0,
-        seed=seed,
-        stop_token_ids=list(stop),
-        timeout_s=120,
-    )
+    sampling = Sampling(max_tokens=n, temperature=temperature, stop_token_ids=tuple(stop), timeout_s=120)
+    return client.generate(list(prompt), sampling, seed=seed)
 
 
 def hf_greedy(model, prompt, n):
@@ -87,11 +82,13 @@ def test_ignore_eos_and_min_tokens_make_exactly_the_work_asked(actor):
         free = await generate(client, n=16)
         stop = [free.token_ids[2]]
         cut = await generate(client, n=16, stop=stop)
-        kwargs = dict(
-            max_tokens=16, temperature=0.0, top_p=1.0, seed=None, stop_token_ids=stop, timeout_s=120
+        sampling = Sampling(max_tokens=16, temperature=0.0, stop_token_ids=stop, timeout_s=120)
+        ignored = await client.generate_once(
+            list(PROMPT), msgspec.structs.replace(sampling, ignore_eos=True), seed=None
         )
-        ignored = await client.generate_once(list(PROMPT), ignore_eos=True, **kwargs)
-        at_least = await client.generate_once(list(PROMPT), min_tokens=8, **kwargs)
+        at_least = await client.generate_once(
+            list(PROMPT), msgspec.structs.replace(sampling, min_tokens=8), seed=None
+        )
         return free, cut, ignored, at_least
 
     free, cut, ignored, at_least = anyio.run(with_client, actor.address, run, backend="trio")
@@ -130,16 +127,14 @@ def test_cancelled_generation_is_aborted_on_the_actor(actor):
 )
 def test_bad_requests_fail_with_a_named_cause(actor, prompt, max_tokens, temperature, stop, message):
     async def run(client, _tg):
-        return await client.generate_once(
-            prompt,
+        sampling = Sampling(
             max_tokens=max_tokens,
             temperature=temperature,
-            top_p=1.0,
-            seed=None,
             stop_token_ids=stop,
             timeout_s=60,
             min_tokens=5 if "min_tokens" in message else 0,
         )
+        return await client.generate_once(prompt, sampling, seed=None)
 
     with pytest.raises(GenerationFailed, match=message) as info:
         anyio.run(with_client, actor.address, run, backend="trio")

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from millstream.learner.advantages import (
+from millstream.learner.replay import Group
+from millstream.learner.train.advantages import (
     ESTIMATORS,
     compute_advantages,
     discounted_returns,
@@ -20,9 +21,8 @@ from millstream.learner.advantages import (
     ngrpo_advantages,
     rloo_advantages,
 )
-from millstream.learner.replay import Group
 from millstream.shared.config import LearnerConfig
-from millstream.shared.protocol import Trajectory
+from millstream.shared.wire import Trajectory
 
 ALL = ("grpo", "drgrpo", "rloo", "ngrpo", "gigpo")
 

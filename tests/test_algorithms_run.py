@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
-from millstream.shared.metrics import read_jsonl
-from millstream.shared.rundir import checkpoint_step, find_checkpoint
+from millstream.shared.obs.metrics import read_jsonl
+from millstream.shared.store.rundir import checkpoint_step, find_checkpoint
 
 
 def rise(run_dir: Path, n: int = 4) -> float:

@@ -1,4 +1,4 @@
-"""A run's sockets admit the run's own processes only (CURVE, shared/keys.py), checked against a
+"""A run's sockets admit the run's own processes only (CURVE, shared/wire/keys.py), checked against a
 live `millstream run`: a forged experience message and a forged attach from a process without
 the run's keys change nothing, a process holding the envpool's key still cannot attach as the
 learner, and nothing the run started listens beyond loopback.
@@ -17,11 +17,11 @@ import tomllib
 import zmq
 from helpers import check_accounting, read_episodes, start_run
 
-from millstream.learner.weights import WeightSender, WeightSyncError
+from millstream.learner.sync.weights import WeightSender, WeightSyncError
 from millstream.shared.config import Config, LearnerConfig, RunConfig
-from millstream.shared.keys import load_keys, secure
-from millstream.shared.lifecycle import run_processes
-from millstream.shared.protocol import AttachLearner, Codec, ErrorReply, Hello, Trajectory
+from millstream.shared.process.lifecycle import run_processes
+from millstream.shared.wire import AttachLearner, Codec, ErrorReply, Hello, Trajectory
+from millstream.shared.wire.keys import load_keys, secure
 
 FORGED_REWARD = 1e9
 

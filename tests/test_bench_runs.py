@@ -99,7 +99,7 @@ def test_pool_vs_http_plays_both_sides_against_the_same_engine(tmp_path):
     import sys
 
     # Its own process: the stress driver binds with its run's keys, and a process serves one
-    # run's keys (shared/keys.py), so running it here would refuse later tests' keys.
+    # run's keys (shared/wire/keys.py), so running it here would refuse later tests' keys.
     args = ["--concurrency", "16", "--episodes", "64", "--rounds", "1", "--out", str(tmp_path)]
     subprocess.run([sys.executable, "-m", "millstream.bench.pool_vs_http", *args], check=True, timeout=600)
     result = orjson.loads((tmp_path / "pool-vs-http-c16.json").read_bytes())

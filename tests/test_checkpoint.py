@@ -16,11 +16,16 @@ import torch
 from samples import random_samples
 from transformers import AutoModelForCausalLM
 
-from millstream.learner.checkpoint import STATE_FILE, find_checkpoint, load_checkpoint, save_checkpoint
+from millstream.learner.persist.checkpoint import (
+    STATE_FILE,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from millstream.learner.replay import ReplayBuffer
-from millstream.learner.trainer import Trainer, TrainSample
+from millstream.learner.train.trainer import Trainer, TrainSample
 from millstream.shared.config import LearnerConfig
-from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory
+from millstream.shared.wire import Cause, EpisodeFailed, Trajectory
 
 # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates; not ours to fix.
 pytestmark = [pytest.mark.real, pytest.mark.filterwarnings("ignore:`torch.distributed.:FutureWarning")]

@@ -17,9 +17,9 @@ from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, steps_of
 from millstream.learner.replay import Group
 from millstream.learner.stats import batch_metrics, domain_metrics
 from millstream.shared.config import ConfigError, load_config
-from millstream.shared.dashboards import backend_problem, open_metrics, step_scalars
-from millstream.shared.plot import plot_run
-from millstream.shared.protocol import Trajectory, Truncation
+from millstream.shared.inspect.plot import plot_run
+from millstream.shared.obs.dashboards import backend_problem, open_metrics, step_scalars
+from millstream.shared.wire import Trajectory, Truncation
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -99,7 +99,7 @@ def test_backends_are_checked_with_the_config():
 
 
 def _missing_package() -> str:
-    from millstream.shared import dashboards
+    from millstream.shared.obs import dashboards
 
     saved = dict(dashboards.BACKENDS)
     dashboards.BACKENDS["wandb"] = "no_such_package_for_millstream"

@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from millstream.envpool.envs import make_env
 from millstream.envpool.envs.dataset import Dataset
-from millstream.envpool.evaluator import summarize
 from millstream.envpool.preflight import check_envpool
-from millstream.envpool.rewards import extract_answer, math_answer, parse_number
+from millstream.envpool.scoring.evaluator import summarize
+from millstream.envpool.scoring.rewards import extract_answer, math_answer, parse_number
 from millstream.shared.config import load_config
-from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory
+from millstream.shared.wire import Cause, EpisodeFailed, Trajectory
 
 # --- the reward ------------------------------------------------------------------------------
 
@@ -173,7 +173,7 @@ def test_the_generator_reproduces_the_shipped_files(tmp_path, monkeypatch):
         ({"path": "millstream:arithmetic", "split": "test"}, "envpool.env_args.split = 'test'"),
         ({"path": "D", "prompt_field": "question"}, "row 0 of .* has no field 'question'"),
         ({"path": "D", "reward": "no_such_module_xyz:f"}, "cannot import 'no_such_module_xyz'"),
-        ({"path": "D", "reward": "millstream.envpool.rewards:nope"}, "has no function 'nope'"),
+        ({"path": "D", "reward": "millstream.envpool.scoring.rewards:nope"}, "has no function 'nope'"),
         ({"path": "D", "reward": "just_a_name"}, "expected 'module:function'"),
         ({"path": "D", "mode": "chat"}, "envpool.env_args.mode = 'chat'"),
         ({"path": "BAD"}, "line 2 is not JSON"),
@@ -234,7 +234,7 @@ def test_eval_summary_leaves_failures_out_of_means_and_counts_pass_at_k():
 
 
 def test_eval_rounds_queue_only_due_versions_and_the_newest_waits():
-    from millstream.envpool.evaluator import Evaluator, eval_env
+    from millstream.envpool.scoring.evaluator import Evaluator, eval_env
 
     overrides = ["envpool.env=dataset", "envpool.env_args.path=millstream:arithmetic", "eval.every=5"]
     cfg = load_config(None, [*overrides, 'eval.env_args={split="eval"}'])
@@ -267,7 +267,7 @@ class OneReply:
         self.ids = chat.tokenizer.encode(text).ids
 
     async def generate(self, prompt_token_ids, **_):
-        from millstream.envpool.client import Generation
+        from millstream.envpool.actors.client import Generation
 
         return Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "length")
 

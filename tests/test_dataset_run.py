@@ -14,7 +14,7 @@ import statistics
 import orjson
 from helpers import check_accounting, millstream_run, read_episodes, steps_of
 
-from millstream.shared.metrics import read_jsonl
+from millstream.shared.obs.metrics import read_jsonl
 
 
 def test_dataset_run_learns_and_evaluates(actor, tmp_path):

@@ -11,7 +11,7 @@ import orjson
 import pytest
 from helpers import KEYS, MILLSTREAM
 
-from millstream.shared.trajstore import STORE_FILE, read_episodes
+from millstream.shared.store.trajstore import STORE_FILE, read_episodes
 
 ENV_ARGS = 'envpool.env_args={turns=4, prompt="Write anything."}'
 
@@ -130,7 +130,7 @@ def test_replay_against_two_policies_shows_where_they_part(actor, recorded, tmp_
     """The recorded episode replayed greedily against the same actor twice never parts (the
     control); against an actor on other weights (a model built with another seed, started by
     the debugger as a checkpoint) it parts, at a turn and a token it names."""
-    from millstream.shared.tinymodel import build_tiny_model
+    from millstream.shared.models.tiny import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", seed=1)
 
@@ -156,6 +156,6 @@ def test_replay_against_two_policies_shows_where_they_part(actor, recorded, tmp_
     ],
 )
 def test_first_parting(a, b, where):
-    from millstream.envpool.debug_replay import first_parting
+    from millstream.envpool.debug.replay import first_parting
 
     assert first_parting(a, b) == where

@@ -13,13 +13,14 @@ import helpers
 import pytest
 import zmq
 
+from millstream.envpool.actors.client import ActorUnreachable, GenerationFailed
+from millstream.envpool.actors.generation import Retry, Sampling
 from millstream.envpool.chat import ChatFormat
-from millstream.envpool.client import ActorUnreachable, GenerationFailed
 from millstream.envpool.envs import Observation, StepResult
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.shared.config import EnvPoolConfig
-from millstream.shared.keys import secure
-from millstream.shared.protocol import (
+from millstream.shared.process.runtime import free_port
+from millstream.shared.wire import (
     Abort,
     Cause,
     Codec,
@@ -30,11 +31,13 @@ from millstream.shared.protocol import (
     Trajectory,
     TurnError,
 )
-from millstream.shared.runtime import free_port
+from millstream.shared.wire.keys import secure
 
 ROOT = Path(__file__).resolve().parent.parent
 
-GEN = dict(max_tokens=4, temperature=1.0, top_p=1.0, seed=7, stop_token_ids=[0])
+
+def turn(timeout_s: float) -> Sampling:
+    return Sampling(max_tokens=4, stop_token_ids=(0,), timeout_s=timeout_s)
 
 
 class ScriptedPeer:
@@ -98,7 +101,7 @@ def test_overloaded_refusal_is_retried_with_the_same_request():
 
     async def body(client, tg):
         tg.start_soon(peer.serve)
-        gen = await client.generate([1, 2, 3], timeout_s=5, retries=2, backoff_s=0.01, **GEN)
+        gen = await client.generate([1, 2, 3], turn(5), seed=7, retry=Retry(2, 0.01))
         return gen, client.stats.retries
 
     gen, retries = with_client(peer.address, body)
@@ -113,7 +116,7 @@ def test_a_timed_out_request_is_aborted_then_retried():
 
     async def body(client, tg):
         tg.start_soon(peer.serve)
-        return await client.generate([1, 2], timeout_s=0.3, retries=1, backoff_s=0.01, **GEN)
+        return await client.generate([1, 2], turn(0.3), seed=7, retry=Retry(1, 0.01))
 
     gen = with_client(peer.address, body)
     assert gen.token_ids == [5, 6]
@@ -124,7 +127,7 @@ def failure_cause(peer, retries):
     async def body(client, tg):
         tg.start_soon(peer.serve)
         with pytest.raises(GenerationFailed) as info:
-            await client.generate([1], timeout_s=5, retries=retries, backoff_s=0.01, **GEN)
+            await client.generate([1], turn(5), seed=7, retry=Retry(retries, 0.01))
         return info.value.cause
 
     return with_client(peer.address, body)
@@ -194,7 +197,7 @@ def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tm
         async def body(client, tg):
             async def one():
                 try:
-                    await client.generate([1, 2], timeout_s=30, retries=0, **GEN)
+                    await client.generate([1, 2], turn(30), seed=7)
                     causes.append("ok")
                 except GenerationFailed as exc:
                     causes.append(exc.cause)

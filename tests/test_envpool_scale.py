@@ -16,7 +16,7 @@ from millstream.envpool.envs import Observation, StepResult
 from millstream.envpool.envs.base import REGISTRY
 from millstream.envpool.worker import run_worker
 from millstream.shared.config import load_config
-from millstream.shared.protocol import Trajectory
+from millstream.shared.wire import Trajectory
 
 GROUPS, GROUP_SIZE = 250, 8
 

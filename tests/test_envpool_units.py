@@ -7,7 +7,7 @@ from millstream.envpool.chat import ChatFormat
 from millstream.envpool.envs import make_env, parse_answer
 from millstream.envpool.envs.evenchars import even_share
 from millstream.envpool.gate import AdmissionGate
-from millstream.shared.protocol import PolicyVersion, admit_limit, group_id, group_number
+from millstream.shared.wire import PolicyVersion, admit_limit, group_id, group_number
 
 
 @pytest.fixture(scope="module")

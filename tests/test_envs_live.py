@@ -20,16 +20,16 @@ import anyio
 import pytest
 from helpers import keys_for
 
+from millstream.envpool.actors.client import ActorClient, Generation
 from millstream.envpool.chat import ChatFormat
-from millstream.envpool.client import ActorClient, Generation
 from millstream.envpool.envs import Observation, StepResult, env_names, make_env, parse_answer
 from millstream.envpool.envs.agent import is_agent_env
 from millstream.envpool.envs.echo import is_clean_reply
 from millstream.envpool.envs.evenchars import even_share
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.shared.config import EnvPoolConfig, TransportConfig
-from millstream.shared.protocol import Trajectory
-from millstream.shared.transport import open_channel
+from millstream.shared.wire import Trajectory
+from millstream.shared.wire.transport import open_channel
 
 MAX_TURNS = 3
 MAX_TOKENS = 16
@@ -95,9 +95,9 @@ class RecordingClient:
         self.prompts: list[list[int]] = []
         self.generations: list[Generation] = []
 
-    async def generate(self, prompt_token_ids, **kwargs):
+    async def generate(self, prompt_token_ids, sampling, **kwargs):
         self.prompts.append(list(prompt_token_ids))
-        gen = await self.client.generate(prompt_token_ids, **kwargs)
+        gen = await self.client.generate(prompt_token_ids, sampling, **kwargs)
         self.generations.append(gen)
         return gen
 

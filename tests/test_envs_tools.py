@@ -272,7 +272,7 @@ def sandbox(code, backend="trio", **limits):
     return anyio.run(lambda: run_python(code, **limits), backend=backend)
 
 
-def _sandbox_children():
+def children():
     """Live processes of this test process running the sandbox's child script."""
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
@@ -282,7 +282,7 @@ def _sandbox_children():
             cmdline = (status.parent / "cmdline").read_bytes()
         except (OSError, KeyError, ValueError):
             continue
-        if ppid == os.getpid() and b"_sandbox_child.py" in cmdline:
+        if ppid == os.getpid() and b"sandbox/child.py" in cmdline:
             found.append(int(status.parent.name))
     return found
 
@@ -316,16 +316,16 @@ def test_wall_clock_timeout_kills_an_infinite_loop(mode):
     )
     assert result.status == "timeout" and result.returncode == -9 and result.output == "on\n"
     assert time.monotonic() - start < 3
-    assert _sandbox_children() == []  # killed and reaped (tests/test_sandbox.py: its descendants too)
+    assert children() == []  # killed and reaped (tests/test_sandbox.py: its descendants too)
 
 
 def test_a_cancelled_run_leaves_no_process_behind():
     async def go():
         with anyio.move_on_after(0.3):
             await run_python("while True: pass", timeout_s=30, cpu_s=30)
-        return _sandbox_children()
+        return children()
 
-    assert _sandbox_children() == []
+    assert children() == []
     assert anyio.run(go, backend="trio") == []
 
 

@@ -6,13 +6,13 @@ import anyio
 import pytest
 from helpers import Recorder, keys_for
 
+from millstream.envpool.actors.client import ActorClient, Generation
 from millstream.envpool.chat import ChatFormat
-from millstream.envpool.client import ActorClient, Generation
 from millstream.envpool.envs import Observation, StepResult, make_env
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.shared.config import EnvPoolConfig, TransportConfig
-from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory, Truncation
-from millstream.shared.transport import open_channel
+from millstream.shared.wire import Cause, EpisodeFailed, Trajectory, Truncation
+from millstream.shared.wire.transport import open_channel
 
 
 def play(actor, env, **cfg):

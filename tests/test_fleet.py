@@ -22,8 +22,8 @@ import orjson
 import pytest
 from helpers import KEYS, ROOT, check_accounting, start_run, steps_of, wait_for_file
 
-from millstream.shared.lifecycle import run_processes
-from millstream.shared.metrics import read_jsonl
+from millstream.shared.obs.metrics import read_jsonl
+from millstream.shared.process.lifecycle import run_processes
 
 pytestmark = pytest.mark.real  # the learner is DeepSpeed
 

@@ -1,4 +1,4 @@
-"""A run heals (shared/healing.py): the launcher restarts an envpool worker, the actor and the
+"""A run heals (shared/launch/healing.py): the launcher restarts an envpool worker, the actor and the
 learner, each killed once with SIGKILL; nothing is lost, and every episode the dead processes
 left behind is counted by cause (`worker_lost`, `learner_lost`). The actor here is the synthetic
 one (the restart path is the same for vLLM; its start-up takes a minute on this CPU); the
@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 from helpers import check_accounting, read_episodes, start_run, steps_of
 
-from millstream.shared.lifecycle import run_processes
+from millstream.shared.process.lifecycle import run_processes
 
 
 def _kill(run_dir: Path, name: str) -> int:

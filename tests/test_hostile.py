@@ -1,6 +1,6 @@
 """A hostile peer against every role: whatever one message does, it is refused or counted and the
-role keeps serving (actor/boundary.py, learner/validate.py, ReplayBuffer.accept, the envpool
-client's reply router, shared/ratelog.py).
+role keeps serving (actor/boundary.py, learner/episodes/validate.py, ReplayBuffer.accept, the envpool
+client's reply router, shared/obs/ratelog.py).
 
 Each finding of the hostile-peer probe is replayed against a real process: the synthetic actor
 where the engine does not matter, the vLLM actor (`real`) where it does, and a real learner
@@ -24,11 +24,13 @@ from helpers import KEYS, ROOT, keys_for, read_episodes, start_actor, stop_group
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from millstream.envpool.actors.generation import Sampling
+from millstream.learner.episodes.validate import EpisodeCheck
 from millstream.learner.replay import ReplayBuffer
-from millstream.learner.validate import EpisodeCheck
 from millstream.shared.config import LearnerConfig
-from millstream.shared.keys import secure
-from millstream.shared.protocol import (
+from millstream.shared.obs.ratelog import RateLog
+from millstream.shared.process.runtime import free_port
+from millstream.shared.wire import (
     Abort,
     AttachLearner,
     Cause,
@@ -44,8 +46,7 @@ from millstream.shared.protocol import (
     Trajectory,
     WorkerHello,
 )
-from millstream.shared.ratelog import RateLog
-from millstream.shared.runtime import free_port
+from millstream.shared.wire.keys import secure
 
 FLOOD = 70_000
 
@@ -139,8 +140,8 @@ def test_each_learner_finding_is_a_counted_refusal():
 def test_bookkeeping_messages_are_checked_and_never_raise():
     """The workers' own messages (GroupStarted, WorkerHello) are checked like episodes: a forged
     one cannot open its own admission, and none ends the learner."""
-    from millstream.learner.intake import Intake
-    from millstream.learner.workers import WorkerLedger
+    from millstream.learner.episodes.intake import Intake
+    from millstream.learner.episodes.workers import WorkerLedger
     from millstream.shared.config import load_config
 
     cfg = load_config(None, ["train.group_size=2", "envpool.workers=2"])
@@ -203,15 +204,7 @@ async def one_generation(address: str, timeout_s: float = 30.0):
     async def body(client, _tg):
         await client.handshake(timeout_s=5, retries=2, backoff_s=0.2)
         started = time.monotonic()
-        gen = await client.generate(
-            [1, 2, 3],
-            max_tokens=8,
-            temperature=1.0,
-            top_p=1.0,
-            seed=1,
-            stop_token_ids=[],
-            timeout_s=timeout_s,
-        )
+        gen = await client.generate([1, 2, 3], Sampling(max_tokens=8, timeout_s=timeout_s), seed=1)
         return gen, time.monotonic() - started
 
     return await with_client(address, body)

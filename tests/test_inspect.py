@@ -18,9 +18,14 @@ import orjson
 import pytest
 
 from millstream.envpool.chat import ChatFormat
-from millstream.shared.inspect_web import start_server
-from millstream.shared.protocol import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory
-from millstream.shared.trajstore import STORE_FILE, StoreWriter, episode_from_failure, episode_from_trajectory
+from millstream.shared.inspect.web import start_server
+from millstream.shared.store.trajstore import (
+    STORE_FILE,
+    StoreWriter,
+    episode_from_failure,
+    episode_from_trajectory,
+)
+from millstream.shared.wire import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -114,7 +119,7 @@ def run_dir(tiny_model_dir):
 
 def inspect(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "millstream.shared.cli", "inspect", *args],
+        [sys.executable, "-m", "millstream.shared.launch.cli", "inspect", *args],
         capture_output=True,
         text=True,
         timeout=120,

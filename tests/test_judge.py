@@ -1,4 +1,4 @@
-"""The LLM judge as a reward (envpool/judge.py): scores read from its reply, failures counted as
+"""The LLM judge as a reward (envpool/scoring/judge.py): scores read from its reply, failures counted as
 causes, the judge actor frozen, and a run whose rewards come from a real vLLM judge."""
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_hostile import dealer, replies
 
-from millstream.envpool.judge import JudgeFailed, _rescored, read_score, render_rubric
+from millstream.envpool.scoring.judge import JudgeFailed, _rescored, read_score, render_rubric
 from millstream.shared.config import ConfigError, load_config
-from millstream.shared.metrics import read_jsonl
-from millstream.shared.protocol import AttachLearner, Cause, Codec, ErrorReply, ReplyCause, Trajectory
-from millstream.shared.runtime import free_port
+from millstream.shared.obs.metrics import read_jsonl
+from millstream.shared.process.runtime import free_port
+from millstream.shared.wire import AttachLearner, Cause, Codec, ErrorReply, ReplyCause, Trajectory
 
 DEFAULT = re.compile(load_config(None, []).judge.score_pattern)
 
@@ -92,7 +92,7 @@ def test_a_judge_to_connect_to_needs_its_model_for_the_tokenizer():
 
 
 def test_a_judge_for_an_agent_env_is_refused_before_anything_starts(tiny_model_dir, tmp_path):
-    from millstream.shared.launcher import prepare
+    from millstream.shared.launch.launcher import prepare
 
     with pytest.raises(ConfigError, match="judge.model_path: .*agent episodes"):
         prepare(
@@ -111,7 +111,7 @@ def test_a_judge_template_that_refuses_the_rubric_is_refused_before_anything_sta
     every episode failing in the run."""
     from test_chat_templates import write_model_dir
 
-    from millstream.shared.launcher import prepare
+    from millstream.shared.launch.launcher import prepare
 
     gemma = write_model_dir(tiny_model_dir, tmp_path / "gemma", "gemma")
     shutil.copy(Path(tiny_model_dir) / "config.json", gemma)  # a tokenizer-only copy so far
@@ -122,7 +122,7 @@ def test_a_judge_template_that_refuses_the_rubric_is_refused_before_anything_sta
 
 
 def test_a_judge_model_that_is_not_a_model_directory_is_refused_before_anything_starts(tmp_path):
-    from millstream.shared.launcher import prepare
+    from millstream.shared.launch.launcher import prepare
 
     with pytest.raises(ConfigError, match="judge.model_path"):
         prepare(None, [f"run.dir={tmp_path / 'run'}", f"judge.model_path={tmp_path}"])

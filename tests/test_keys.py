@@ -1,4 +1,4 @@
-"""The run's CURVE keys (shared/keys.py): private files, one set however many roles race to make
+"""The run's CURVE keys (shared/wire/keys.py): private files, one set however many roles race to make
 them, and the loopback-only opt-out."""
 
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from millstream.shared.config import Config, ConfigError, RunConfig, TransportConfig, load_config
-from millstream.shared.keys import CLIENT_ROLES, ensure_keys, keys_dir, load_keys
+from millstream.shared.wire.keys import CLIENT_ROLES, ensure_keys, keys_dir, load_keys
 
 
 def test_keys_are_private_and_name_every_role(tmp_path):
@@ -28,7 +28,7 @@ def test_roles_racing_to_make_the_keys_agree_on_one_set(tmp_path):
     """Eight processes create the same folder at once; every one then reads the same server key."""
     folder = tmp_path / "keys"
     script = (
-        "import sys, zmq.auth; from millstream.shared.keys import ensure_keys; "
+        "import sys, zmq.auth; from millstream.shared.wire.keys import ensure_keys; "
         "f = ensure_keys(sys.argv[1]); print(zmq.auth.load_certificate(f / 'server.key')[0].decode())"
     )
     procs = [

@@ -13,8 +13,8 @@ import pytest
 from helpers import MILLSTREAM, ROOT
 
 from millstream.shared.config import ConfigError, load_config
-from millstream.shared.launcher import prepare
-from millstream.shared.lifecycle import ENV_RUN
+from millstream.shared.launch.launcher import prepare
+from millstream.shared.process.lifecycle import ENV_RUN
 
 
 def refused(tmp_path: Path, *overrides: str) -> str:
@@ -144,8 +144,8 @@ def test_a_run_directory_that_holds_a_run_is_not_reused_by_accident(tmp_path, ti
 
 
 def test_the_launcher_gives_every_replica_its_own_address(tiny_model_dir):
-    from millstream.shared.launcher import _replica_addresses
-    from millstream.shared.replicas import replica_address, replica_name
+    from millstream.shared.launch.launcher import _replica_addresses
+    from millstream.shared.wire.replicas import replica_address, replica_name
 
     free = load_config(None, ["actor.replicas=3"])
     picked = _replica_addresses(free)

@@ -8,9 +8,9 @@ untrained turns, or a prompt only) is left out.
 
 from __future__ import annotations
 
-from millstream.learner.batching import train_samples
-from millstream.learner.trainer import TrainSample
-from millstream.shared.protocol import Trajectory
+from millstream.learner.train.batching import train_samples
+from millstream.learner.train.trainer import TrainSample
+from millstream.shared.wire import Trajectory
 
 
 def make_traj(mask: list[int], segment_starts: list[int]) -> Trajectory:

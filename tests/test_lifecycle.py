@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from helpers import MILLSTREAM, ROOT, start_actor, start_run, stop_group
 
-from millstream.shared.lifecycle import run_processes, session_processes
-from millstream.shared.runtime import free_port
+from millstream.shared.process.lifecycle import run_processes, session_processes
+from millstream.shared.process.runtime import free_port
 
 pytestmark = pytest.mark.real
 

@@ -1,4 +1,4 @@
-"""LoRA (learner/lora.py): the merge the actor receives equals peft's own, misnamed targets are
+"""LoRA (learner/train/lora.py): the merge the actor receives equals peft's own, misnamed targets are
 named, and one real `millstream run learner.lora_rank=8` learns and leaves an adapter peft loads."""
 
 import statistics
@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import check_accounting, millstream_run, steps_of
 
-from millstream.learner import lora
+from millstream.learner.train import lora
 from millstream.shared.config import LearnerConfig
 
 peft = pytest.importorskip("peft")
@@ -104,9 +104,9 @@ def test_lora_trains_only_adapters_and_resumes_bit_identical(tiny_model_dir, tmp
     from samples import random_samples
     from transformers import AutoModelForCausalLM
 
-    from millstream.learner.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+    from millstream.learner.persist.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
     from millstream.learner.replay import ReplayBuffer
-    from millstream.learner.trainer import Trainer
+    from millstream.learner.train.trainer import Trainer
 
     cfg = LearnerConfig(
         lr=2e-2,

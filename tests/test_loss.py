@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from millstream.learner.loss import (
+from millstream.learner.train.loss import (
     aggregation_weights,
     gather_logprobs,
     kl_penalty,

@@ -1,4 +1,4 @@
-"""shared/metrics.py: LatencyHistogram (percentiles to within a bucket, merge, JSON form) and the
+"""shared/obs/metrics.py: LatencyHistogram (percentiles to within a bucket, merge, JSON form) and the
 JSONL writer/reader (a torn last line from a killed writer is skipped)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from millstream.shared.metrics import LatencyHistogram, MetricsWriter, NullMetrics, read_jsonl
+from millstream.shared.obs.metrics import LatencyHistogram, MetricsWriter, NullMetrics, read_jsonl
 
 #: One bucket's width: 16 log-spaced buckets per doubling.
 BUCKET = 2 ** (1 / 16)

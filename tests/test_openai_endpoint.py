@@ -1,4 +1,4 @@
-"""The per-episode OpenAI-compatible endpoint (envpool/openai_api.py), driven by the official
+"""The per-episode OpenAI-compatible endpoint (envpool/agents/endpoint.py), driven by the official
 `openai` client (sync and async, streamed and not, with tools), against the synthetic actor
 (actor/synthetic.py: these tests are about the endpoint's recording, not about a model) or a
 scripted client where exact token ids are needed; and the `<tool_call>` parser."""
@@ -12,18 +12,18 @@ from helpers import Recorder, keys_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from millstream.envpool.agent_episode import run_agent_episode
+from millstream.envpool.actors.client import ActorClient, Generation
+from millstream.envpool.agents.endpoint import MODEL_NAME, Endpoint
+from millstream.envpool.agents.episode import run_agent_episode
+from millstream.envpool.agents.toolcalls import parse_tool_calls
 from millstream.envpool.chat import ChatFormat
-from millstream.envpool.client import ActorClient, Generation
 from millstream.envpool.envs import make_env
 from millstream.envpool.envs.agent import AgentResult
 from millstream.envpool.envs.openai_agent import SCORE_TOOL
 from millstream.envpool.episode import EpisodeSpec
-from millstream.envpool.openai_api import MODEL_NAME, Endpoint
-from millstream.envpool.toolcalls import parse_tool_calls
 from millstream.shared.config import EnvPoolConfig, TransportConfig
-from millstream.shared.protocol import Cause, EpisodeFailed, Trajectory
-from millstream.shared.transport import open_channel
+from millstream.shared.wire import Cause, EpisodeFailed, Trajectory
+from millstream.shared.wire.transport import open_channel
 
 STOP = 2  # <|im_end|> of the tiny model
 

@@ -65,3 +65,126 @@ def test_roles_talk_only_through_shared(folder, forbidden):
         for f, names in _imports(folder).items()
     }
     assert {f: n for f, n in bad.items() if n} == {}
+
+
+# --- the rooms ---------------------------------------------------------------------------------
+
+#: The roles' library inside shared/, and the operator's side (the launcher and the tools).
+SHARED_LIBRARY = ("config", "wire", "obs", "store", "process", "models")
+SHARED_OPERATOR = ("launch", "inspect")
+FOLDERS = ("actor", "learner", "envpool", "shared", "bench")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return "millstream." + ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {
+        _module_name(p): p
+        for folder in FOLDERS
+        for p in (ROOT / folder).rglob("*.py")
+        if "results" not in p.parts and not p.name.startswith(".")
+    }
+
+
+def test_shared_is_the_library_and_the_operators_side_and_nothing_else():
+    """Every module of shared/ lives in a room that says which side it is on."""
+    rooms = {p.name for p in (ROOT / "shared").iterdir() if p.is_dir() and not p.name.startswith("_")}
+    loose = sorted(p.name for p in (ROOT / "shared").glob("*.py") if p.name != "__init__.py")
+    assert loose == [] and rooms == set(SHARED_LIBRARY) | set(SHARED_OPERATOR)
+
+
+@pytest.mark.parametrize("folder", ["actor", "learner", "envpool", *(f"shared/{r}" for r in SHARED_LIBRARY)])
+def test_the_roles_and_the_library_never_import_the_operators_side(folder):
+    """The launcher and the tools start and read the roles; no role (and no library module)
+    depends on them, so a role runs wherever its library is installed."""
+    forbidden = tuple(f"millstream.shared.{r}" for r in SHARED_OPERATOR)
+    bad = {f: sorted(n for n in names if n.startswith(forbidden)) for f, names in _imports(folder).items()}
+    assert {f: n for f, n in bad.items() if n} == {}
+
+
+def test_no_import_circle():
+    """No module reaches itself through imports (lazy and type-only imports included: a circle
+    broken by a lazy import is still two ideas that cannot be read apart)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                deps.add(node.module)
+                deps |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {d for d in deps if d in modules and d != name}
+    circles = _cycles(graph)
+    assert circles == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = [0]
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]
+
+
+def test_no_module_over_the_size_rule():
+    """Modules stay under ~400 lines (CONTRIBUTING): one idea a reader can hold."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in _modules().values()
+        if (n := len(p.read_text().splitlines())) > 420
+    }
+    assert long == {}
+
+
+def test_no_folder_is_a_heap():
+    """A folder of more than ~10 flat modules holds ideas that want their own rooms."""
+    heaps = {
+        str(d.relative_to(ROOT)): n
+        for folder in FOLDERS
+        for d in [ROOT / folder, *(p for p in (ROOT / folder).rglob("*") if p.is_dir())]
+        if "results" not in d.parts
+        and "__pycache__" not in d.parts
+        and (n := len([p for p in d.glob("*.py") if p.name not in ("__init__.py", "__main__.py")])) > 12
+    }
+    assert heaps == {}

@@ -10,9 +10,7 @@ from helpers import keys_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from millstream.shared import protocol
-from millstream.shared.keys import secure
-from millstream.shared.protocol import (
+from millstream.shared.wire import (
     PROTOCOL_VERSION,
     Codec,
     ErrorReply,
@@ -21,7 +19,9 @@ from millstream.shared.protocol import (
     ProtocolError,
     ReplyCause,
     TokenDelta,
+    protocol,
 )
+from millstream.shared.wire.keys import secure
 
 MESSAGES = list(typing.get_args(protocol.Message))
 i32 = st.integers(-(2**31), 2**31 - 1)

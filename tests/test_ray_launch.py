@@ -1,4 +1,4 @@
-"""`launcher.kind = "ray"` (shared/raylaunch.py): the roles run as processes of Ray actors on a real
+"""`launcher.kind = "ray"` (shared/launch/ray/launch.py): the roles run as processes of Ray actors on a real
 Ray cluster, started here on 127.0.0.1 only (loopback: nothing listens beyond this machine).
 
 The cluster is started once for the module with `ray start --head --block` in a session of its
@@ -27,9 +27,9 @@ import pytest
 from helpers import MILLSTREAM, ROOT, check_accounting, start_run
 
 from millstream.shared.config import load_config
-from millstream.shared.lifecycle import run_processes, session_processes
-from millstream.shared.raycluster import first_line, node_pins
-from millstream.shared.runtime import free_port
+from millstream.shared.launch.ray.cluster import first_line, node_pins
+from millstream.shared.process.lifecycle import run_processes, session_processes
+from millstream.shared.process.runtime import free_port
 
 RAY = str(Path(sys.executable).with_name("ray"))
 

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from millstream.learner.replay import BufferFull, Group, ReplayBuffer
-from millstream.shared.protocol import Cause, DropCause, EpisodeFailed, Trajectory
+from millstream.shared.wire import Cause, DropCause, EpisodeFailed, Trajectory
 
 _ids = itertools.count()
 

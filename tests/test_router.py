@@ -1,4 +1,4 @@
-"""The envpool's router (envpool/router.py) against two real actor processes (synthetic ones:
+"""The envpool's router (envpool/actors/router.py) against two real actor processes (synthetic ones:
 the routing rules do not depend on the engine): episodes stick to a replica, new ones spread by
 load, an overloaded replica sheds, a dead one's turns move and it gets nothing until the
 learner announces it again."""
@@ -12,9 +12,10 @@ from collections import Counter, defaultdict
 import anyio
 from helpers import keys_for, start_synthetic_actor, stop_group
 
-from millstream.envpool.router import Router
+from millstream.envpool.actors.generation import Retry, Sampling
+from millstream.envpool.actors.router import Router
 from millstream.shared.config import TransportConfig
-from millstream.shared.protocol import ReplicaRef
+from millstream.shared.wire import ReplicaRef
 
 SLOW = "actor.synthetic_step_s=0.01"  # turns last long enough to overlap
 
@@ -25,14 +26,9 @@ async def _episodes(router: Router, count: int, turns: int, log: dict[str, list[
         for turn in range(turns):
             await router.generate(
                 [1, 2, 3, 4],
-                max_tokens=8,
-                temperature=1.0,
-                top_p=1.0,
+                Sampling(max_tokens=8, timeout_s=30),
                 seed=i * 100 + turn,
-                stop_token_ids=[],
-                timeout_s=30,
-                retries=3,
-                backoff_s=0.1,
+                retry=Retry(3, 0.1),
                 affinity=episode,
             )
             log[episode].append(router._sticky[episode])

@@ -14,8 +14,8 @@ import orjson
 import pytest
 from helpers import MILLSTREAM, Attacker, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
-from millstream.shared.lifecycle import run_processes
-from millstream.shared.metrics import read_jsonl
+from millstream.shared.obs.metrics import read_jsonl
+from millstream.shared.process.lifecycle import run_processes
 
 
 @pytest.fixture(scope="module")

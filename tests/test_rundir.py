@@ -5,8 +5,8 @@ import msgspec
 import orjson
 
 from millstream.shared.config import load_config
-from millstream.shared.metrics import MetricsWriter, read_jsonl
-from millstream.shared.rundir import (
+from millstream.shared.obs.metrics import MetricsWriter, read_jsonl
+from millstream.shared.store.rundir import (
     STATE_FILE,
     checkpoint_records,
     find_checkpoint,

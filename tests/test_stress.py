@@ -259,12 +259,12 @@ def test_stress_outputs_plot_config_and_table(stress_run):
 
 def test_unknown_env_without_the_plugin_fails_fast(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
-    # Through the `millstream stress` command itself (shared/cli.py execs bench.stress).
+    # Through the `millstream stress` command itself (shared/launch/cli.py execs bench.stress).
     proc = subprocess.run(
         [
             sys.executable,
             "-m",
-            "millstream.shared.cli",
+            "millstream.shared.launch.cli",
             "stress",
             "--env",
             "coinflip",

@@ -20,8 +20,9 @@ from helpers import (
     with_client,
 )
 
-from millstream.envpool.client import GenerationFailed
-from millstream.learner.weights import WeightSender
+from millstream.envpool.actors.client import GenerationFailed
+from millstream.envpool.actors.generation import Sampling
+from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import LearnerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,13 +34,7 @@ def run_client(address, fn):
 
 def gen(client, seed, n=40, stop=(2,)):
     return client.generate(
-        [1, 5, 9],
-        max_tokens=n,
-        temperature=1.0,
-        top_p=1.0,
-        seed=seed,
-        stop_token_ids=list(stop),
-        timeout_s=60,
+        [1, 5, 9], Sampling(max_tokens=n, stop_token_ids=tuple(stop), timeout_s=60), seed=seed
     )
 
 
@@ -109,9 +104,7 @@ def test_seeded_requests_are_reproducible_and_bad_ones_named(synthetic):
     assert a == b
 
     async def bad(client, _tg):
-        return await client.generate(
-            [], max_tokens=3, temperature=1.0, top_p=1.0, seed=None, stop_token_ids=[], timeout_s=30
-        )
+        return await client.generate([], Sampling(max_tokens=3, timeout_s=30), seed=None)
 
     with pytest.raises(GenerationFailed, match="empty prompt"):
         run_client(synthetic, bad)

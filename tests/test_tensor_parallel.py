@@ -18,9 +18,9 @@ from helpers import KEYS, ROOT, keys_for, start_actor, stop_group, with_client
 from test_actor import PROMPT, generate, hf_greedy, hf_logprobs
 from transformers import AutoModelForCausalLM
 
-from millstream.learner.weights import WeightSender
+from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import ConfigError, LearnerConfig
-from millstream.shared.runtime import check_tensor_parallel
+from millstream.shared.process.runtime import check_tensor_parallel
 
 
 def test_the_size_must_split_the_models_heads(tiny_model_dir, tmp_path):

@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from millstream.shared.tinymodel import MARKER, MODEL_FILES, SPECIAL_TOKENS, build_tiny_model, main  # noqa: E402
+from millstream.shared.models.tiny import MARKER, MODEL_FILES, SPECIAL_TOKENS, build_tiny_model, main  # noqa: E402
 
 PROMPTS = ["Hello there, how are you?", "What is 12 + 7?", "Tell me a story about the sea."]
 

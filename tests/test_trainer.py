@@ -21,8 +21,8 @@ from safetensors import safe_open
 from samples import random_samples
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from millstream.learner.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
-from millstream.learner.trainer import PAD_ID, Trainer, TrainSample
+from millstream.learner.train.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
+from millstream.learner.train.trainer import PAD_ID, Trainer, TrainSample
 from millstream.shared.config import LearnerConfig
 
 # DeepSpeed calls torch.distributed APIs that torch 2.13 deprecates; not ours to fix.

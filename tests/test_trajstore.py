@@ -1,4 +1,4 @@
-"""The trajectory store (shared/trajstore.py): what goes in comes out, retention keeps what it
+"""The trajectory store (shared/store/trajstore.py): what goes in comes out, retention keeps what it
 promises, the writer never blocks the learner, and a resume marks the abandoned rows."""
 
 import sqlite3
@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from millstream.shared.protocol import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory
-from millstream.shared.rundir import mark_rolled_back
-from millstream.shared.trajstore import (
+from millstream.shared.store.rundir import mark_rolled_back
+from millstream.shared.store.trajstore import (
     STORE_FILE,
     StoreWriter,
     episode_from_failure,
@@ -20,6 +19,7 @@ from millstream.shared.trajstore import (
     read_episodes,
     write_episode,
 )
+from millstream.shared.wire import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory
 
 
 def trajectory(episode_id="e0", tokens=8, turns=2, reward=1.0):

@@ -6,9 +6,9 @@ import zmq
 from helpers import keys_for
 
 from millstream.shared.config import TransportConfig
-from millstream.shared.keys import secure
-from millstream.shared.protocol import Codec, ErrorReply, GenerateRequest, ReplyCause, TokenDelta
-from millstream.shared.transport import open_channel
+from millstream.shared.wire import Codec, ErrorReply, GenerateRequest, ReplyCause, TokenDelta
+from millstream.shared.wire.keys import secure
+from millstream.shared.wire.transport import open_channel
 
 SERVER, CLIENT = keys_for("actor"), keys_for("envpool")
 

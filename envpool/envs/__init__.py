@@ -9,7 +9,7 @@ an environment is adding a module.
 import importlib
 import pkgutil
 
-from .base import (
+from millstream.envpool.envs.base import (
     ENTRY_POINT_GROUP,
     Env,
     Observation,

@@ -6,7 +6,7 @@
 Instead of reset/step, the environment runs its own agent (any framework that speaks the OpenAI
 API) against `base_url` with `api_key`, on the task its `seed` picks (episodes of one group get
 the same seed), and returns the episode's reward and an `info` dict (`valid`, `success`, anything
-else for inspection). envpool/agent_episode.py runs it and records what the model generated.
+else for inspection). envpool/agents/episode.py runs it and records what the model generated.
 """
 
 from __future__ import annotations

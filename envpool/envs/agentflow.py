@@ -59,7 +59,7 @@ import random
 import re
 from fractions import Fraction
 
-from .base import Observation, StepResult, parse_answer, register
+from millstream.envpool.envs.base import Observation, StepResult, parse_answer, register
 
 __all__ = ["AgentFlow", "CalculatorError", "calculator", "make_question"]
 

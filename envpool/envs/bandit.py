@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from .base import Observation, StepResult, parse_answer, register
+from millstream.envpool.envs.base import Observation, StepResult, parse_answer, register
 
 __all__ = ["Bandit"]
 

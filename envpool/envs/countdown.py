@@ -25,7 +25,7 @@ import random
 import re
 from fractions import Fraction
 
-from .base import Observation, StepResult, register
+from millstream.envpool.envs.base import Observation, StepResult, register
 
 __all__ = ["Countdown", "make_task", "parse_expression", "used_numbers", "evaluate"]
 

@@ -9,10 +9,10 @@ extra), or a folder holding `<split>.jsonl` or `<split>.parquet`, of which `spli
 "train") picks one; `millstream:NAME` names a set shipped in envpool/envs/data/ (the arithmetic
 worked example: `millstream:arithmetic`, splits "train" and "eval"). Rows are chosen by seed: seed
 `s` plays row `s mod len(rows)`, so the members of a group face the same row and eval seeds 0..N-1
-(`[eval]`, envpool/evaluator.py) walk the first N rows in order.
+(`[eval]`, envpool/scoring/evaluator.py) walk the first N rows in order.
 
-`reward` is "module:function" with the signature in envpool/rewards.py (default:
-`millstream.envpool.rewards:math_answer`, boxed or last-number matching). The observation is the
+`reward` is "module:function" with the signature in envpool/scoring/rewards.py (default:
+`millstream.envpool.scoring.rewards:math_answer`, boxed or last-number matching). The observation is the
 row's prompt; `system_prompt` (optional) opens the chat.
 
 Modes:
@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from .base import Observation, StepResult, register
+from millstream.envpool.envs.base import Observation, StepResult, register
 
 __all__ = ["Dataset", "load_rows", "resolve_path", "load_reward", "shipped_sets", "SHIPPED_PREFIX"]
 
@@ -156,7 +156,7 @@ class Dataset:
         split: str = "train",
         prompt_field: str = "prompt",
         answer_field: str = "answer",
-        reward: str = "millstream.envpool.rewards:math_answer",
+        reward: str = "millstream.envpool.scoring.rewards:math_answer",
         system_prompt: str = "",
         mode: str = "single",
         max_attempts: int = 3,

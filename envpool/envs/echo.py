@@ -21,7 +21,7 @@ matters for GiGPO's comparison across a group.
 
 from __future__ import annotations
 
-from .base import Observation, StepResult, register
+from millstream.envpool.envs.base import Observation, StepResult, register
 
 __all__ = ["Echo", "is_clean_reply"]
 

@@ -13,7 +13,7 @@ rising toward 1, so "the reward rose" really tests the loop. It is multi-turn (`
 
 from __future__ import annotations
 
-from .base import Observation, StepResult, register
+from millstream.envpool.envs.base import Observation, StepResult, register
 
 __all__ = ["EvenChars", "even_share"]
 

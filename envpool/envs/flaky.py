@@ -28,7 +28,7 @@ from typing import Any
 
 import anyio
 
-from .base import Observation, StepResult, make_env, register
+from millstream.envpool.envs.base import Observation, StepResult, make_env, register
 
 __all__ = ["Flaky", "InjectedFault", "GARBAGE"]
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import random
 from collections import deque
 
-from .base import Observation, StepResult, parse_moves, register
+from millstream.envpool.envs.base import Observation, StepResult, parse_moves, register
 
 __all__ = ["FrozenLake", "generate_lake", "MOVES"]
 

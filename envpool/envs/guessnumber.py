@@ -24,7 +24,7 @@ from __future__ import annotations
 import random
 import re
 
-from .base import Observation, StepResult, parse_answer, register
+from millstream.envpool.envs.base import Observation, StepResult, parse_answer, register
 
 __all__ = ["GuessNumber"]
 

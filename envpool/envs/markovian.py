@@ -40,7 +40,7 @@ from __future__ import annotations
 import random
 import re
 
-from .base import Observation, StepResult, register
+from millstream.envpool.envs.base import Observation, StepResult, register
 
 __all__ = ["Markovian", "make_chain"]
 

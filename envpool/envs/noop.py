@@ -10,7 +10,7 @@ Anchors: "start" before the turn, "done" after it (one state each, equal across 
 
 from __future__ import annotations
 
-from .base import Observation, StepResult, register
+from millstream.envpool.envs.base import Observation, StepResult, register
 
 __all__ = ["Noop"]
 

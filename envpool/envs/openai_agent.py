@@ -1,8 +1,8 @@
 """An agent written only against the official `openai` client, with one tool, as an environment.
 
 The agent (`EvenWordAgent.run`) is what a user would write: it knows nothing of millstream, only
-an OpenAI-compatible `base_url` and an API key (envpool/agent_episode.py runs it against the
-episode's endpoint, envpool/openai_api.py). Two calls, three messages deep:
+an OpenAI-compatible `base_url` and an API key (envpool/agents/episode.py runs it against the
+episode's endpoint, envpool/agents/endpoint.py). Two calls, three messages deep:
 
 1. the user asks for a word to score; the model must call the tool `score_word(text)`
    (`tool_choice` forces the call: the model writes the argument);
@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .agent import AgentResult
-from .base import register
-from .evenchars import even_share
+from millstream.envpool.envs.agent import AgentResult
+from millstream.envpool.envs.base import register
+from millstream.envpool.envs.evenchars import even_share
 
 __all__ = ["EvenWordAgent", "SCORE_TOOL"]
 

@@ -19,7 +19,7 @@ The seed picks a task (`random.Random(seed)`): one of the `templates` (default a
 parameters, e.g. "What is the sum of the digits of 37**11?", "How many primes are there below
 12345?"; the ground truth is computed here, in-process, at reset.
 
-The sandbox (`run_python`, envpool/envs/sandbox.py): `python -I -S _sandbox_child.py` (stdlib
+The sandbox (`run_python`, envpool/envs/sandbox/run.py): `python -I -S child.py` (stdlib
 only) with an almost empty environment and the code on stdin, locked into new namespaces before
 the code runs. `sandbox` (default "strict") picks how, and the constructor refuses a mode that
 this machine cannot provide, naming what is missing and the opt-out:
@@ -57,8 +57,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .base import Observation, StepResult, register
-from .sandbox import SANDBOX_MODES, RunResult, SandboxUnavailable, mechanism_for, run_python
+from millstream.envpool.envs.base import Observation, StepResult, register
+from millstream.envpool.envs.sandbox import (
+    SANDBOX_MODES,
+    RunResult,
+    SandboxUnavailable,
+    mechanism_for,
+    run_python,
+)
 
 # run_python and RunResult live in sandbox.py; re-exported here, where tool users look first.
 __all__ = ["PyTool", "Task", "TEMPLATES", "make_task", "run_python", "RunResult", "parse_integer"]

@@ -44,7 +44,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from .base import Observation, StepResult, register
+from millstream.envpool.envs.base import Observation, StepResult, register
 
 __all__ = [
     "SearchEnv",

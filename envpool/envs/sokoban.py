@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import random
 
-from .base import Observation, StepResult, parse_moves, register
+from millstream.envpool.envs.base import Observation, StepResult, parse_moves, register
 
 __all__ = ["Sokoban", "Level", "generate_level", "MOVES"]
 

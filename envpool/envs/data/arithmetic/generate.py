@@ -8,7 +8,7 @@ Why so small a task: it is the worked example that the tiny random-weight model 
 learning on in tens of CPU steps. Every answer is one token of the tiny tokenizer (its
 pre-tokenizer splits digits), a random policy already emits digits now and then (its corpus
 holds numbers), so rewards differ within groups from the first step, and the matcher
-(envpool/rewards.py, last number in the reply) needs no format the model must discover first.
+(envpool/scoring/rewards.py, last number in the reply) needs no format the model must discover first.
 Answers stay in 0..3, so they are few and unevenly frequent (0 is the most common): a random
 model cannot compute them, but it learns in tens of steps to end its reply with a digit and to
 favour the frequent answers, which lifts the reward from a few percent to about a third; what

@@ -1,0 +1,252 @@
+"""Run Python the policy wrote, in a sandbox that holds when the code is hostile.
+
+pytool runs code written by the model being trained. That code is adversarial by construction:
+if it can reach the network, the run's files or a process that outlives it, the policy can learn
+to forge its own reward. So the boundary is the operating system's, not Python's:
+
+    python -I -S child.py MEMORY CPU FILE MECHANISM WORK_BYTES  < code
+
+`child.py` reads the code, then `jail.py` locks it in (read those two for the
+mechanics) before a single line of it runs. `sandbox` picks how:
+
+- "strict" (the default): the best real isolation this user can get, else refuse to start.
+  As root that is "namespaces", as any other user "userns";
+- "namespaces": new mount, PID, network, IPC and UTS namespaces, made as root; the code runs as
+  uid/gid 65534 (nobody) with no capabilities and no_new_privs;
+- "userns": the same namespaces inside an unprivileged user namespace that maps the user to
+  itself; the code keeps the user's uid but holds no capability, even in that namespace;
+- "weak": no namespaces; rlimits, a PEP 578 audit hook and a process-group kill only, as
+  before. Code can switch the hook off in two lines: for code you trust, never for training.
+
+What the two real mechanisms guarantee, however the code behaves:
+- no network: a fresh network namespace with only loopback, down, and no capability to change
+  that (the audit hook's message says so first, for honest code);
+- no files of the host: the code sees a read-only root holding /usr, the /lib directories, the
+  interpreter's stdlib, a few devices and a fresh /proc; the only writable place is its working
+  directory, a tmpfs of `4 * file_mb` MiB that vanishes with it. The checkout, /root, /home,
+  /etc and the run directory with its keys are not mounted at all (not merely unreadable);
+- nothing outlives the call: the code runs as PID 2 of its own PID namespace, whose PID 1 exits
+  when it does (and dies with the supervisor on a timeout): the kernel then kills every process
+  left in the namespace, whatever it did with sessions or process groups;
+- the limits of the weak mode still apply: address space, CPU seconds, file size, open files,
+  the parent's wall clock and output cap; as nobody also RLIMIT_NPROC, against fork bombs.
+
+Availability is probed once per process and mechanism (one sandboxed `print`, ~30 ms) and
+cached. pytool's constructor asks for it, so `millstream run`'s preflight refuses a run that
+cannot be isolated, with the reason and the opt-out, before anything expensive starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from anyio.lowlevel import RunVar
+
+__all__ = [
+    "SANDBOX_MODES",
+    "RunResult",
+    "SandboxError",
+    "SandboxUnavailable",
+    "mechanism_for",
+    "run_python",
+    "unavailable_message",
+]
+
+log = logging.getLogger(__name__)
+
+CHILD = Path(__file__).resolve().with_name("child.py")
+SANDBOX_MODES = ("strict", "namespaces", "userns", "weak")
+SETUP_FAILED = 125  # the supervisor's exit status for a failed setup (see jail.py)
+_PROBE_CODE = "print('ok')"
+_PROBES: dict[str, str | None] = {}  # mechanism -> why it failed, or None when it works
+_WARNED_WEAK: list[bool] = []
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not be set up for one run (not the code's fault: never scored)."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """No real isolation is available for the requested sandbox mode on this machine."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    output: str  #: stdout and stderr together, decoded, at most max_output_bytes of them
+    status: str  #: "ok", "error" (nonzero exit), "timeout", "cpu_limit", "truncated", "killed"
+    returncode: int | None
+
+
+def _limits(memory_mb: int, cpu_s: int, file_mb: int, mechanism: str) -> list[str]:
+    return [str(memory_mb * 2**20), str(cpu_s), str(file_mb * 2**20), mechanism, str(4 * file_mb * 2**20)]
+
+
+def _probe(mechanism: str) -> str | None:
+    """Why `mechanism` does not work here (one line), or None: a real sandboxed run, once."""
+    if mechanism not in _PROBES:
+        workdir = tempfile.mkdtemp(prefix="pytool-probe-")
+        try:
+            done = subprocess.run(
+                [sys.executable, "-I", "-S", str(CHILD), *_limits(64, 5, 1, mechanism)],
+                input=_PROBE_CODE.encode(),
+                capture_output=True,
+                cwd=workdir,
+                env={"PATH": "/usr/bin:/bin"},
+                timeout=30,
+            )
+            out = (done.stdout + done.stderr).decode("utf-8", "replace").strip()
+            ok = done.returncode == 0 and out == "ok"
+            _PROBES[mechanism] = None if ok else (out.splitlines() or [f"exit status {done.returncode}"])[-1]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _PROBES[mechanism] = f"{type(exc).__name__}: {exc}"
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return _PROBES[mechanism]
+
+
+def unavailable_message(sandbox: str, mechanism: str, reason: str) -> str:
+    """The refusal: what failed, why it matters, how to fix it, and the explicit opt-out."""
+    if "running as root" in reason:
+        fix = 'as root use sandbox = "strict" or "namespaces" (the code then runs as nobody)'
+    elif mechanism == "namespaces":
+        fix = (
+            "as root this needs CAP_SYS_ADMIN for unshare(2) (a container started with "
+            "--cap-add SYS_ADMIN, or without a seccomp profile that forbids unshare)"
+        )
+    else:
+        fix = (
+            "allow unprivileged user namespaces (sysctl user.max_user_namespaces > 0, "
+            "kernel.unprivileged_userns_clone = 1 on Debian kernels, "
+            "kernel.apparmor_restrict_unprivileged_userns = 0 on Ubuntu 24.04+)"
+        )
+    return (
+        f"sandbox = {sandbox!r}: pytool cannot isolate the policy's code here: the {mechanism!r} "
+        f"sandbox failed ({reason}). Without it the code the policy writes gets your user's "
+        f"network, files and processes, and could forge its own reward. To fix: {fix}. To run "
+        'anyway with code you trust: envpool.env_args = { sandbox = "weak" } (an audit hook and '
+        "rlimits, NOT a security boundary)."
+    )
+
+
+def mechanism_for(sandbox: str) -> str:
+    """The mechanism `sandbox` runs with here ("namespaces", "userns", "none"), probed once;
+    SandboxUnavailable with the refusal message when it cannot be had."""
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"sandbox must be one of {', '.join(map(repr, SANDBOX_MODES))}, got {sandbox!r}")
+    if sandbox == "weak":
+        if not _WARNED_WEAK:
+            _WARNED_WEAK.append(True)
+            log.warning("pytool: sandbox = 'weak': the policy's code is NOT isolated from this machine")
+        return "none"
+    mechanism = sandbox if sandbox != "strict" else "namespaces" if os.geteuid() == 0 else "userns"
+    reason = _probe(mechanism)
+    if reason is not None:
+        raise SandboxUnavailable(unavailable_message(sandbox, mechanism, reason))
+    return mechanism
+
+
+# Per event loop (a limiter belongs to the loop it was made in), per limit.
+_LIMITERS: RunVar[dict[int, anyio.CapacityLimiter]] = RunVar("pytool_sandbox_limiters")
+
+
+def _limiter(total: int) -> anyio.CapacityLimiter:
+    limiters = _LIMITERS.get(None)
+    if limiters is None:
+        limiters = {}
+        _LIMITERS.set(limiters)
+    if total not in limiters:
+        limiters[total] = anyio.CapacityLimiter(total)
+    return limiters[total]
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+async def run_python(
+    code: str,
+    *,
+    timeout_s: float = 5.0,
+    cpu_s: int = 5,
+    memory_mb: int = 256,
+    file_mb: int = 1,
+    max_output_bytes: int = 16384,
+    max_concurrent: int = 8,
+    sandbox: str = "strict",
+) -> RunResult:
+    """Run `code` in the sandbox described in the module docstring and collect its output.
+
+    Raises SandboxUnavailable when `sandbox` cannot be had here (probed once, before any
+    code runs), and SandboxError when the setup of this one run failed."""
+    mechanism = mechanism_for(sandbox)
+    async with _limiter(max_concurrent):
+        workdir = tempfile.mkdtemp(prefix="pytool-")
+        try:
+            command = [sys.executable, "-I", "-S", str(CHILD), *_limits(memory_mb, cpu_s, file_mb, mechanism)]
+            result = await _run_in(workdir, command, code, timeout_s, max_output_bytes)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+    if mechanism != "none" and result.returncode == SETUP_FAILED:
+        raise SandboxError(result.output.strip() or "sandbox setup failed")
+    return result
+
+
+async def _run_in(
+    workdir: str, command: list[str], code: str, timeout_s: float, max_output_bytes: int
+) -> RunResult:
+    process = await anyio.open_process(
+        command,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        cwd=workdir,
+        env={"PATH": "/usr/bin:/bin"},
+        start_new_session=True,
+    )
+    assert process.stdin is not None and process.stdout is not None
+    output = bytearray()
+    truncated = False
+    try:
+        with anyio.move_on_after(timeout_s) as deadline:
+            try:
+                await process.stdin.send(code.encode("utf-8", "replace"))
+                await process.stdin.aclose()
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass  # the child died before reading: its exit status tells why
+            async for chunk in process.stdout:
+                output += chunk[: max_output_bytes - len(output)]
+                if len(output) >= max_output_bytes:
+                    truncated = True
+                    break
+            if not truncated:
+                await process.wait()
+    finally:
+        if process.returncode is None:
+            # The weak mode's child leads its session: this kills it and what it started. In a
+            # jail it kills the supervisor, whose death (PDEATHSIG) ends the PID namespace.
+            _kill_group(process.pid)
+        with anyio.CancelScope(shield=True):
+            await process.aclose()
+    text = output.decode("utf-8", "replace")
+    returncode = process.returncode
+    if deadline.cancelled_caught:
+        return RunResult(text, "timeout", returncode)
+    if truncated:
+        return RunResult(text, "truncated", returncode)
+    if returncode == -signal.SIGXCPU:
+        return RunResult(text, "cpu_limit", returncode)
+    if returncode is not None and returncode < 0:
+        return RunResult(text, "killed", returncode)
+    return RunResult(text, "ok" if returncode == 0 else "error", returncode)

@@ -1,0 +1,195 @@
+"""The token record of one episode, whichever way it is played: env turns, agent calls, the debugger.
+
+An episode's record is four parallel token lists (ids, loss mask, behaviour logprobs, policy
+versions) over every context the episode used, concatenated, plus per turn: where its reply
+starts and ends, its reward, the request that made it, and `texts` alternating observation and
+reply. `segment` is where the context the model currently sees begins: 0 unless the environment
+asked for a fresh context (Delethink) or an agent's call did not extend the context so far; each
+new segment's start is listed in `segment_starts`, and the learner trains each segment as its
+own sequence.
+
+The record becomes a `Trajectory` when the episode ends, or the `Scene` of an `EpisodeFailed`
+(what happened up to the failure, for the trajectory store) when it fails. Prompt tokens carry
+no loss, logprob 0.0 and version -1; generated tokens carry the actor's logprobs and versions,
+and loss only where the turn is trained. The model's text is never re-tokenized into the record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from millstream.shared.wire import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory, Truncation
+
+__all__ = ["EpisodeSpec", "EpisodeRecord", "Generated", "episode_failed"]
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """Which episode this is: its ids, its group, the seed that picks its task."""
+
+    episode_id: str
+    group_id: str
+    seed: int
+    member: int
+    group_size: int
+    env_name: str
+
+
+class Generated(Protocol):
+    """What the record needs of one generation (envpool/actors/client.py's `Generation`)."""
+
+    request_id: str
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
+class _Failure(Protocol):
+    def as_request(self, turn: int) -> FailedRequest: ...
+
+
+def episode_failed(
+    spec: EpisodeSpec, cause: Cause, message: str, scene: Scene | None = None
+) -> EpisodeFailed:
+    """An episode's failure, with its cause (counted, never scored) and a bounded message."""
+    return EpisodeFailed(spec.episode_id, spec.group_id, spec.group_size, cause, message[:500], scene)
+
+
+class EpisodeRecord:
+    """The growing record of one episode (see the module docstring for its layout)."""
+
+    def __init__(self, spec: EpisodeSpec) -> None:
+        self.spec = spec
+        self.started = time.monotonic()
+        self.ids: list[int] = []
+        self.mask: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.segment = 0
+        self.segment_starts: list[int] = []
+        self.rewards: list[float] = []
+        self.turn_starts: list[int] = []
+        self.turn_ends: list[int] = []
+        self.texts: list[str] = []
+        self.request_ids: list[str] = []
+        self.anchors: list[str] = []
+        self.invalid_actions = 0
+        self.truncated: Truncation | None = None
+        self.success: bool | None = None
+        #: Set when the episode ended: the trajectory holds these lists, nothing may append.
+        self.closed = False
+
+    # --- the context -----------------------------------------------------------------------
+
+    @property
+    def turns(self) -> int:
+        """Replies recorded so far."""
+        return len(self.turn_starts)
+
+    def visible(self) -> list[int]:
+        """The context the model currently sees."""
+        return self.ids[self.segment :]
+
+    def extends(self, prompt_ids: list[int]) -> bool:
+        """Does `prompt_ids` continue the current context token for token?"""
+        seen = self.visible()
+        return len(prompt_ids) >= len(seen) and prompt_ids[: len(seen)] == seen
+
+    def start_segment(self) -> None:
+        """A fresh context begins here."""
+        self.segment = len(self.ids)
+        self.segment_starts.append(self.segment)
+
+    def add_prompt(self, ids: list[int]) -> None:
+        """Tokens the model reads and is not trained on."""
+        self.ids.extend(ids)
+        self.mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([-1] * len(ids))
+
+    def add_reply(self, gen: Generated, *, trained: bool = True, anchor: str = "") -> None:
+        """One turn's generated tokens, with their logprobs and versions."""
+        self.turn_starts.append(len(self.ids))
+        self.request_ids.append(gen.request_id)
+        self.anchors.append(anchor)
+        self.ids.extend(gen.token_ids)
+        self.mask.extend([1 if trained else 0] * len(gen.token_ids))
+        self.logprobs.extend(gen.logprobs)
+        self.versions.extend(gen.versions)
+        self.turn_ends.append(len(self.ids))
+
+    def add_call(self, prompt_ids: list[int], gen: Generated, text: str) -> bool:
+        """One model call of an agent: its prompt (only what extends the context) and reply.
+
+        Returns whether the call started a new segment (its prompt did not extend the context).
+        """
+        if self.closed:
+            return False
+        fresh = bool(self.ids) and not self.extends(prompt_ids)
+        if fresh:
+            self.start_segment()
+        self.add_prompt(prompt_ids[len(self.visible()) :])
+        self.add_reply(gen, anchor=f"call{self.turns}")
+        self.rewards.append(0.0)  # the agent's reward is the episode's, set on the last call
+        # `texts` alternates observation and reply; an agent's "observation" is the messages it
+        # sent, which are in the tokens: left empty here, not decoded again.
+        self.texts += ["", text]
+        return fresh
+
+    # --- the outcome -----------------------------------------------------------------------
+
+    def scene(self, failed: _Failure | None = None) -> Scene | None:
+        """What the episode had done, and the request that failed, if one did."""
+        if not self.ids and failed is None:
+            return None  # it failed before its first prompt: there is nothing to see
+        request = failed.as_request(len(self.rewards)) if failed is not None else None
+        return Scene(
+            self.spec.env_name,
+            self.spec.seed,
+            self.ids,
+            self.mask,
+            self.logprobs,
+            self.versions,
+            self.rewards,
+            self.turn_starts,
+            self.turn_ends,
+            self.texts,
+            self.request_ids,
+            time.monotonic() - self.started,
+            request,
+        )
+
+    def failed(self, cause: Cause, message: str, failure: _Failure | None = None) -> EpisodeFailed:
+        """The episode's `EpisodeFailed`, with what it had done as its scene."""
+        return episode_failed(self.spec, cause, message, self.scene(failure))
+
+    def trajectory(self) -> Trajectory:
+        """The finished episode; the record is closed (the trajectory holds its lists)."""
+        self.closed = True
+        spec = self.spec
+        return Trajectory(
+            episode_id=spec.episode_id,
+            group_id=spec.group_id,
+            seed=spec.seed,
+            env=spec.env_name,
+            token_ids=self.ids,
+            loss_mask=self.mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            reward=sum(self.rewards),
+            turn_rewards=self.rewards,
+            num_turns=len(self.rewards),
+            group_size=spec.group_size,
+            duration_s=time.monotonic() - self.started,
+            turn_starts=self.turn_starts,
+            turn_ends=self.turn_ends,
+            anchors=self.anchors,
+            texts=self.texts,
+            segment_starts=self.segment_starts,
+            invalid_actions=self.invalid_actions,
+            truncated=self.truncated,
+            success=self.success,
+            request_ids=self.request_ids,
+        )

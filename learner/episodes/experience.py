@@ -1,0 +1,108 @@
+"""Rank 0's link to the envpool: PULL for episodes, PUB for policy versions, stdout for the launcher.
+
+Both bind as CURVE servers with the run's keys (`shared/wire/keys.py`): only the run's envpool can
+push an episode or read a version. The learner is a synchronous training loop, so these are
+plain blocking pyzmq sockets with poll timeouts: there is nothing else for it to do while it
+waits. A frame that does not decode is counted (`codec.errors`) and dropped; a PULL socket
+cannot answer.
+
+`say` writes a progress line for the launcher to relay. If the launcher is gone its pipe is
+closed: rather than die on a BrokenPipeError traceback, the learner stops as if told to
+(KeyboardInterrupt, exit status 130), and its checkpoint stays resumable.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import zmq
+
+from millstream.shared.config import Config
+from millstream.shared.obs.ratelog import RateLog
+from millstream.shared.wire import (
+    Codec,
+    Message,
+    PolicyVersion,
+    ProtocolError,
+    ReplicaJoin,
+    ReplicaLeave,
+    ReplicaRef,
+)
+from millstream.shared.wire.keys import RunKeys, secure
+
+__all__ = ["Experience", "say"]
+
+log = logging.getLogger("learner")
+
+
+class Experience:
+    """Rank 0's sockets: PULL for episodes, PUB for versions."""
+
+    def __init__(self, cfg: Config, keys: RunKeys | None) -> None:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self.codec = Codec()
+        self.secure = keys is not None
+        self.pull = ctx.socket(zmq.PULL)
+        self.pull.setsockopt(zmq.RCVHWM, cfg.transport.high_water_mark)
+        secure(self.pull, keys, bind=True)
+        self.pull.bind(cfg.learner.experience_address)
+        self.pub = ctx.socket(zmq.PUB)
+        secure(self.pub, keys, bind=True)
+        self.pub.bind(cfg.learner.version_address)
+        self.last_announce = 0.0
+        self.bad = RateLog(log)  # bad frames: counted in codec.errors, a sample logged
+
+    def announce(
+        self,
+        version: int,
+        limit: int,
+        group_base: int,
+        final: bool = False,
+        next_groups: list[int] | None = None,
+        session: str = "",
+        replicas: list[ReplicaRef] | None = None,
+    ) -> None:
+        message = PolicyVersion(version, limit, group_base, final, next_groups or [], session, replicas)
+        self.pub.send(self.codec.encode([message]))
+        self.last_announce = time.monotonic()
+
+    def receive(self, timeout_s: float) -> Iterator[Message]:
+        """Yield the messages that arrive within `timeout_s` (all that are queued, at least)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if not self.pull.poll(max(0, int(left * 1000))):
+                return
+            frame = self.pull.recv(copy=False)
+            try:
+                messages = self.codec.decode(frame.buffer)
+            except ProtocolError as exc:  # counted in codec.errors; a PULL cannot answer
+                self.bad.event("malformed_frame", "dropped a bad experience frame: %s", exc)
+                continue
+            for message in messages:
+                if isinstance(message, (ReplicaJoin, ReplicaLeave)) and not self._from_actor(frame):
+                    self.bad.event("not_actor", "dropped %s from a non-actor key", type(message).__name__)
+                    continue
+                yield message
+
+    def _from_actor(self, frame: zmq.Frame) -> bool:
+        """With CURVE, only the actor key may add or remove replicas (a replica gets the
+        weights, so a worker's key must not name one)."""
+        return not self.secure or frame.get("User-Id") == "actor"
+
+    def close(self) -> None:
+        self.pull.close(linger=0)
+        self.pub.close(linger=0)
+
+
+def say(line: str) -> None:
+    """One line on stdout, which the launcher relays; a closed pipe means the launcher is gone."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (nobody is listening any more)
+        raise KeyboardInterrupt("stdout is closed: the launcher is gone") from None

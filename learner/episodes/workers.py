@@ -1,0 +1,179 @@
+"""Which groups each envpool worker process started, so no death of a worker or of the learner
+loses an episode without a count.
+
+Every worker process says `WorkerHello` to each learner session it sees (the first, and a
+restarted learner's) and `GroupStarted` before it runs a group's members; every member later
+reports exactly once (a `Trajectory` or an `EpisodeFailed`). The ledger keeps, per started group,
+the members that have not reported yet, and per worker process how many episodes it started.
+
+- **A worker dies.** When worker `index` says hello with a new incarnation, its previous process
+  is gone (the launcher restarted it): every member that process started and never reported is
+  closed as an `EpisodeFailed` with cause `worker_lost`, which the learner feeds to the replay
+  buffer like any failure. A report that arrives after its group was closed is a duplicate to
+  the buffer (same episode id) and is counted as such.
+- **The learner dies.** The ledger is saved in every checkpoint. A restarted learner loads it,
+  and each live worker's hello brings the truth since: how many episodes the process started
+  (`started`) and which still run (`live`). Episodes that reached the dead learner after its
+  checkpoint are then the difference between what the workers started and what the restored
+  learner holds; the learner counts them as `learner_lost` at the end (`unreceived`).
+
+The ledger also says where each worker index continues numbering (`next_groups`, announced in
+`PolicyVersion`): after the last group any of its processes started, so no group number is
+used twice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from millstream.shared.wire import Cause, EpisodeFailed, GroupStarted, WorkerHello, group_number
+
+__all__ = ["WorkerLedger"]
+
+
+@dataclass
+class _OpenGroup:
+    index: int
+    incarnation: str
+    size: int
+    pending: set[str] = field(default_factory=set)
+
+
+class WorkerLedger:
+    def __init__(self, workers: int, group_base: int, group_size: int) -> None:
+        self.workers = workers
+        self.group_size = group_size
+        #: The live process of each worker index.
+        self.incarnations: dict[int, str] = {}
+        self.open: dict[str, _OpenGroup] = {}
+        #: Per worker index, the first group number its next process may use.
+        self.next_groups = [group_base + i for i in range(workers)]
+        #: Episodes started, per (index, incarnation).
+        self.started: Counter[tuple[int, str]] = Counter()
+        self.lost = 0
+        self.restarts = 0
+        #: Worker indices that said hello to this learner session.
+        self.greeted: set[int] = set()
+
+    def rebase(self, group_base: int) -> None:
+        """Numbering continues from `group_base` (a resumed session's, or past every worker's)."""
+        self.next_groups = [max(n, group_base + i) for i, n in enumerate(self.next_groups)]
+
+    def hello(self, msg: WorkerHello) -> list[EpisodeFailed]:
+        """A worker process introduced itself (its index is in range: learner/episodes/intake.py);
+        returns the failures of a dead predecessor's unreported members."""
+        self.greeted.add(msg.index)
+        before = self.incarnations.get(msg.index)
+        self.incarnations[msg.index] = msg.incarnation
+        lost = []
+        if before is not None and before != msg.incarnation:
+            self.restarts += 1
+            lost = self._close(msg.index, before)
+        key = (msg.index, msg.incarnation)
+        self.started[key] = max(self.started[key], msg.started)  # the worker's count is the truth
+        self._reopen(msg.index, msg.incarnation, msg.live)
+        if 0 <= msg.index < self.workers:
+            self.next_groups[msg.index] = max(self.next_groups[msg.index], msg.next_group)
+        return lost
+
+    def group_started(self, msg: GroupStarted) -> None:
+        self.incarnations.setdefault(msg.index, msg.incarnation)
+        members = {f"{msg.group_id}-e{m}" for m in range(msg.group_size)}
+        self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
+        self.started[(msg.index, msg.incarnation)] += msg.group_size
+        if 0 <= msg.index < self.workers:
+            self.next_groups[msg.index] = max(
+                self.next_groups[msg.index], group_number(msg.group_id) + self.workers
+            )
+
+    def expects(self, episode_id: str, group_id: str) -> bool:
+        """Whether a worker started this episode and it has not reported yet."""
+        group = self.open.get(group_id)
+        return group is not None and episode_id in group.pending
+
+    def reported(self, episode_id: str, group_id: str) -> None:
+        group = self.open.get(group_id)
+        if group is None:
+            return
+        group.pending.discard(episode_id)
+        if not group.pending:
+            del self.open[group_id]
+
+    def started_by_live(self, index: int) -> int:
+        """Episodes the live process of worker `index` started."""
+        incarnation = self.incarnations.get(index)
+        return 0 if incarnation is None else self.started[(index, incarnation)]
+
+    @property
+    def started_total(self) -> int:
+        return sum(self.started.values())
+
+    def _reopen(self, index: int, incarnation: str, live: list[str]) -> None:
+        """After a learner restart the checkpoint's open groups are out of date: what runs now
+        is what the worker says."""
+        running: dict[str, set[str]] = {}
+        for eid in live:
+            running.setdefault(eid.rsplit("-e", 1)[0], set()).add(eid)
+        for gid, group in list(self.open.items()):
+            if group.incarnation == incarnation and gid not in running:
+                del self.open[gid]  # its members reported (to this learner or a dead one)
+        for gid, members in running.items():
+            known = self.open.get(gid)
+            size = known.size if known is not None else self.group_size
+            self.open[gid] = _OpenGroup(index, incarnation, size, members)
+
+    def _close(self, index: int, incarnation: str) -> list[EpisodeFailed]:
+        failures = []
+        for gid, group in list(self.open.items()):
+            if group.incarnation != incarnation:
+                continue
+            failures += [
+                EpisodeFailed(
+                    eid,
+                    gid,
+                    group.size,
+                    Cause.WORKER_LOST,
+                    f"envpool worker {index} (process {incarnation}) died before this episode reported",
+                )
+                for eid in sorted(group.pending)
+            ]
+            del self.open[gid]
+        self.lost += len(failures)
+        return failures
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "open_groups": len(self.open),
+            "worker_restarts": self.restarts,
+            "worker_lost": self.lost,
+        }
+
+    # --- checkpoints -------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "incarnations": {str(i): inc for i, inc in self.incarnations.items()},
+            "open": {
+                gid: [g.index, g.incarnation, g.size, sorted(g.pending)] for gid, g in self.open.items()
+            },
+            "next_groups": list(self.next_groups),
+            "started": [[i, inc, n] for (i, inc), n in self.started.items()],
+            "lost": self.lost,
+            "restarts": self.restarts,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.incarnations = {int(i): inc for i, inc in state["incarnations"].items()}
+        self.open = {
+            gid: _OpenGroup(int(i), inc, int(size), set(pending))
+            for gid, (i, inc, size, pending) in state["open"].items()
+        }
+        saved = [int(n) for n in state["next_groups"]]
+        self.next_groups = [max(a, b) for a, b in zip(self.next_groups, saved)] + saved[
+            len(self.next_groups) :
+        ]
+        self.next_groups = self.next_groups[: self.workers]
+        self.started = Counter({(int(i), inc): int(n) for i, inc, n in state["started"]})
+        self.lost, self.restarts = int(state["lost"]), int(state["restarts"])

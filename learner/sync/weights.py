@@ -1,0 +1,356 @@
+"""The learner's half of weight synchronisation: form one group with the replicas, push weights.
+
+    links = [ReplicaLink(address, keys) for address in replica_addresses]
+    group = attach_group(links, infos, cfg, backend)      # one broadcast group, all replicas
+    metrics = push_group(group, flat.pack(weights), version, cfg)
+    sender = WeightSender(address, cfg, dtype=..., keys=...)   # the same for a single replica
+
+Every replica of the run is in ONE group (learner rank 0, then each replica's workers at their
+own offset, `AttachLearner.first_rank`), so an update is one broadcast whatever the number of
+replicas: NCCL runs it as a ring or tree across GPUs and hosts, gloo as a binomial tree
+(`gloo::broadcast`: about log2(N+1) rounds of the buffer, not N sends from the learner).
+The price of one group is that a member that dies breaks it: the fleet (learner/sync/fleet.py) then
+forms a new one with the survivors, which costs each of them one short join.
+
+The learner is a synchronous training loop, so these are plain blocking DEALER sockets with
+poll timeouts rather than the anyio `Channel`: there is nothing else for it to do while it waits.
+Every wait is bounded (`learner.sync_timeout_s`); a missing or failed replica is an error
+naming what was expected, never a hang.
+
+The flat buffer is allocated once (the model's shapes do not change) and reused for every push.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from millstream.shared.config import LearnerConfig
+from millstream.shared.wire import (
+    ActorInfo,
+    AttachLearner,
+    Codec,
+    ErrorReply,
+    Hello,
+    Message,
+    TensorSpec,
+    WeightsApplied,
+    WeightUpdate,
+)
+from millstream.shared.wire.keys import RunKeys, secure
+from millstream.shared.wire.weightsync import (
+    DTYPES,
+    broadcast,
+    flat_layout,
+    make_group,
+    mark_session,
+    open_store,
+    pick_backend,
+)
+
+__all__ = [
+    "WeightSender",
+    "WeightSyncError",
+    "ReplicaLink",
+    "FlatWeights",
+    "WeightGroup",
+    "attach_group",
+    "push_group",
+]
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+class WeightSyncError(RuntimeError):
+    """A replica refused or failed an attach or a weight update, or did not answer in time.
+
+    `failed` lists the indexes (in the call's list of links) of the replicas at fault; empty
+    when it cannot be told (then every member is suspect)."""
+
+    def __init__(self, message: str, failed: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.failed = failed or []
+
+
+class ReplicaLink:
+    """The learner's DEALER socket to one replica, and a monitor that says when it dropped."""
+
+    def __init__(self, address: str, keys: RunKeys | None) -> None:
+        self.address = address
+        self._keys = keys
+        self._codec = Codec()
+        self._probing = False
+        self._sock, self._monitor = self._connect()
+
+    def _connect(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure(sock, self._keys, bind=False)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(self.address)
+        return sock, monitor
+
+    def send(self, message: Message) -> None:
+        self._sock.send(self._codec.encode([message]))
+
+    def reconnect(self) -> None:
+        """A fresh socket: nothing queued for or from the old one is read as an answer."""
+        self.close()
+        self._sock, self._monitor = self._connect()
+        self._probing = False
+
+    def dropped(self) -> bool:
+        """Without blocking: did the connection drop since the last call (the replica died)?"""
+        seen = False
+        while self._monitor.poll(0):
+            recv_monitor_message(self._monitor)
+            seen = True
+        return seen
+
+    def answers_hello(self, client: str) -> ActorInfo | None:
+        """Without blocking: the replica's answer to the Hello this sends on its first call."""
+        if not self._probing:
+            self.send(Hello(client))
+            self._probing = True
+        while self._sock.poll(0):
+            for reply in self._codec.decode(self._sock.recv()):
+                if isinstance(reply, ActorInfo):
+                    self._probing = False
+                    return reply
+        return None
+
+    def await_reply(self, expect: type[M], timeout_s: float, what: str) -> M:
+        """The next `expect` from the replica; raises WeightSyncError on a refusal or timeout."""
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if self._sock not in ready:
+                if self._monitor in ready and self.dropped():  # it died: no answer is coming
+                    raise WeightSyncError(
+                        f"no {expect.__name__} from the replica at {self.address}: it closed the "
+                        f"connection after {what} (it died, or refused this process's keys)"
+                    )
+                continue
+            for reply in self._codec.decode(self._sock.recv()):
+                if isinstance(reply, expect):
+                    return reply
+                if isinstance(reply, ErrorReply):
+                    raise WeightSyncError(
+                        f"replica at {self.address} refused {what}: {reply.cause}: {reply.message}"
+                    )
+                log.debug("ignoring %s while waiting for %s", type(reply).__name__, expect.__name__)
+        hint = (
+            " (is it running, and does it use this run's keys? A replica started elsewhere needs "
+            "the same transport.keys_dir)"
+            if self._keys is not None and what == "Hello"
+            else ""
+        )
+        raise WeightSyncError(
+            f"no {expect.__name__} from the replica at {self.address} within {timeout_s:.0f}s "
+            f"after {what}{hint}"
+        )
+
+    def request(self, message: Message, expect: type[M], timeout_s: float) -> M:
+        self.send(message)
+        return self.await_reply(expect, timeout_s, what=type(message).__name__)
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+
+class FlatWeights:
+    """The model's weights packed into one flat buffer, allocated on the first pack."""
+
+    def __init__(self, dtype: str, backend: str) -> None:
+        self.dtype = dtype
+        self.device = "cuda" if backend == "nccl" else "cpu"
+        self.flat: torch.Tensor | None = None
+        self.layout: list[TensorSpec] = []
+
+    def pack(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        weights = list(named_weights)
+        if self.flat is None:
+            layout, numel = flat_layout((name, tuple(t.shape)) for name, t in weights)
+            self.layout = [TensorSpec(name, shape, offset) for name, shape, offset in layout]
+            self.flat = torch.empty(numel, dtype=DTYPES[self.dtype], device=self.device)
+        if [(n, list(t.shape)) for n, t in weights] != [(s.name, s.shape) for s in self.layout]:
+            raise WeightSyncError("the model's tensors changed between pushes")
+        for (_, tensor), spec in zip(weights, self.layout):
+            self.flat[spec.offset : spec.offset + tensor.numel()].copy_(tensor.reshape(-1))
+        return self.flat
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.flat is None else self.flat.numel() * self.flat.element_size()
+
+
+@dataclass
+class WeightGroup:
+    """One formed broadcast group: its session, store and process group, and its members."""
+
+    session: str
+    links: list[ReplicaLink]
+    store: Any
+    group: Any
+    world: int
+
+
+def attach_group(
+    links: list[ReplicaLink],
+    infos: list[ActorInfo],
+    cfg: LearnerConfig,
+    backend: str,
+    session: str | None = None,
+) -> WeightGroup:
+    """Form one group with every replica of `links` (whose `infos` give their weight ranks).
+
+    Raises WeightSyncError when the group cannot form within `learner.sync_timeout_s`; `failed`
+    names the replicas that refused, or is empty when all of them timed out together (a member
+    that died makes every other join wait for it).
+    """
+    session = session or f"learner-{uuid.uuid4().hex[:12]}"  # a new one per group by default
+    world = 1 + sum(info.weight_ranks for info in infos)
+    store = open_store(cfg.sync_host, 0, world, is_master=True, timeout_s=cfg.sync_timeout_s)
+    mark_session(store, session)  # each replica checks it before its engine joins
+    first = 1
+    for link, info in zip(links, infos):
+        link.send(
+            AttachLearner(
+                session, cfg.sync_host, store.port, world, backend, cfg.sync_timeout_s, first_rank=first
+            )
+        )
+        first += info.weight_ranks
+    try:
+        group = make_group(store, 0, world, backend, cfg.sync_timeout_s, session)
+    except RuntimeError as exc:  # who is at fault is for a Hello to tell (learner/sync/fleet.py)
+        raise WeightSyncError(f"the weight group did not form: {exc}") from exc
+    failed = _refusals(links, ActorInfo, cfg.sync_timeout_s, "AttachLearner")
+    if failed:
+        raise WeightSyncError(f"{len(failed)} of {len(links)} replicas failed to attach", failed)
+    return WeightGroup(session, links, store, group, world)
+
+
+def push_group(
+    group: WeightGroup, flat: FlatWeights, version: int, cfg: LearnerConfig
+) -> list[WeightsApplied]:
+    """Broadcast the packed weights as `version` to every member; their `WeightsApplied`, in
+    order. Raises WeightSyncError naming the members that failed (the group is then broken)."""
+    assert flat.flat is not None, "pack before pushing"
+    update = WeightUpdate(group.session, version, flat.dtype, flat.flat.numel(), flat.layout)
+    for link in group.links:
+        link.send(update)
+    try:
+        broadcast(group.group, flat.flat, cfg.sync_timeout_s)
+    except RuntimeError as exc:
+        # A member died. The others' receives end once this side drops the group (the caller
+        # does), and which of them still lives is for a Hello to tell (learner/sync/fleet.py).
+        raise WeightSyncError(f"the broadcast of version {version} failed: {exc}") from exc
+    applied: list[WeightsApplied] = []
+    failed = []
+    deadline = time.monotonic() + cfg.sync_timeout_s
+    for i, link in enumerate(group.links):
+        try:
+            reply = link.await_reply(WeightsApplied, max(0.1, deadline - time.monotonic()), "WeightUpdate")
+        except WeightSyncError as exc:
+            log.warning("%s", exc)
+            failed.append(i)
+            continue
+        if reply.version != version:
+            failed.append(i)
+        applied.append(reply)
+    if failed:
+        raise WeightSyncError(f"{len(failed)} of {len(group.links)} replicas did not apply {version}", failed)
+    return applied
+
+
+def _refusals(links: list[ReplicaLink], expect: type[Message], timeout_s: float, what: str) -> list[int]:
+    """Indexes of the links that do not answer `expect` within one shared deadline."""
+    deadline = time.monotonic() + timeout_s
+    failed = []
+    for i, link in enumerate(links):
+        try:
+            link.await_reply(expect, max(0.1, deadline - time.monotonic()), what)
+        except WeightSyncError as exc:
+            log.warning("%s", exc)
+            failed.append(i)
+    return failed
+
+
+class WeightSender:
+    """The same exchanges with one replica: attach, then push. Tests and benchmarks use it; a
+    run's learner uses the fleet (learner/sync/fleet.py), which does this for many."""
+
+    def __init__(
+        self,
+        actor_address: str,
+        cfg: LearnerConfig,
+        *,
+        dtype: str,
+        keys: RunKeys | None,
+        hello_timeout_s: float | None = None,
+    ) -> None:
+        self.address = actor_address
+        #: The first answer may take an engine's whole start-up (actor.startup_timeout_s).
+        self.hello_timeout_s = hello_timeout_s or cfg.sync_timeout_s
+        self.cfg = cfg
+        self.dtype = dtype
+        self.backend = pick_backend(cfg.sync_backend)
+        self.session = f"learner-{uuid.uuid4().hex[:12]}"
+        self.link = ReplicaLink(actor_address, keys)
+        self.flat = FlatWeights(dtype, self.backend)
+        self.group: WeightGroup | None = None
+        self.info: ActorInfo | None = None
+        self.last_push_s = 0.0
+
+    def attach(self) -> ActorInfo:
+        """Say hello, form the group with the replica; returns the replica's info."""
+        info = self.link.request(Hello(self.session), ActorInfo, self.hello_timeout_s)
+        if info.dtype != self.dtype:
+            raise WeightSyncError(f"actor runs {info.dtype} weights but the learner sends {self.dtype}")
+        started = time.monotonic()
+        self.group = attach_group([self.link], [info], self.cfg, self.backend, self.session)
+        self.info = info
+        log.info(
+            "attached to actor %s (%d weight ranks, %s) in %.2fs",
+            self.address,
+            info.weight_ranks,
+            self.backend,
+            time.monotonic() - started,
+        )
+        return info
+
+    def push(self, named_weights: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Broadcast the weights as `version`; returns timing and size metrics."""
+        if self.group is None:
+            raise WeightSyncError("push() before attach()")
+        started = time.monotonic()
+        self.flat.pack(named_weights)
+        packed = time.monotonic()
+        (applied,) = push_group(self.group, self.flat, version, self.cfg)
+        done = time.monotonic()
+        self.last_push_s = done - started
+        return {
+            "sync/pack_s": packed - started,
+            "sync/total_s": done - started,
+            "sync/actor_paused_s": applied.paused_s,
+            "sync/bytes": float(self.flat.nbytes),
+        }
+
+    def close(self) -> None:
+        self.group = None
+        self.link.close()

@@ -1,0 +1,390 @@
+"""Loading the run configuration: one TOML file, dotted overrides, strict checks that name the key.
+
+    cfg = load_config("run.toml", ["train.steps=5", "envpool.env=bandit"])
+
+The sections and every key's documentation are in `shared/config/schema.py` (re-exported here).
+
+Overrides are `dotted.key=value`; the value is read as a TOML value when it parses as one (`3`,
+`0.5`, `true`, `"text"`, `[1, 2]`, `{a = 1}`) and as a plain string otherwise
+(`envpool.env=bandit`). Overrides of a table merge into it key by key
+(`envpool.env_args.size=6` keeps the file's other env_args).
+
+Loading is strict, and every problem is one line that names the key, the value, what was
+expected and, where a near miss exists, what was meant:
+
+    train.steps = "8": expected int, got str
+    actor.device = "tpu": expected one of 'auto', 'cpu', 'cuda'; did you mean 'cpu'?
+    unknown key 'train.stepz'; did you mean 'train.steps'?
+
+Types are not coerced (`steps = 8.0` is an error, not 8); an int is accepted where a float is
+expected. Checks that span several keys (addresses, a generation budget that cannot fit the
+context) run after the types (`check_config`), still before any role starts.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import math
+import re
+import tomllib
+from datetime import date, time
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import msgspec
+
+from millstream.shared.config.schema import (
+    ActorConfig,
+    ChaosConfig,
+    Config,
+    EnvPoolConfig,
+    EvalConfig,
+    LauncherConfig,
+    LearnerConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+    TransportConfig,
+)
+from millstream.shared.obs.dashboards import backend_problem
+
+__all__ = [
+    "Config",
+    "RunConfig",
+    "ModelConfig",
+    "TrainConfig",
+    "ActorConfig",
+    "EnvPoolConfig",
+    "LearnerConfig",
+    "TransportConfig",
+    "ChaosConfig",
+    "LauncherConfig",
+    "EvalConfig",
+    "ConfigError",
+    "load_config",
+    "check_config",
+    "parse_overrides",
+    "dump_config",
+    "toml_value",
+    "describe_config",
+    "config_keys",
+    "DEFAULT_CONFIG",
+]
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
+
+
+#: The embedded default: the tiny model learning `evenchars`. `millstream run` with no file uses it.
+DEFAULT_CONFIG = Config()
+
+_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+#: tcp://HOST:PORT (HOST a name, an IPv4 address or a bracketed IPv6 one) or ipc://PATH.
+_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):(\d{1,5})|ipc://.+")
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn `["a.b=1", "a.c=x"]` into the nested dict `{"a": {"b": 1, "c": "x"}}`."""
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ConfigError(f"override {item!r} needs '=': write {key or 'key'}=VALUE")
+        if not _KEY.fullmatch(key):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+        node[leaf] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """`extra` over `base`; tables merge key by key (env_args included), values replace, and an
+    empty table (`envpool.env_args={}`) clears the one it replaces."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and value and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML file (or the embedded default when `path` is None), apply overrides, check."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    data = _merge(data, parse_overrides(overrides or []))
+    try:
+        cfg = msgspec.convert(data, Config, strict=True)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_explain(exc, data)) from None
+    check_config(cfg)
+    return cfg
+
+
+# --- errors that name the key ------------------------------------------------------------------
+
+
+def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
+    # msgspec says "Expected `int`, got `float` - at `$.train.steps`"; say it with our key names.
+    match = re.search(r"^(.*?)(?: - at `\$\.?([^`]*)`)?$", str(exc), re.S)
+    assert match is not None
+    what, where = match.group(1), match.group(2) or ""
+    unknown = re.match(r"Object contains unknown field `([^`]+)`", what)
+    if unknown:
+        key = ".".join(p for p in (where, unknown.group(1)) if p)
+        return f"unknown key '{key}'{_did_you_mean(key, config_keys(sections=True))}"
+    value = _lookup(data, where)
+    shown = f"{where} = {_show(value)}" if where else "<root>"
+    choices = _choices(where)
+    if choices:
+        return (
+            f"{shown}: expected one of {', '.join(map(repr, choices))}"
+            f"{_did_you_mean(str(value), [str(c) for c in choices])}"
+        )
+    what = re.sub(r"`([^`]*)`", r"\1", what)
+    what = what[0].lower() + what[1:] if what else what
+    hint = ""
+    if isinstance(value, str) and what.startswith("expected") and "got str" in what:
+        hint = " (write numbers and booleans without quotes)"
+    elif isinstance(value, (int, float, bool, date, time)) and "expected str" in what:
+        hint = " (quote text that TOML would read as another type: key='\"...\"')"
+    return f"{shown}: {what}{hint}"
+
+
+def _lookup(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in filter(None, dotted.split(".")):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _show(value: Any) -> str:
+    return toml_value(value) if isinstance(value, (str, int, float, bool)) else repr(value)
+
+
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    by_lower = {c.lower(): c for c in candidates}
+    close = difflib.get_close_matches(word.lower(), list(by_lower), n=1, cutoff=0.6)
+    return f"; did you mean {by_lower[close[0]]!r}?" if close else ""
+
+
+def _field(dotted: str) -> msgspec.structs.FieldInfo | None:
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        return None
+    section = next((f for f in msgspec.structs.fields(Config) if f.name == parts[0]), None)
+    if section is None:
+        return None
+    return next((f for f in msgspec.structs.fields(section.type) if f.name == parts[1]), None)
+
+
+def _choices(dotted: str) -> tuple[Any, ...]:
+    """The allowed values of a Literal-typed key, or () for any other key."""
+    field = _field(dotted)
+    if field is None:
+        return ()
+    tp = get_args(field.type)[0] if hasattr(field.type, "__metadata__") else field.type
+    return get_args(tp) if get_origin(tp) is Literal else ()
+
+
+def config_keys(*, sections: bool = False) -> list[str]:
+    """Every dotted key (`train.steps`, ...), and with `sections` the section names too."""
+    keys = [f.name for f in msgspec.structs.fields(Config)] if sections else []
+    for section in msgspec.structs.fields(Config):
+        keys += [f"{section.name}.{f.name}" for f in msgspec.structs.fields(section.type)]
+    return keys
+
+
+# --- checks across keys ------------------------------------------------------------------------
+
+
+def check_config(cfg: Config) -> None:
+    """What types and ranges cannot say alone; raises ConfigError naming the keys."""
+    addresses = {
+        "actor.address": cfg.actor.address,
+        "actor.connect": cfg.actor.connect,
+        "learner.experience_address": cfg.learner.experience_address,
+        "learner.version_address": cfg.learner.version_address,
+    }
+    for i, address in enumerate(cfg.actor.replica_addresses):
+        addresses[f"actor.replica_addresses[{i}]"] = address
+    if cfg.judge.model_path or cfg.judge.connect:
+        addresses["judge.address"], addresses["judge.connect"] = cfg.judge.address, cfg.judge.connect
+    for key, address in addresses.items():
+        if address or not key.endswith(".connect"):
+            _check_address(key, address)
+    _check_replicas(cfg)
+    _check_judge(cfg)
+    if not cfg.transport.curve:
+        wide = {k: a for k, a in addresses.items() if a and not _is_local(a)}
+        if wide:
+            key, address = next(iter(wide.items()))
+            raise ConfigError(
+                f"transport.curve = false: {key} = {_show(address)} is not a loopback address; "
+                "a socket beyond this machine needs authentication (transport.curve = true)"
+            )
+    if cfg.envpool.max_tokens >= cfg.actor.max_model_len:
+        raise ConfigError(
+            f"envpool.max_tokens = {cfg.envpool.max_tokens}: a turn's generation budget must "
+            f"leave room for its prompt within actor.max_model_len = {cfg.actor.max_model_len}"
+        )
+    low, high = cfg.learner.reward_range
+    if not (math.isfinite(low) and math.isfinite(high) and low < high):
+        raise ConfigError(
+            f"learner.reward_range = {cfg.learner.reward_range}: expected [low, high], finite, low < high"
+        )
+    if cfg.actor.max_messages_per_frame < cfg.transport.coalesce_max:
+        raise ConfigError(
+            f"actor.max_messages_per_frame = {cfg.actor.max_messages_per_frame}: below "
+            f"transport.coalesce_max = {cfg.transport.coalesce_max}, the actor would refuse the "
+            "envpool's own frames"
+        )
+    problem = backend_problem(cfg.metrics.backends)
+    if problem:
+        raise ConfigError(problem)
+    if cfg.launcher.kind == "ray" and cfg.launcher.ray_address != "auto":
+        _check_ray_address(cfg.launcher.ray_address)
+    if cfg.eval.samples > 1 and cfg.eval.temperature == 0:
+        raise ConfigError(
+            f"eval.samples = {cfg.eval.samples} with eval.temperature = 0: greedy samples are all "
+            "the same; pass@k needs eval.temperature > 0"
+        )
+    if cfg.train.group_size > cfg.envpool.max_concurrent_episodes:
+        raise ConfigError(
+            f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "
+            f"= {cfg.envpool.max_concurrent_episodes}, so a group could never start"
+        )
+
+
+def _check_judge(cfg: Config) -> None:
+    """The judge's score pattern compiles and has a group; its rubric names only known fields."""
+    judge = cfg.judge
+    if judge.connect and not judge.model_path:
+        raise ConfigError(
+            f"judge.connect = {judge.connect!r}: also set judge.model_path (the judge's tokenizer "
+            "and chat template; the launcher then starts no judge)"
+        )
+    try:
+        groups = re.compile(judge.score_pattern).groups
+    except re.error as exc:
+        raise ConfigError(
+            f"judge.score_pattern = {judge.score_pattern!r}: not a regular expression: {exc}"
+        ) from None
+    if groups < 1:
+        raise ConfigError(f"judge.score_pattern = {judge.score_pattern!r}: needs a group (the score)")
+    try:
+        judge.rubric.format(task="", response="", transcript="")
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise ConfigError(
+            f"judge.rubric: {type(exc).__name__} {exc}; the fields are {{task}}, {{response}}, "
+            "{transcript} (double other braces: {{ }})"
+        ) from None
+
+
+def _check_replicas(cfg: Config) -> None:
+    listed = cfg.actor.replica_addresses
+    if listed and len(listed) != cfg.actor.replicas:
+        raise ConfigError(
+            f"actor.replica_addresses lists {len(listed)} addresses for actor.replicas = "
+            f"{cfg.actor.replicas}: one per replica (or none: the launcher fills them in)"
+        )
+    if len(set(listed)) != len(listed):
+        raise ConfigError(f"actor.replica_addresses = {listed}: two replicas cannot bind one address")
+    if cfg.actor.connect and cfg.actor.replicas > 1:
+        raise ConfigError(
+            f"actor.replicas = {cfg.actor.replicas} with actor.connect set: the launcher starts no "
+            "actor then; more replicas join a run with `millstream actor --join`"
+        )
+
+
+def _is_local(address: str) -> bool:
+    """ipc, inproc, or tcp on a loopback host."""
+    match = _ADDRESS.fullmatch(address)
+    if match is None or not address.startswith("tcp://"):
+        return address.startswith(("ipc://", "inproc://"))
+    host = match.group(1).strip("[]")
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: it may resolve anywhere
+        return False
+
+
+def _check_ray_address(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not (sep and host and port.isdigit() and 0 < int(port) <= 65535):
+        raise ConfigError(
+            f"launcher.ray_address = {_show(address)}: expected HOST:PORT of the Ray head "
+            "(as `ray start --head` printed it) or 'auto'"
+        )
+
+
+def _check_address(key: str, address: str) -> None:
+    match = _ADDRESS.fullmatch(address)
+    port = match.group(2) if match else None
+    if match is None or (port is not None and int(port) > 65535):
+        raise ConfigError(
+            f"{key} = {_show(address)}: expected tcp://HOST:PORT (port 0 picks a free one) or ipc://PATH"
+        )
+
+
+# --- writing and describing --------------------------------------------------------------------
+
+
+def dump_config(cfg: Config) -> str:
+    """The config as TOML (every field, defaults included): the run's resolved config."""
+    lines: list[str] = []
+    for section, value in msgspec.structs.asdict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, item in msgspec.structs.asdict(value).items():
+            lines.append(f"{key} = {toml_value(item)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def toml_value(value: Any) -> str:
+    """One value as TOML (inline tables for dicts): also what a `key=value` override takes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, dict):
+        inner = ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + inner + " }" if inner else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} as TOML")
+
+
+def describe_config() -> str:
+    """Every key with its default and documentation, for `millstream config`."""
+    out: list[str] = []
+    for section in msgspec.structs.fields(Config):
+        out.append(f"[{section.name}]")
+        for f in msgspec.structs.fields(section.type):
+            meta = getattr(f.type, "__metadata__", ())
+            doc = next((m.description for m in meta if isinstance(m, msgspec.Meta)), "")
+            default = f.default if f.default is not msgspec.NODEFAULT else f.default_factory()
+            out.append(f"  {f.name} = {toml_value(default)}")
+            out.append(f"      {doc}")
+    return "\n".join(out)

@@ -1,0 +1,7 @@
+"""The operator's side: the `millstream` command and `millstream run`. No role imports this.
+
+cli.py       the `millstream` command: one entry point per role, the launcher, the tools
+launcher.py  `millstream run`: check a config, start and supervise every role
+healing.py   restart a role that died, within a budget (and, for testing, kill one now)
+ray/         `launcher.kind = "ray"`: the roles placed and watched by Ray on a cluster
+"""

@@ -1,0 +1,1 @@
+"""Models the project builds itself (no hub is reachable): see tiny.py."""

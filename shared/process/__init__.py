@@ -1,0 +1,6 @@
+"""How a role process starts, is watched, and ends.
+
+runtime.py     start-up and exit chores every role shares: arguments, config, logging, ports
+lifecycle.py   ending on a signal or with the launcher, with no child left behind
+supervisor.py  the processes of one run: start them, watch them, say why one ended, stop all
+"""

@@ -1,0 +1,6 @@
+"""What a run keeps on disk.
+
+trajstore.py   every episode of a run in one SQLite file, `RUN_DIR/store.sqlite`
+rows.py        the store's rows, and how protocol messages become rows
+rundir.py      the run directory: its layout, where a resume continues, what it may change
+"""
