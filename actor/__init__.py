@@ -2,6 +2,8 @@
 
 Layout:
 - `server.py`  ROUTER socket -> AsyncLLM requests -> streamed TokenDelta replies;
+- `stream.py`  one request's sampling parameters, and its outputs as version-labelled deltas;
+- `admission.py` what every actor kind serves and refuses (bad request, overloaded);
 - `link.py`    the learner link both actor kinds share: Hello, attach, weight updates, version;
 - `weights.py` the vLLM worker extension that receives the learner's broadcast and reloads;
 - `synthetic.py` a timing model of a batching engine on the same protocol (`actor.kind=synthetic`),

@@ -12,7 +12,7 @@ requests stay queued, nothing is lost), the workers receive the broadcast and re
 live requests are recomputed with the new weights instead of continuing on KV written by the old
 ones, and a new request can never hit a cached prefix from old weights. Tokens sampled before the
 update keep the old version; tokens after it carry the new one, except the first two engine
-outputs of each request after the update (`_Deltas`).
+outputs of each request after the update (`Deltas`, actor/stream.py).
 
 Version labels are conservative: the new version is adopted only after `resume_generation`
 returns, and an output is labelled with the version of two reads before, so a token can at
@@ -22,9 +22,9 @@ learner's staleness bound therefore never admits a token that is too old.
 Every request ends with exactly one final message: a `TokenDelta` with a finish_reason, or a
 `GenerateError` naming the cause. A malformed frame is answered with an `ErrorReply` by the
 channel, and the server keeps serving. Each message is inside the error boundary of
-`actor/boundary.py`: requests are admitted (or refused) as they are read, so the live bound
-holds even within one frame; refusals never wait for room in the send queue; a request's task
-never ends the server.
+`actor/boundary.py`: requests are admitted (or refused, by the rules of `actor/admission.py`) as
+they are read, so the live bound holds even within one frame; refusals never wait for room in
+the send queue; a request's task never ends the server.
 """
 
 from __future__ import annotations
@@ -36,123 +36,25 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from millstream.actor.admission import refusal, unexpected
 from millstream.actor.boundary import Boundary
 from millstream.actor.link import LearnerLink
+from millstream.actor.stream import Deltas, sampling_params
 from millstream.shared.wire import (
     Abort,
     ActorInfo,
     AttachLearner,
-    ErrorReply,
     GenerateError,
     GenerateRequest,
     Message,
-    ReplyCause,
-    TokenDelta,
     TurnError,
     WeightUpdate,
 )
 from millstream.shared.wire.transport import Channel
 
-__all__ = ["ActorServer", "ActorStats", "VllmWeights", "check_request", "refusal", "unexpected"]
+__all__ = ["ActorServer", "ActorStats", "VllmWeights"]
 
 log = logging.getLogger(__name__)
-
-#: vLLM refuses temperatures outside [0, 2]; checked here so the refusal names the request.
-MAX_TEMPERATURE = 2.0
-
-
-def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> str | None:
-    """What is wrong with a request, in words, or None. Shared by every actor kind."""
-    if not req.prompt_token_ids:
-        return "empty prompt"
-    if req.max_tokens < 1:
-        return f"max_tokens must be >= 1, got {req.max_tokens}"
-    if not 0 <= req.min_tokens <= req.max_tokens:
-        return f"min_tokens must be in [0, max_tokens={req.max_tokens}], got {req.min_tokens}"
-    total = len(req.prompt_token_ids) + req.max_tokens
-    if total > max_model_len:
-        return (
-            f"prompt ({len(req.prompt_token_ids)}) + max_tokens ({req.max_tokens}) = "
-            f"{total} exceeds max_model_len {max_model_len}"
-        )
-    for what, ids in (("prompt", req.prompt_token_ids), ("stop", req.stop_token_ids)):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            return f"{what} token id {bad} outside the vocabulary [0, {vocab_size})"
-    if not 0 <= req.temperature <= MAX_TEMPERATURE or not 0 < req.top_p <= 1:
-        return (
-            f"bad sampling parameters temperature={req.temperature} (expected [0, "
-            f"{MAX_TEMPERATURE}]) top_p={req.top_p} (expected (0, 1])"
-        )
-    return None
-
-
-def refusal(
-    req: GenerateRequest, live: int, max_live: int, max_model_len: int, vocab_size: int
-) -> GenerateError | None:
-    """The error that refuses `req`, or None to serve it. Shared by every actor kind.
-
-    `overloaded` (more than `actor.max_live_requests` held) says "try later" and the envpool
-    retries it; `bad_request` says the request itself is wrong and is never retried.
-    """
-    problem = check_request(req, max_model_len, vocab_size)
-    if problem is not None:
-        return GenerateError(req.request_id, TurnError.BAD_REQUEST, problem)
-    if live >= max_live:
-        return GenerateError(
-            req.request_id,
-            TurnError.OVERLOADED,
-            f"{live} requests live, the limit (actor.max_live_requests) is {max_live}",
-        )
-    return None
-
-
-def unexpected(message: Message) -> ErrorReply:
-    """The answer to a message an actor does not take."""
-    return ErrorReply(ReplyCause.UNEXPECTED_MESSAGE, f"the actor does not take {type(message).__name__}")
-
-
-class _Deltas:
-    """Tokens of one request waiting to be streamed, all labelled with one policy version.
-
-    Tokens wait until `interval` of them are there (fewer, larger messages at scale); a
-    label change sends the waiting ones first, so each delta has one version.
-
-    Which version made a token is not visible in an engine output, so the label is a lower
-    bound. vLLM hands a request's tokens over `stream_interval` at a time and keeps the rest
-    (up to `stream_interval - 1` tokens, sampled earlier) for a later output; an output this
-    task reads may also have waited while it was sending. Every token of the output read k was
-    sampled after output k-1 was put out, which was after this task read output k-2 (the
-    request itself counts as read -1 and -2). So output k is labelled with the version current
-    when output k-2 was read: versions only grow, so no token is ever labelled newer than the
-    weights that made it; around an update up to two outputs are labelled one version older,
-    which the learner's staleness bound only makes stricter.
-    """
-
-    __slots__ = ("request_id", "ids", "logprobs", "version", "seen", "seen_before")
-
-    def __init__(self, request_id: str, version: int) -> None:
-        self.request_id = request_id
-        self.ids: list[int] = []
-        self.logprobs: list[float] = []
-        self.version = version  # the label of the waiting tokens
-        self.seen = version  # the version when the last output was read
-        self.seen_before = version  # ... and the one before it
-
-    def add(self, ids: list[int], logprobs: list[float], now: int) -> TokenDelta | None:
-        """Take one engine output read at version `now`; returns the waiting tokens as a
-        delta when they must go first (their label differs from the new tokens')."""
-        label, self.seen_before, self.seen = self.seen_before, self.seen, now
-        first = self.take() if self.ids and label != self.version else None
-        self.version = label
-        self.ids += ids
-        self.logprobs += logprobs
-        return first
-
-    def take(self, finish: str | None = None, load: int = -1) -> TokenDelta:
-        delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish, load)
-        self.ids, self.logprobs = [], []
-        return delta
 
 
 @dataclass
@@ -349,13 +251,13 @@ class ActorServer:
         return refusal(req, len(self._live), self.max_live_requests, self.max_model_len, self.vocab_size)
 
     async def _stream(self, peer: bytes, req: GenerateRequest, key: str) -> str:
-        """Forward the engine's output stream as TokenDeltas (labelled as `_Deltas` says);
+        """Forward the engine's output stream as TokenDeltas (labelled as `Deltas` says);
         returns the finish reason."""
-        pending = _Deltas(req.request_id, self.version)
+        pending = Deltas(req.request_id, self.version)
         finish: str | None = None
         async for out in self.engine.generate(
             {"prompt_token_ids": list(req.prompt_token_ids)},
-            _sampling_params(req, self.stream_interval),
+            sampling_params(req, self.stream_interval),
             key,
         ):
             comp = out.outputs[0]
@@ -399,31 +301,3 @@ class ActorServer:
                 channel.decode_errors,
                 channel.send_queue,
             )
-
-
-def _sampling_params(req: GenerateRequest, stream_interval: int = 1) -> Any:
-    """vLLM's sampling parameters for a request: one sequence, streamed as deltas, token ids only,
-    the sampled token's logprob. Built inside the request's error boundary: vLLM validates here.
-
-    `stream_interval` makes vLLM's output processor hand over tokens `stream_interval` at a time
-    (the first and the last at once), the size of the deltas the actor sends anyway: the per-token
-    wake-ups of this process (output queue, request task, this loop) fall by that factor, and on
-    a machine where the engine has every core that is throughput (bench/README.md, overhead)."""
-    from vllm import SamplingParams
-    from vllm.sampling_params import RequestOutputKind
-
-    return SamplingParams(
-        n=1,
-        temperature=req.temperature,
-        top_p=req.top_p,
-        max_tokens=req.max_tokens,
-        seed=req.seed,
-        stop_token_ids=[] if req.ignore_eos else list(req.stop_token_ids),
-        ignore_eos=req.ignore_eos,
-        min_tokens=req.min_tokens,
-        logprobs=0,  # the sampled token's logprob only
-        output_kind=RequestOutputKind.DELTA,
-        stream_interval=stream_interval,
-        detokenize=False,  # token in, token out: text is the envpool's business
-        skip_special_tokens=False,
-    )

@@ -42,9 +42,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from millstream.actor.admission import refusal, unexpected
 from millstream.actor.boundary import Boundary
 from millstream.actor.link import LearnerLink
-from millstream.actor.server import refusal, unexpected
 from millstream.shared.config import Config
 from millstream.shared.wire import (
     Abort,

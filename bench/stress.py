@@ -51,10 +51,10 @@ from millstream.shared.process.runtime import free_port, raise_fd_limit, resolve
 from millstream.shared.process.supervisor import Supervisor
 from millstream.shared.store.trajstore import (
     STORE_FILE,
-    StoreWriter,
     episode_from_failure,
     episode_from_trajectory,
 )
+from millstream.shared.store.writer import StoreWriter
 from millstream.shared.wire import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
 from millstream.shared.wire.keys import load_keys, secure
 

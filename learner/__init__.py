@@ -3,18 +3,15 @@
 Layout (import the module you need; this file imports nothing, so `import millstream.learner`
 stays cheap):
 
+    main        the role's process: build the trainer and the ranks, run the loop, exit status
+    loop/       rank 0's loop as named steps: receive, step, report, save and resume, finish
     replay      staleness-bounded buffer of GRPO groups, with exact episode accounting
-    advantages  group-relative advantage estimators (GRPO, Dr.GRPO, ...), pure Python
-    batching    training samples: one per context of a trajectory, checks, padding
-    loss        per-token log-probabilities and the PPO clip loss (torch)
-    trainer     one optimizer step over a batch of groups (micro-batches, metrics)
-    dssetup     DeepSpeed set-up: accelerator, process group, engine config
-    hfexport    the policy as a Hugging Face model directory
-    checkpoint  resumable checkpoints (engine, buffer, RNG states)
-    weights     flattening and broadcasting weights to the actor replicas (one group)
-    fleet       the run's replicas: which hold the current weights, joins, losses, restarts
+    episodes/   arriving episodes: sockets, checks, the worker ledger, records, the accounts
+    train/      one optimizer step: advantages, samples, loss, the DeepSpeed trainer, LoRA
+    sync/       weights to the actor replicas: the broadcast, the fleet of replicas
+    persist/    what goes to disk: checkpoints, the replay buffer's state, Hugging Face export
     team        several ranks, one voice (rank 0 leads)
+    follower    ranks > 0: enter each collective step rank 0 announces
     stats       per-step statistics, the collapse and no-signal warnings
-    experience  rank 0's sockets to the envpool, and its progress lines
-    main        the role's process: receive experience, train, publish versions
+    evals       evaluation rounds: metrics, never trained
 """

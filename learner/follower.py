@@ -1,6 +1,6 @@
 """Ranks > 0 of a data-parallel learner: enter each collective step rank 0 announces.
 
-Rank 0 (learner/main.py) decides everything and announces each collective step as a command
+Rank 0 (learner/loop/leader.py) decides everything and announces each collective step as a command
 (learner/team.py); the other ranks only follow, in the same order, until rank 0 says stop.
 """
 

@@ -34,9 +34,10 @@ of its identity (wrong group size, an environment or seed other than its group's
 a group never admitted) touches no group, so a forged message cannot complete or open one.
 The buffer is single-threaded (the learner's receive loop owns it) and does no I/O.
 
-`state_dict` / `load_state_dict` carry it across a learner restart (learner/persist/checkpoint.py writes
-the state to disk). Partial groups do not survive a resume: their missing members died with the
-previous envpool, so loading drops them under a cause ("incomplete_at_resume") like `drain`.
+learner/persist/replaystate.py carries it across a learner restart (`buffer_state` /
+`load_buffer_state`; learner/persist/checkpoint.py writes the state to disk). Partial groups do
+not survive a resume: their missing members died with the previous envpool, so loading drops
+them under a cause ("incomplete_at_resume") like `drain`.
 """
 
 from __future__ import annotations
@@ -44,13 +45,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import msgspec
 
 from millstream.shared.wire import Cause, DropCause, EpisodeFailed, Trajectory, group_number
 
-__all__ = ["Group", "ReplayBuffer", "BufferFull"]
+__all__ = ["Group", "Pending", "ReplayBuffer", "BufferFull"]
 
 #: Drop cause of trajectories that arrive for a group that already completed (more members than
 #: `group_size`: an upstream bug, kept visible rather than silently merged into a new group).
@@ -86,7 +84,7 @@ class Group:
 
 
 @dataclass
-class _Pending:
+class Pending:
     """A group still waiting for members."""
 
     trajectories: list[Trajectory] = field(default_factory=list)
@@ -137,7 +135,7 @@ class ReplayBuffer:
 
         #: Called with every dropped group's trajectories and the cause (the learner records them).
         self.on_drop: Callable[[list[Trajectory], DropCause], None] | None = None
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, Pending] = {}
         # Insertion order is completion order, which is the FIFO order of take_batch.
         self._complete: OrderedDict[str, Group] = OrderedDict()
         # Groups that left the buffer -> cause under which late members are dropped. Kept for the
@@ -246,7 +244,7 @@ class ReplayBuffer:
             return
         if gid not in self._pending and len(self._pending) + len(self._complete) >= self.max_groups:
             return
-        group = self._pending.setdefault(gid, _Pending())
+        group = self._pending.setdefault(gid, Pending())
         group.failed += 1
         self._maybe_complete(gid, group)
 
@@ -273,12 +271,12 @@ class ReplayBuffer:
                     f"({len(self._complete)} complete, {len(self._pending)} partial); the "
                     "admission gate should have prevented this"
                 )
-            self._pending[group_id] = _Pending()
+            self._pending[group_id] = Pending()
         self._seen.add(episode_id)
         self.received += 1
         return _LATE if late else _OPEN
 
-    def _maybe_complete(self, group_id: str, group: _Pending) -> None:
+    def _maybe_complete(self, group_id: str, group: Pending) -> None:
         if group.members < self.group_size:
             return
         del self._pending[group_id]
@@ -359,113 +357,7 @@ class ReplayBuffer:
         key = str(cause)  # the cause's value: a plain string key (JSON, checkpoints, metrics)
         counter[key] = counter.get(key, 0) + n
 
-    # --- checkpointing ---------------------------------------------------------------------
-
-    #: Layout version of `state_dict`; `load_state_dict` refuses any other.
-    STATE_FORMAT = 1
-
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume, as plain containers and `Trajectory` structs (msgspec
-        encodes it as is). Complete groups are listed in FIFO order; lists are copies."""
-        return {
-            "format": self.STATE_FORMAT,
-            "group_size": self.group_size,
-            "complete": [
-                {
-                    "group_id": g.group_id,
-                    "trajectories": list(g.trajectories),
-                    "failed": g.failed,
-                    "oldest_version": g.oldest_version,
-                }
-                for g in self._complete.values()
-            ],
-            "partial": [
-                {
-                    "group_id": gid,
-                    "trajectories": list(p.trajectories),
-                    "failed": p.failed,
-                    "oldest": p.oldest,
-                }
-                for gid, p in self._pending.items()
-            ],
-            "counters": {
-                "received": self.received,
-                "trained": self.trained,
-                "duplicates": self.duplicates,
-                "buffered": self.buffered,
-                "dropped_groups": self.dropped_groups,
-                "dropped": dict(self.dropped),
-                "failed": dict(self.failed),
-                "refused": dict(self.refused),
-            },
-            "seen": sorted(self._seen),
-            "closed": dict(self._closed),
-            "last_staleness": list(self._last_staleness),
-        }
-
-    def load_state_dict(
-        self, state: dict[str, Any], *, drop_partial_cause: DropCause = DropCause.INCOMPLETE_AT_RESUME
-    ) -> int:
-        """Replaces this buffer's contents with `state` (from `state_dict`, possibly through a
-        msgpack round trip); returns how many complete groups were restored.
-
-        Partial groups are dropped under `drop_partial_cause`, as `drain` would drop them: their
-        missing members died with the previous session's envpool and will never arrive (a late
-        one is counted under the same cause). The accounting identity holds before and after.
-        Raises ValueError if `state` is of another format or group size, is inconsistent, or
-        holds more than `max_groups` complete groups.
-        """
-        if state.get("format") != self.STATE_FORMAT:
-            raise ValueError(
-                f"replay buffer state has format {state.get('format')!r}, this "
-                f"code reads format {self.STATE_FORMAT}"
-            )
-        if state["group_size"] != self.group_size:
-            raise ValueError(
-                f"replay buffer state was saved with group_size="
-                f"{state['group_size']}, the buffer uses {self.group_size}: "
-                "train.group_size cannot change across a resume"
-            )
-        if len(state["complete"]) > self.max_groups:
-            raise ValueError(
-                f"replay buffer state holds {len(state['complete'])} complete "
-                f"groups, more than max_groups={self.max_groups}"
-            )
-
-        def trajectories(raw: list) -> list[Trajectory]:
-            return [msgspec.convert(t, Trajectory) for t in raw]
-
-        complete: OrderedDict[str, Group] = OrderedDict()
-        for g in state["complete"]:
-            complete[g["group_id"]] = Group(
-                g["group_id"], trajectories(g["trajectories"]), int(g["failed"]), int(g["oldest_version"])
-            )
-        partial = {
-            p["group_id"]: _Pending(trajectories(p["trajectories"]), int(p["failed"]), p["oldest"])
-            for p in state["partial"]
-        }
-        c = state["counters"]
-        held = sum(len(g.trajectories) for g in complete.values()) + sum(
-            len(p.trajectories) for p in partial.values()
-        )
-        gone = c["trained"] + sum(c["dropped"].values()) + sum(c["failed"].values())
-        if c["buffered"] != held or c["received"] != gone + held:
-            raise ValueError(f"replay buffer state is inconsistent: {held} trajectories held, counters {c}")
-
-        closed = {gid: DropCause(cause) for gid, cause in state["closed"].items()}
-        seen = set(state["seen"])
-        # Nothing above changed the buffer: a bad state leaves it as it was.
-        self._complete, self._pending, self._closed, self._seen = complete, {}, closed, seen
-        self.received, self.trained = int(c["received"]), int(c["trained"])
-        self.duplicates, self.buffered = int(c["duplicates"]), int(c["buffered"])
-        self.dropped_groups = int(c["dropped_groups"])
-        self.dropped, self.failed = dict(c["dropped"]), dict(c["failed"])
-        self.refused = dict(c.get("refused", {}))
-        self._last_staleness = list(state.get("last_staleness", []))
-        for gid, group in partial.items():
-            self._closed[gid] = drop_partial_cause
-            self._drop_group(gid, group.trajectories, drop_partial_cause)
-        return len(self._complete)
+    # --- numbering -------------------------------------------------------------------------
 
     def max_group_number(self) -> int | None:
         """The highest `shared.protocol.group_number` of any group this buffer has seen

@@ -200,9 +200,9 @@ def test_weight_update_from_unattached_session_is_refused(actor, hf_model):
 def test_delta_labels_are_never_newer_than_the_weights():
     """An engine output read at version v may hold tokens sampled before the update to v (held
     back by stream_interval, or read late): output k is labelled with the version of read k-2."""
-    from millstream.actor.server import _Deltas
+    from millstream.actor.stream import Deltas
 
-    pending = _Deltas("r", 3)
+    pending = Deltas("r", 3)
     assert pending.add([1], [-0.1], now=3) is None  # read 0: the request's version, 3
     assert pending.add([2, 3], [-0.2, -0.3], now=4) is None  # read 1 at 4: still the request's 3
     assert pending.add([4], [-0.4], now=4) is None  # read 2: labelled as read 0 was, 3

@@ -21,10 +21,10 @@ from millstream.envpool.chat import ChatFormat
 from millstream.shared.inspect.web import start_server
 from millstream.shared.store.trajstore import (
     STORE_FILE,
-    StoreWriter,
     episode_from_failure,
     episode_from_trajectory,
 )
+from millstream.shared.store.writer import StoreWriter
 from millstream.shared.wire import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

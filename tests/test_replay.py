@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from millstream.learner.persist.replaystate import buffer_state, load_buffer_state
 from millstream.learner.replay import BufferFull, Group, ReplayBuffer
 from millstream.shared.wire import Cause, DropCause, EpisodeFailed, Trajectory
 
@@ -341,7 +342,7 @@ def test_filtered_groups_are_discarded_with_their_cause():
     assert stats["received"] == stats["trained"] + sum(stats["dropped"].values())
 
 
-# --- state_dict / load_state_dict (resume) ----------------------------------------------------
+# --- buffer_state / load_buffer_state (resume: learner/persist/replaystate.py) -----------------
 
 
 def resumable_buffer() -> ReplayBuffer:
@@ -368,10 +369,10 @@ def test_state_round_trips_through_msgpack_and_drops_partial_groups():
     buf = resumable_buffer()
     before = buf.statistics()
     assert groups(before) == (2, 2, 2)
-    state = buf.state_dict()
+    state = buffer_state(buf)
     raw = msgspec.msgpack.decode(msgspec.msgpack.encode(state))
     fresh = buffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=10)
-    assert fresh.load_state_dict(raw, drop_partial_cause=DropCause.RUN_ENDED) == 2
+    assert load_buffer_state(fresh, raw, drop_partial_cause=DropCause.RUN_ENDED) == 2
     after = check_invariant(fresh)
     assert groups(after) == (2, 0, before["dropped_groups"] + 2)
     assert after["dropped"] == {**before["dropped"], "run_ended": 1}
@@ -394,9 +395,9 @@ def test_state_round_trips_through_msgpack_and_drops_partial_groups():
     assert s["dropped"]["run_ended"] == 2
     assert s["failed"]["env_error"] == before["failed"]["env_error"] + 2
     assert groups(s)[:2] == (0, 0)
-    # The in-memory state_dict (not through msgpack) loads as well, and is a copy.
+    # The in-memory state (not through msgpack) loads as well, and is a copy.
     other = buffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=10)
-    assert other.load_state_dict(state) == 2
+    assert load_buffer_state(other, state) == 2
     assert other.statistics()["dropped"]["incomplete_at_resume"] == 1
     assert other.statistics()["dropped_groups"] == before["dropped_groups"] + 2
     assert buf.statistics() == before
@@ -413,23 +414,23 @@ def test_max_group_number_covers_every_group_seen():
     buf.take_batch(0)  # g12 trained: still seen
     assert buf.max_group_number() == 12
     fresh = buffer(group_size=2)
-    fresh.load_state_dict(buf.state_dict())  # g3 partial: dropped at load, still seen
+    load_buffer_state(fresh, buffer_state(buf))  # g3 partial: dropped at load, still seen
     assert fresh.max_group_number() == 12 and buf.max_group_number() == 12
 
 
-def test_load_state_dict_refuses_mismatches():
-    state = resumable_buffer().state_dict()
+def test_load_buffer_state_refuses_mismatches():
+    state = buffer_state(resumable_buffer())
     with pytest.raises(ValueError, match="group_size"):
-        buffer(group_size=3).load_state_dict(state)
+        load_buffer_state(buffer(group_size=3), state)
     with pytest.raises(ValueError, match="format"):
-        buffer(group_size=2).load_state_dict({**state, "format": 99})
+        load_buffer_state(buffer(group_size=2), {**state, "format": 99})
     with pytest.raises(ValueError, match="max_groups"):
-        buffer(group_size=2, max_groups=1).load_state_dict(state)
+        load_buffer_state(buffer(group_size=2, max_groups=1), state)
     counters = state["counters"]
     bad = {**state, "counters": {**counters, "received": counters["received"] + 1}}
     target = buffer(group_size=2)
     with pytest.raises(ValueError, match="inconsistent"):
-        target.load_state_dict(bad)
+        load_buffer_state(target, bad)
     assert target.statistics()["received"] == 0  # nothing was changed
 
 
@@ -472,8 +473,8 @@ def test_accounting_holds_across_resumes(ops, group_size, max_staleness):
                 before = check_invariant(buf)
                 complete = [g.group_id for g in buf._complete.values()]
                 fresh = new()
-                raw = msgspec.msgpack.decode(msgspec.msgpack.encode(buf.state_dict()))
-                assert fresh.load_state_dict(raw) == before["complete_groups"]
+                raw = msgspec.msgpack.decode(msgspec.msgpack.encode(buffer_state(buf)))
+                assert load_buffer_state(fresh, raw) == before["complete_groups"]
                 after = check_invariant(fresh)
                 assert after["received"] == before["received"]
                 dropped = before["dropped_groups"] + before["partial_groups"]
@@ -487,7 +488,7 @@ def test_accounting_holds_across_resumes(ops, group_size, max_staleness):
 
 
 def test_drops_of_groups_below_the_floor_admit_nothing():
-    """A restarted learner's view (learner/main.py `_all_greeted`): groups numbered below the
+    """A restarted learner's view (learner/loop/leader.py `_all_greeted`): groups numbered below the
     floor were admitted by an earlier session."""
     buf = ReplayBuffer(group_size=2, groups_per_batch=1, max_staleness=0, max_groups=8)
     buf.floor = 10

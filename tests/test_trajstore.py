@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from millstream.shared.store.rundir import mark_rolled_back
 from millstream.shared.store.trajstore import (
     STORE_FILE,
-    StoreWriter,
     episode_from_failure,
     episode_from_trajectory,
     last_id,
@@ -19,6 +18,7 @@ from millstream.shared.store.trajstore import (
     read_episodes,
     write_episode,
 )
+from millstream.shared.store.writer import StoreWriter
 from millstream.shared.wire import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory
 
 

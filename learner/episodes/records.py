@@ -3,8 +3,8 @@
 Every episode the run accounts for gets one record here: trained (with its per-token advantages
 and the version it was trained at), dropped (stale, group too small, run ended: with the cause),
 or failed (with its cause and, where the envpool sent it, the scene of the failure). The store
-(shared/store/trajstore.py) is written by its own thread, so recording never waits on the disk but
-once a step (see `trained`);
+(shared/store/trajstore.py) is written by its own thread (shared/store/writer.py), so recording
+never waits on the disk but once a step (see `trained`);
 `trajectories.jsonl` is written only with `store.jsonl = true` (the format before the store).
 
 A checkpoint records `positions()`: the store's last row id and the JSON lines' byte offset. A
@@ -22,10 +22,10 @@ import orjson
 from millstream.shared.config import Config
 from millstream.shared.store.trajstore import (
     STORE_FILE,
-    StoreWriter,
     episode_from_failure,
     episode_from_trajectory,
 )
+from millstream.shared.store.writer import StoreWriter
 from millstream.shared.wire import EpisodeFailed, Trajectory
 
 __all__ = ["EpisodeRecords", "JSONL_FILE"]

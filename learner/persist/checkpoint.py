@@ -11,7 +11,8 @@ Layout, under the run directory:
                                 LoRA: the adapters merged into full weights)
             adapter/            LoRA runs only: the adapter in peft's format (adapter_config.json,
                                 adapter_model.safetensors), for PeftModel.from_pretrained
-            learner_state.msgpack   version, replay buffer, the caller's `extra`, RNG states
+            learner_state.msgpack   version, replay buffer (learner/persist/replaystate.py),
+                                    the caller's `extra`, RNG states
             rng_rank_1.msgpack  RNG states of ranks other than 0 (multi-rank runs only)
             zero_to_fp32.py ... DeepSpeed's own recovery scripts (it copies them in)
 
@@ -45,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from millstream.learner.persist.replaystate import buffer_state, load_buffer_state
 from millstream.shared.store.rundir import STATE_FILE, find_checkpoint, step_dirs
 
 __all__ = ["save_checkpoint", "find_checkpoint", "load_checkpoint", "STATE_FILE"]
@@ -145,7 +147,7 @@ def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> P
             "version": version,
             "extra": extra,
             "rng": _rng_state(),
-            "buffer": buffer.state_dict() if rank == 0 else None,
+            "buffer": buffer_state(buffer) if rank == 0 else None,
         }
     )
     if rank == 0:
@@ -217,7 +219,7 @@ def load_checkpoint(path: Path, trainer, buffer) -> dict:
     if buffer is not None:
         if state["buffer"] is None:
             raise ValueError(f"{path} holds no replay buffer (saved by a rank other than 0?)")
-        restored = buffer.load_state_dict(state["buffer"])
+        restored = load_buffer_state(buffer, state["buffer"])
     rng = state["rng"]
     if rank != 0:
         own = path / f"rng_rank_{rank}.msgpack"

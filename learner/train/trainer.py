@@ -22,10 +22,8 @@ Design choices:
 - One process needs no launcher. If torch.distributed is not up and no launcher set RANK/WORLD_SIZE,
   we pose as rank 0 of a world of 1 on a free loopback port. Under `torchrun`/`deepspeed` the
   launcher's variables win and every rank runs the same code (the learner shards samples per rank).
-- Loss normalisation is exact across micro-batches: every token's weight in the loss
-  (`aggregation_weights`) is computed from step totals (loss tokens, sequences, all ranks) and from
-  its own sequence, so the micro-batch gradients add up to the gradient of one big batch whatever
-  the micro-batch size, for every `loss_agg`.
+- Loss normalisation is exact across micro-batches (learner/train/plan.py: how a step's samples
+  are cut into micro-batches and counted over the ranks, and how its metrics are reduced).
 - Gradient accumulation: DeepSpeed normally fixes `gradient_accumulation_steps` (GAS) in the
   config, divides every loss by it in `backward`, and updates on its own micro-step counter. Our
   number of micro-batches changes from step to step, so GAS stays 1 (dividing by 1 is a no-op: the
@@ -56,7 +54,6 @@ Design choices:
   collectives. The reference comes from `model_dir`, not from a checkpoint, so a resumed run keeps
   the original reference. Without the penalty no reference exists and `kl` is not reported; a
   Trainer built with kl_coef > 0 still reports `kl` on steps whose config sets kl_coef to 0.
-- Sequences are sorted by length before they are cut into micro-batches: less padding, same sum.
 - LoRA (`lora_rank > 0`, learner/train/lora.py): the model is wrapped with peft before DeepSpeed, the
   optimizer gets only the adapter parameters, and `named_weights` yields merged full weights
   under the base names, so the broadcast, the actor and `save_pretrained` see a plain model.
@@ -71,7 +68,6 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,29 +76,15 @@ import torch.distributed as dist
 
 from millstream.learner.persist.hfexport import save_model_dir
 from millstream.learner.train import lora
-from millstream.learner.train.batching import PAD_ID, TrainSample, check_samples, pad_batch
+from millstream.learner.train.batching import PAD_ID, TrainSample
 from millstream.learner.train.dssetup import ds_config, import_deepspeed, init_distributed
 from millstream.learner.train.loss import aggregation_weights, gather_logprobs, rl_loss, sequence_logprobs
+from millstream.learner.train.plan import StepPlan, accumulate, plan_step, step_metrics
 from millstream.shared.config import LearnerConfig
 
 __all__ = ["TrainSample", "Trainer", "PAD_ID"]
 
 _Logprobs = list[torch.Tensor]  # one [B, T] tensor per micro-batch
-
-
-@dataclass
-class _StepPlan:
-    """One step's micro-batches and the counts over all ranks that normalise its loss."""
-
-    batches: list[dict[str, torch.Tensor]]
-    #: Micro-batches every rank runs (the most any rank has).
-    n_chunks: int
-    total_tokens: int
-    total_seqs: int
-    all_samples: int
-    decoupled: bool
-    world: int
-    generation_budget: int
 
 
 class Trainer:
@@ -238,43 +220,32 @@ class Trainer:
             self._micro_step(plan, k, cfg, prox, ref, sums, maxes)
         local_norm = self._local_grad_norm()
         self.engine.step()  # the one boundary: reduce, clip, AdamW update, zero the grads
-        return self._metrics(plan, sums, maxes, local_norm, time.perf_counter() - start)
-
-    def _plan(self, samples: list[TrainSample], cfg: LearnerConfig, generation_budget: int) -> _StepPlan:
-        """Check the samples, count them over all ranks, cut them into micro-batches."""
-        local_tokens, local_seqs = check_samples(samples, cfg, generation_budget)
-        if cfg.kl_coef > 0 and self.reference is None:
-            raise ValueError(
-                "kl_coef > 0 needs the reference policy: build the Trainer with a "
-                "learner config whose kl_coef > 0"
-            )
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].token_ids), reverse=True)
-        mbs = self.micro_batch_size
-        chunks = [order[lo : lo + mbs] for lo in range(0, len(order), mbs)]
-        # ZeRO-2/3 reduce gradients inside backward, so all ranks must run as many micro-batches;
-        # a rank with fewer repeats its last one at weight 0.
-        total_tokens, total_seqs, all_samples = (
-            int(v) for v in self._all_reduce([local_tokens, local_seqs, len(samples)], "sum")
+        elapsed_s = time.perf_counter() - start
+        return step_metrics(
+            plan,
+            sums,
+            maxes,
+            grad_norm=self._grad_norm(local_norm),
+            elapsed_s=elapsed_s,
+            all_reduce=self._all_reduce,
         )
-        n_chunks = int(self._all_reduce([len(chunks)], "max")[0])
-        if total_tokens == 0:
-            # Every aggregation is undefined over zero tokens; the caller should filter these.
-            raise ValueError("train_step got no loss-carrying tokens (every loss_mask is 0)")
-        batches = [pad_batch([samples[i] for i in chunk], self.device) for chunk in chunks]
-        return _StepPlan(
-            batches,
-            n_chunks,
-            total_tokens,
-            total_seqs,
-            all_samples,
-            cfg.staleness_policy == "decoupled",
-            self.engine.dp_world_size,
+
+    def _plan(self, samples: list[TrainSample], cfg: LearnerConfig, generation_budget: int) -> StepPlan:
+        """Check the samples, count them over all ranks, cut them into micro-batches."""
+        return plan_step(
+            samples,
+            cfg,
             generation_budget,
+            micro_batch_size=self.micro_batch_size,
+            device=self.device,
+            world=self.engine.dp_world_size,
+            has_reference=self.reference is not None,
+            all_reduce=self._all_reduce,
         )
 
     def _micro_step(
         self,
-        plan: _StepPlan,
+        plan: StepPlan,
         k: int,
         cfg: LearnerConfig,
         prox: _Logprobs | None,
@@ -322,56 +293,7 @@ class Trainer:
         self.engine.backward(loss * (0.0 if repeat else 1.0))
         if not repeat:
             stats["loss"] = loss.detach()
-            for key, value in stats.items():
-                value = value.detach().double()
-                if key.endswith("_max"):
-                    maxes[key] = torch.maximum(maxes[key], value) if key in maxes else value
-                else:
-                    sums[key] = sums[key] + value if key in sums else value
-
-    def _metrics(
-        self,
-        plan: _StepPlan,
-        sums: dict[str, torch.Tensor],
-        maxes: dict[str, torch.Tensor],
-        local_norm: float,
-        elapsed_s: float,
-    ) -> dict[str, float]:
-        """The step's metrics over all ranks (see `train_step`)."""
-        world = plan.world
-        s = dict(zip(sums, self._all_reduce(torch.stack(list(sums.values())), "sum"), strict=True))
-        m = dict(zip(maxes, self._all_reduce(torch.stack(list(maxes.values())), "max"), strict=True))
-        n = float(plan.total_tokens)
-        # Each rank's loss carries the factor `world` (above): the global loss is their sum / world.
-        metrics = {"loss": s["loss"] / world, "pg_loss": s["pg_loss"] / world}
-        if "kl_sum" in s:
-            metrics["kl"] = s["kl_sum"] / n
-        metrics.update(
-            {
-                "entropy": s["entropy_sum"] / n,
-                "clip_frac": s["clipped_tokens"] / n,
-                "approx_kl": s["approx_kl_sum"] / n,
-                "ratio_mean": s["ratio_sum"] / n,
-                "ratio_max": m["ratio_max"],
-            }
-        )
-        if plan.decoupled:
-            metrics.update(
-                {
-                    "is_weight_mean": s["is_weight_sum"] / n,
-                    "is_weight_max": m["is_weight_max"],
-                    "is_capped_frac": s["is_capped_tokens"] / n,
-                }
-            )
-        metrics.update(
-            {
-                "grad_norm": self._grad_norm(local_norm),
-                "tokens": n,
-                "sequences": float(plan.all_samples),
-                "step_time_s": elapsed_s,
-            }
-        )
-        return metrics
+            accumulate(stats, sums, maxes)
 
     def _local_grad_norm(self) -> float:
         # ZeRO-0 with a torch optimizer clips inside step() but keeps no norm, so we measure it

@@ -1,7 +1,9 @@
 """The run configuration: one TOML file, dotted overrides, strict checks that name the key.
 
     load.py      loading, merging overrides, checks across sections, `millstream config` output
-    schema.py    the run's sections: every key, its type, its range and its meaning
+    schema.py    the config tree and the run-wide sections (run, model, train); re-exports them all
+    rollout.py   the sections about how episodes are generated (actor, envpool)
+    learning.py  the section about how the learner trains (learner)
     ops.py       the sections about how processes talk and are placed (transport, launcher)
     scoring.py   the sections about how a run is scored and watched (eval, judge, metrics)
     meta.py      how a field carries its documentation and constraints

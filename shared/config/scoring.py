@@ -124,7 +124,7 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class StoreConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The trajectory store, `<run.dir>/store.sqlite` (shared/store/trajstore.py): every trained,
     dropped and failed episode with its turns, read by `millstream inspect` and `millstream debug`.
-    The learner writes it from a thread: the run never waits on it."""
+    The learner writes it from a thread (shared/store/writer.py): the run never waits on it."""
 
     enabled: Annotated[
         bool, _doc("Keep the store (false: no store.sqlite; inspect has nothing to show).")

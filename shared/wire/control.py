@@ -91,8 +91,8 @@ def admit_limit(
 
     `consumed`: groups of this learner session trained or dropped; `carried`: groups that hold
     a slot without having been admitted by this session (the learner passes 0: see
-    learner/main.py `_all_greeted`). For a fresh run this is AReaL's `(v + k + 1 + slack) * B` plus
-    the dropped groups.
+    learner/loop/leader.py `_all_greeted`). For a fresh run this is AReaL's
+    `(v + k + 1 + slack) * B` plus the dropped groups.
     """
     return group_base + (max_staleness + 1 + slack) * groups_per_batch + consumed - carried
 

@@ -70,7 +70,7 @@ class TokenDelta(WireMessage, tag="delta", gc=False, frozen=True):
 
     `version` is a lower bound of the weights that produced every token of the delta: never
     newer, and at most one version older around a weight update (the vLLM actor cannot see
-    which step of a batched handover came before an update, actor/server.py `_Deltas`). A
+    which step of a batched handover came before an update, actor/stream.py `Deltas`). A
     sequence that spans a weight update is a series of deltas with non-decreasing versions.
     """
 

@@ -1,0 +1,359 @@
+"""Rank 0's learner loop: receive episodes, train on complete groups, push weights, announce.
+
+One loop, synchronous on purpose (training is the slow part; ZeroMQ queues arriving experience
+in its own I/O thread meanwhile). `Leader.run` reads as its steps:
+
+1. `_start`: restore a checkpoint if `run.resume` is set (learner/loop/session.py), attach to
+   the actor and push the current policy weights as the current version, so the actor never
+   generates for this session with weights the learner does not have (a resumed run continues
+   at its checkpoint's version); open the metrics and say ready;
+2. `_receive`: drain arriving `Trajectory` / `EpisodeFailed` messages into the replay buffer;
+3. `_maybe_step`: when enough fresh groups are complete, filter them (`learner.group_filter`),
+   compute advantages, take one optimizer step, push the new weights, report the step
+   (learner/loop/report.py), save a checkpoint every `learner.checkpoint_every` steps;
+4. `_announce`: the version and the admission limit (the envpool gate paces episodes by it);
+5. after `train.steps` steps, `_finish`: announce `final`, collect every worker's `PoolDone`,
+   save, count what is left in the buffer as dropped ("run_ended"), check the accounting
+   identity and write the summary (learner/loop/finish.py).
+
+Other ranks only follow rank 0's commands (`learner/team.py`). The version is re-announced every
+second (a heartbeat): PUB/SUB drops messages sent before a subscriber connects, and the envpool
+takes a silent learner as an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from millstream.learner.episodes.experience import Experience
+from millstream.learner.episodes.intake import Intake
+from millstream.learner.episodes.records import EpisodeRecords
+from millstream.learner.episodes.validate import EpisodeCheck, vocab_size
+from millstream.learner.episodes.workers import WorkerLedger
+from millstream.learner.evals import EvalLog
+from millstream.learner.loop.finish import close_run, final_wait_s, write_summary
+from millstream.learner.loop.report import StepReport
+from millstream.learner.loop.session import Session, restore_session, session_state
+from millstream.learner.persist.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from millstream.learner.replay import Group, ReplayBuffer
+from millstream.learner.stats import batch_metrics, buffer_metrics
+from millstream.learner.sync.fleet import Fleet
+from millstream.learner.team import Team
+from millstream.learner.train.advantages import compute_advantages, filter_groups, filter_pool_size
+from millstream.learner.train.batching import train_samples
+from millstream.learner.train.trainer import Trainer
+from millstream.shared.config import Config
+from millstream.shared.obs.dashboards import open_metrics
+from millstream.shared.process.runtime import resolve_model_dir, write_ready
+from millstream.shared.wire import (
+    DropCause,
+    EvalResult,
+    Message,
+    ReplicaJoin,
+    ReplicaLeave,
+    Trajectory,
+    admit_limit,
+    group_number,
+)
+from millstream.shared.wire.keys import RunKeys
+
+__all__ = ["Leader"]
+
+log = logging.getLogger("learner")
+
+#: The drop cause of groups each group filter removes.
+FILTER_CAUSE = {"zero_std": DropCause.FILTERED_ZERO_STD, "starpo_s": DropCause.FILTERED_STARPO_S}
+
+
+class Leader:
+    """Rank 0: everything that talks to the envpool and the actor, and decides every step."""
+
+    def __init__(
+        self, cfg: Config, trainer: Trainer, team: Team, run_dir: Path, keys: RunKeys | None
+    ) -> None:
+        self.cfg, self.trainer, self.team, self.run_dir = cfg, trainer, team, run_dir
+        self.keys = keys
+        train, learner = cfg.train, cfg.learner
+        bound = train.max_staleness if learner.staleness_policy == "drop" else learner.decoupled_max_staleness
+        self.buffer = ReplayBuffer(train.group_size, train.groups_per_batch, bound, learner.max_buffer_groups)
+        self.generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
+        self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0, group_size=train.group_size)
+        check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))
+        self.records = EpisodeRecords(cfg, run_dir)  # every episode's fate (learner/episodes/records.py)
+        self.buffer.on_drop = lambda trajs, why: self.records.dropped(trajs, str(why), self.trainer.version)
+        self.intake = Intake(cfg, self.buffer, self.ledger, check, self.records.failed)
+        self.session = Session()  # numbering and admission marks (learner/loop/session.py)
+        self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
+        self.evals = EvalLog()  # evaluation rounds (learner/evals.py): metrics, never trained
+
+    # --- admission -------------------------------------------------------------------------
+
+    def limit(self) -> int:
+        cfg, session = self.cfg, self.session
+        if not self._all_greeted():
+            return session.group_base  # nothing admitted before numbering is settled
+        return admit_limit(
+            group_base=session.group_base,
+            consumed=session.trained_groups + self.buffer.dropped_from_floor,
+            carried=0,  # earlier sessions' groups hold no slot (see _all_greeted)
+            groups_per_batch=cfg.train.groups_per_batch,
+            max_staleness=cfg.train.max_staleness,
+            slack=cfg.envpool.admission_slack,
+        )
+
+    def _all_greeted(self) -> bool:
+        """Every worker said hello to this session (or their time is up); the first time it is
+        so, numbering moves past every group any worker process has started, and the groups
+        started before (a restarted learner's: restored, still running, or held results) are
+        not this session's: consuming one admits nothing new (`ReplayBuffer.floor`). Otherwise
+        each would admit a group too many, for good, and the excess would be dropped stale step
+        after step. They hold no slot either: some can never complete (their other members died
+        with the old learner), and a slot held by one of those would never come back. So a
+        restart over-admits once, by the groups then in flight."""
+        if self.greeting_until is None:
+            return True
+        waiting = (
+            len(self.ledger.greeted) < self.cfg.envpool.workers and time.monotonic() < self.greeting_until
+        )
+        if waiting and len(self.intake.held) < self.intake.max_held:  # full: judge them now
+            return False
+        self.greeting_until = None
+        session = self.session
+        session.group_base = max([session.group_base, *self.ledger.next_groups])
+        self.ledger.rebase(session.group_base)
+        session.admitted = max(session.admitted, session.group_base)  # every group a worker started
+        self.buffer.floor, self.buffer.dropped_from_floor = session.group_base, 0
+        return True
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def run(self, ready_file: str | None) -> dict:
+        cfg, trainer = self.cfg, self.trainer
+        self._start(ready_file)
+        announced = self.limit()
+        self._announce(announced)
+        while trainer.version < cfg.train.steps:
+            self._receive()
+            replicas_changed = self.fleet.follow(self._weights, trainer.version)
+            stepped = self._maybe_step()
+            if (
+                stepped
+                or replicas_changed
+                or time.monotonic() - self.exp.last_announce > 1.0
+                or self.limit() != announced
+            ):
+                announced = self.limit()
+                self._announce(announced)
+            if not stepped and time.monotonic() - self.last_data > cfg.learner.idle_timeout_s:
+                raise TimeoutError(
+                    f"no experience for {cfg.learner.idle_timeout_s}s; is the envpool "
+                    f"alive? buffer: {self.buffer.statistics()}"
+                )
+        return self._finish()
+
+    def _start(self, ready_file: str | None) -> None:
+        """Resume, push the policy to the actor, open the sockets and the metrics, say ready."""
+        cfg, trainer = self.cfg, self.trainer
+        if cfg.run.resume:
+            self._resume(find_checkpoint(cfg.run.resume))
+        self.fleet = Fleet(cfg, self.keys, self.run_dir)
+        pushed = self.fleet.start(self._weights, trainer.version)
+        log.info(
+            "policy version %d pushed to %d replicas in %.2fs",
+            trainer.version,
+            len(self.fleet.members),
+            pushed.get("sync/total_s", 0.0),
+        )
+        self.exp = Experience(cfg, self.keys)
+        self.metrics = open_metrics(
+            self.run_dir,
+            cfg.metrics.backends,
+            wandb_project=cfg.metrics.wandb_project,
+            wandb_name=cfg.metrics.wandb_name,
+            wandb_tags=cfg.metrics.wandb_tags,
+            config=msgspec.to_builtins(cfg),
+        )
+        self.report = StepReport(cfg, self.metrics)
+        if cfg.run.resume:
+            self.metrics.write(
+                {
+                    "event": "resume",
+                    "step": trainer.version,
+                    "checkpoint": str(find_checkpoint(cfg.run.resume)),
+                }
+            )
+        write_ready(
+            ready_file, experience=cfg.learner.experience_address, versions=cfg.learner.version_address
+        )
+        self.started = self.last_step = self.last_data = time.monotonic()
+        self.greeting_until = self.started + min(60.0, cfg.envpool.start_timeout_s)
+
+    def _receive(self) -> None:
+        """Take what arrived; release the held episodes once every worker said hello."""
+        for message in self.exp.receive(0.05):
+            self._take(message, greeting=self.greeting_until is not None)
+            self.last_data = time.monotonic()
+        if self.intake.held and self._all_greeted():
+            self.intake.release(version=self.trainer.version, admitted=self.session.admitted)
+
+    def _announce(self, limit: int) -> None:
+        session = self.session
+        session.admitted = max(session.admitted, limit)
+        self.exp.announce(
+            self.trainer.version,
+            limit,
+            session.group_base,
+            next_groups=self.ledger.next_groups,
+            session=session.id,
+            replicas=self.fleet.announced(),
+        )
+
+    def _take(self, message: Message, *, greeting: bool) -> None:
+        if isinstance(message, (ReplicaJoin, ReplicaLeave)):
+            self.fleet.take(message)
+            return
+        if isinstance(message, EvalResult):
+            self.metrics.write(self.evals.take(message))
+            return
+        self.intake.take(
+            message, version=self.trainer.version, admitted=self.session.admitted, greeting=greeting
+        )
+
+    # --- one step --------------------------------------------------------------------------
+
+    def _maybe_step(self) -> bool:
+        """One training step if enough fresh complete groups wait: take, train, push, report."""
+        version = self.trainer.version
+        batch = self._take_batch(version)
+        if not batch:
+            return False
+        scored = self._score(batch)
+        step_metrics = self._train(scored)
+        self.session.trained_groups += sum(1 for g in batch if group_number(g.group_id) >= self.buffer.floor)
+        sync_metrics = self._push_weights()
+        now = time.monotonic()
+        record = {
+            "step": self.trainer.version,
+            "trained_version": version,
+            "learner/ranks": self.team.world,
+            **batch_metrics(batch, version, now - self.last_step, now - self.started),
+            **{f"train/{k}": v for k, v in step_metrics.items()},
+            **sync_metrics,
+            **self.fleet.metrics(),
+            **buffer_metrics(self.buffer.statistics()),
+            **self.records.statistics(),
+        }
+        self.records.trained(scored, self.trainer.version, version)  # first: the record counts them
+        self.report.step(record, step_metrics, self.trainer.version)
+        self.last_step = now
+        every = self.cfg.learner.checkpoint_every
+        if every and self.trainer.version % every == 0 and self.trainer.version < self.cfg.train.steps:
+            self._save()
+        return True
+
+    def _take_batch(self, version: int) -> list[Group]:
+        """The next batch of complete, fresh-enough groups that pass the group filter."""
+        cfg = self.cfg
+        candidates = self.buffer.take_batch(
+            version, count=filter_pool_size(cfg.learner, cfg.train.groups_per_batch)
+        )
+        if candidates is None:
+            return []
+        batch, rejected = filter_groups(candidates, cfg.learner)
+        if rejected:
+            self.buffer.discard(rejected, FILTER_CAUSE[cfg.learner.group_filter])
+        if not batch:
+            self.report.no_batch(self.trainer.version)
+        return batch
+
+    def _score(self, batch: list[Group]) -> list[tuple[Trajectory, list[float]]]:
+        """Every trajectory of the batch with its per-token advantages."""
+        advantages = compute_advantages(batch, self.cfg.learner)
+        return [(t, adv) for g, g_adv in zip(batch, advantages) for t, adv in zip(g.trajectories, g_adv)]
+
+    # --- collective steps (every rank enters them) -----------------------------------------
+
+    def _train(self, scored: list[tuple[Trajectory, list[float]]]) -> dict[str, float]:
+        """One optimizer step on every rank (each trains its shard of the samples)."""
+        samples = [s for t, adv in scored for s in train_samples(t, adv)]
+        self.team.command("train", samples)
+        metrics = self.trainer.train_step(
+            self.team.shard(samples), self.cfg.learner, generation_budget=self.generation_budget
+        )
+        return metrics
+
+    def _push_weights(self) -> dict:
+        return self.fleet.push(self._weights, self.trainer.version)
+
+    def _weights(self) -> Iterable[tuple[str, Any]]:
+        self.team.command("weights")  # every rank walks the weights (ZeRO-3 gathers them)
+        return self.trainer.named_weights()
+
+    def _save(self) -> Path:
+        # Where the run's records stand at this checkpoint: a resume from it marks every record
+        # after these positions rolled back (shared/store/rundir.py).
+        records = {"metrics.jsonl": self.metrics.position(), **self.records.positions()}
+        extra = session_state(self.session, self.run_dir, self.buffer, self.ledger, self.intake, records)
+        self.team.command("save", extra)
+        path = save_checkpoint(
+            self.run_dir, self.trainer, self.buffer, extra, keep=self.cfg.learner.keep_checkpoints
+        )
+        self.metrics.write({"event": "checkpoint", "step": self.trainer.version, "path": str(path)})
+        return path
+
+    def _resume(self, path: Path) -> None:
+        self.team.command("load", str(path))
+        state = load_checkpoint(path, self.trainer, self.buffer)
+        restore_session(self.session, state, self.ledger, self.intake)
+        log.info(
+            "resumed from %s at policy version %d (%d groups carried, numbering from %d)",
+            path,
+            self.trainer.version,
+            int(state["restored_groups"]),
+            self.session.group_base,
+        )
+
+    # --- the end ---------------------------------------------------------------------------
+
+    def _finish(self) -> dict:
+        self._final_round()
+        checkpoint = self._save()  # before the drain: its complete groups survive a resume
+        summary = close_run(
+            self.cfg,
+            version=self.trainer.version,
+            checkpoint=checkpoint,
+            buffer=self.buffer,
+            ledger=self.ledger,
+            intake=self.intake,
+            sessions=self.session.count,
+            decode_errors=self.exp.codec.errors,
+            fleet=self.fleet,
+            evals=self.evals,
+        )
+        self.team.command("stop")
+        write_summary(self.run_dir, self.metrics, summary)
+        for closable in (self.records, self.metrics, self.fleet, self.exp):
+            closable.close()
+        return summary
+
+    def _final_round(self) -> None:
+        """Announce `final` until every worker's `PoolDone` arrived (or the wait is over)."""
+        deadline = time.monotonic() + final_wait_s(self.cfg)
+        self.intake.release(version=self.trainer.version, admitted=self.session.admitted)  # they count
+        while len(self.intake.done_workers) < self.cfg.envpool.workers and time.monotonic() < deadline:
+            self.exp.announce(
+                self.trainer.version,
+                0,
+                self.session.group_base,
+                final=True,
+                session=self.session.id,
+                replicas=self.fleet.announced(),
+            )
+            for message in self.exp.receive(0.2):
+                self._take(message, greeting=False)
