@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from millstream.shared.wire import Cause, EpisodeFailed, FailedRequest, Scene, Trajectory, Truncation
+from millstream.envpool.actors.generation import GenerationFailed
+from millstream.shared.wire import Cause, EpisodeFailed, Scene, Trajectory, Truncation
 
 __all__ = ["EpisodeSpec", "EpisodeRecord", "Generated", "episode_failed"]
 
@@ -44,10 +45,6 @@ class Generated(Protocol):
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
-
-
-class _Failure(Protocol):
-    def as_request(self, turn: int) -> FailedRequest: ...
 
 
 def episode_failed(
@@ -140,7 +137,7 @@ class EpisodeRecord:
 
     # --- the outcome -----------------------------------------------------------------------
 
-    def scene(self, failed: _Failure | None = None) -> Scene | None:
+    def scene(self, failed: GenerationFailed | None = None) -> Scene | None:
         """What the episode had done, and the request that failed, if one did."""
         if not self.ids and failed is None:
             return None  # it failed before its first prompt: there is nothing to see
@@ -161,7 +158,7 @@ class EpisodeRecord:
             request,
         )
 
-    def failed(self, cause: Cause, message: str, failure: _Failure | None = None) -> EpisodeFailed:
+    def failed(self, cause: Cause, message: str, failure: GenerationFailed | None = None) -> EpisodeFailed:
         """The episode's `EpisodeFailed`, with what it had done as its scene."""
         return episode_failed(self.spec, cause, message, self.scene(failure))
 

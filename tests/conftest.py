@@ -11,18 +11,52 @@ do not see each other's weights). Starting vLLM costs ~1 minute here, hence once
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import helpers
 import pytest
 from helpers import LAUNCHED, start_actor, start_synthetic_actor, stop_group
 
+#: Fixtures that start the real stack or a whole run (a Ray cluster, a `millstream stress` run):
+#: a test that uses one is `real`.
+REAL_FIXTURES = {"actor", "cluster", "stress_run"}
+#: Engines whose import in the test process makes a test `real` (checked after each test).
+REAL_MODULES = ("vllm", "deepspeed")
+#: Per-test limits (pytest-timeout): a hang fails with a traceback instead of stalling the lane.
+#: A `real` test may start vLLM (a minute here) and run a whole training run.
+DEFAULT_TIMEOUT_S = 180
+REAL_TIMEOUT_S = 900
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """A test that uses the real vLLM actor is `real`: `make test-fast` (-m "not real") skips it."""
+    """The `real` lane, by rule rather than by memory: a test that uses the real vLLM actor or a
+    Ray cluster is `real` (`make test-fast` skips it); `real` tests get the longer time limit."""
     for item in items:
-        if "actor" in getattr(item, "fixturenames", ()):
+        if REAL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.real)
+        if item.get_closest_marker("timeout") is None:
+            real = item.get_closest_marker("real") is not None
+            item.add_marker(pytest.mark.timeout(REAL_TIMEOUT_S if real else DEFAULT_TIMEOUT_S))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """The rest of the rule: a test that starts a whole run or a vLLM actor through tests/helpers
+    (`helpers.require_real`), or imports vLLM or DeepSpeed here, fails unless it is `real`."""
+    before = {m for m in REAL_MODULES if m in sys.modules}
+    helpers.CURRENT_TEST = item
+    try:
+        result = yield
+    finally:
+        helpers.CURRENT_TEST = None
+    imported = sorted({m for m in REAL_MODULES if m in sys.modules} - before)
+    if imported and item.get_closest_marker("real") is None:
+        pytest.fail(
+            f"{item.nodeid} imports {', '.join(imported)}: mark it `real` (make test-fast skips those)"
+        )
+    return result
 
 
 @pytest.fixture(autouse=True)

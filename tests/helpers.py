@@ -53,6 +53,17 @@ WATCHED = {ENV_PARENT: str(os.getpid())}
 KEYS = f"transport.keys_dir={KEYS_DIR}"
 
 
+#: The test running now (set by conftest), so that helpers that start the real stack can insist
+#: that it is marked `real`.
+CURRENT_TEST: Any = None
+
+
+def require_real(what: str) -> None:
+    """Fail the running test unless it is marked `real`: it `what` (vLLM, DeepSpeed, a run)."""
+    if CURRENT_TEST is not None and CURRENT_TEST.get_closest_marker("real") is None:
+        pytest.fail(f"{CURRENT_TEST.nodeid} {what}: mark it `real` (make test-fast skips those)")
+
+
 class Recorder:
     """Wraps a client (the production `ActorClient` or `Router`): remembers each request's
     prompt and each generation, so a test can compare what an episode recorded with what the
@@ -120,6 +131,8 @@ def start_actor(
 
     It runs in a process group of its own (stop it with `stop_group`); its output goes to the
     log, which a failed start shows."""
+    if "actor.kind=synthetic" not in overrides:
+        require_real("starts a vLLM actor")
     address = address or f"tcp://127.0.0.1:{free_port()}"
     port = address.rsplit(":", 1)[1]
     ready, log = workdir / f"actor-{port}.json", workdir / f"actor-{port}.log"
@@ -240,6 +253,7 @@ def millstream_run(
     actor, run_dir: Path, *overrides: str, timeout: float = 900
 ) -> subprocess.CompletedProcess:
     """`millstream run` against the session's actor; fails the test with every log if it fails."""
+    require_real("runs `millstream run`")
     cmd = [
         *MILLSTREAM,
         "run",
@@ -271,6 +285,7 @@ def start_run(
 ) -> subprocess.Popen:
     """`millstream run` in the background, returned once a line starting with `until` appeared
     (by default: the first step line, training is under way)."""
+    require_real("runs `millstream run`")
     proc = subprocess.Popen(
         [*MILLSTREAM, "run", f"run.dir={run_dir}", KEYS, *overrides],
         cwd=ROOT,

@@ -14,6 +14,7 @@ import re
 import subprocess
 import tomllib
 
+import pytest
 import zmq
 from helpers import check_accounting, read_episodes, start_run
 
@@ -73,6 +74,7 @@ def _listeners(pids: list[int]) -> list[str]:
     return [line.split()[3] for line in out.splitlines() if wanted & set(re.findall(r"pid=(\d+)", line))]
 
 
+@pytest.mark.real
 def test_a_run_admits_only_its_own_keys(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = start_run(

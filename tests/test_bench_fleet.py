@@ -4,10 +4,12 @@ measure (bench/README.md records them), tests assert behaviour."""
 from __future__ import annotations
 
 import orjson
+import pytest
 
 from millstream.bench.fleet import main
 
 
+@pytest.mark.real
 def test_the_fleet_benchmark_runs_and_writes_its_results(tmp_path):
     results = main(
         ["--replicas", "1,2", "--sync-replicas", "2", "--step-s", "0.02", "--episodes", "8"]

@@ -11,6 +11,7 @@ from millstream.bench import async_sync, weight_sync
 from millstream.shared.config import check_config, load_config
 
 
+@pytest.mark.real
 def test_weight_sync_pushes_through_millstream_and_raw_gloo(tmp_path):
     path = weight_sync.main(["--sizes", "1", "--rounds", "1", "--out", str(tmp_path)])
     (row,) = orjson.loads(path.read_bytes())["rows"]
@@ -92,6 +93,7 @@ def test_one_awake_stops_every_engine_but_the_measured_one():
             p.wait()
 
 
+@pytest.mark.real
 def test_pool_vs_http_plays_both_sides_against_the_same_engine(tmp_path):
     """envpool (real worker + synthetic actor) and the asyncio + HTTP baseline (the synthetic
     actor's engine over aiohttp) both finish every episode and report their rates."""

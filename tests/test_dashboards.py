@@ -45,6 +45,7 @@ def test_tensorboard_events_hold_the_step_records(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 4  # the JSONL keeps everything
 
 
+@pytest.mark.slow
 def test_wandb_writes_an_offline_run_with_the_history(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # any network attempt would fail
     metrics = open_metrics(tmp_path, ["jsonl", "wandb"], wandb_project="p", wandb_tags=["t1"])

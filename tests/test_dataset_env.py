@@ -266,7 +266,7 @@ class OneReply:
     def __init__(self, chat, text):
         self.ids = chat.tokenizer.encode(text).ids
 
-    async def generate(self, prompt_token_ids, **_):
+    async def generate(self, prompt_token_ids, sampling, **_):
         from millstream.envpool.actors.client import Generation
 
         return Generation(list(self.ids), [-0.5] * len(self.ids), [0] * len(self.ids), "length")

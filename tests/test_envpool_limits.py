@@ -159,6 +159,7 @@ class SlowStart:
         return StepResult(Observation("", anchor="end"), 0.0, True, {"valid": True})
 
 
+@pytest.mark.slow
 def test_environments_start_at_most_max_starting_envs_at_once(synthetic, tiny_model_dir):
     chat = ChatFormat.from_model_dir(tiny_model_dir)
     cfg = EnvPoolConfig(max_tokens=4, max_starting_envs=3)
@@ -182,6 +183,7 @@ def test_environments_start_at_most_max_starting_envs_at_once(synthetic, tiny_mo
     assert len(results) == 12 and all(isinstance(r, Trajectory) for r in results)
 
 
+@pytest.mark.slow
 def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tmp_path):
     address, proc = helpers.start_synthetic_actor(
         tiny_model_dir,
@@ -212,6 +214,7 @@ def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tm
         helpers.stop_group(proc)
 
 
+@pytest.mark.slow
 def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handshake(tiny_model_dir, tmp_path):
     """As under `millstream run`: vLLM takes a minute to load, the envpool starts at once.
 

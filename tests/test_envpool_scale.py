@@ -50,6 +50,7 @@ def anyreply():
 
 
 @pytest.mark.parametrize("backend", ["trio"])
+@pytest.mark.slow
 def test_two_thousand_concurrent_episodes_with_faults_are_all_accounted(
     synthetic, tiny_model_dir, anyreply, backend
 ):

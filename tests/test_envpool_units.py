@@ -172,6 +172,7 @@ def test_parse_answer():
     assert parse_answer("<answer> </answer>") is None
 
 
+@pytest.mark.slow
 @pytest.mark.anyio
 async def test_flaky_env_injects_both_faults():
     from millstream.envpool.envs.flaky import InjectedFault

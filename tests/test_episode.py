@@ -153,14 +153,14 @@ class ScriptedClient:
     def __init__(self, replies):
         self.replies, self.prompts, self.generations = replies, [], []
 
-    async def generate(self, prompt_token_ids, *, max_tokens, stop_token_ids, **_):
-        ids = self.replies[len(self.prompts)][:max_tokens]
+    async def generate(self, prompt_token_ids, sampling, **_):
+        ids = self.replies[len(self.prompts)][: sampling.max_tokens]
         self.prompts.append(list(prompt_token_ids))
         gen = Generation(
             list(ids),
             [-0.5] * len(ids),
             [3] * len(ids),
-            "stop" if ids and ids[-1] in stop_token_ids else "length",
+            "stop" if ids and ids[-1] in sampling.stop_token_ids else "length",
         )
         self.generations.append(gen)
         return gen

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 from helpers import check_accounting, read_episodes, start_run, steps_of
 
 from millstream.shared.process.lifecycle import run_processes
@@ -34,6 +35,7 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: 
         time.sleep(0.2)
 
 
+@pytest.mark.real
 def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     proc = start_run(

@@ -128,6 +128,7 @@ def test_a_judge_model_that_is_not_a_model_directory_is_refused_before_anything_
         prepare(None, [f"run.dir={tmp_path / 'run'}", f"judge.model_path={tmp_path}"])
 
 
+@pytest.mark.slow
 def test_the_judge_actor_refuses_weights(tiny_model_dir, tmp_path):
     """Even from the learner's key: a judge graded by moving weights could be gamed."""
     address = f"tcp://127.0.0.1:{free_port()}"

@@ -46,6 +46,7 @@ def test_the_envpool_check_runs_before_anything_starts(tmp_path, tiny_model_dir,
     assert refused(tmp_path, f"model.path={tiny_model_dir}", override).startswith(message)
 
 
+@pytest.mark.slow
 def test_lora_targets_the_model_lacks_are_refused_before_anything_starts(tmp_path, tiny_model_dir):
     message = refused(
         tmp_path,
@@ -130,6 +131,36 @@ def test_help_prints_usage_and_every_key():
     assert proc.stdout.startswith("usage: millstream run [CONFIG.toml]")
     for key in ("[train]", "  steps = 40", "  temperature = 1.0", "  start_timeout_s = 900.0"):
         assert key in proc.stdout
+
+
+def config_of(*words: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*MILLSTREAM, "config", *words], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_config_shows_a_section_a_key_or_the_keys_a_word_matches():
+    headers = [line for line in config_of("learner").stdout.splitlines() if line.startswith("[")]
+    assert headers == ["[learner]"]  # not [envpool] for learner_silence_timeout_s
+    one = config_of("learner.lr").stdout.splitlines()
+    assert one[:2] == ["[learner]", "  lr = 0.004"] and len(one) == 3  # the key and its doc line
+    matched = config_of("timeout").stdout
+    assert "[envpool]\n  step_timeout_s = 30.0" in matched and "[learner]" in matched
+    assert "  lr = " not in matched
+    nothing = config_of("no_such_word")
+    assert nothing.returncode == 2 and "no key matches 'no_such_word'" in nothing.stderr
+    assert config_of().stdout.count("\n[") >= 8  # every section, as before
+
+
+@pytest.mark.parametrize("args", [["--help"], ["config"], ["run", "--help"]])
+def test_output_cut_short_by_the_reader_ends_quietly(args):
+    """`millstream config | head`: the reader closes the pipe after one line; no traceback."""
+    proc = subprocess.Popen([*MILLSTREAM, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # what `head -1` does once it has its line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0 and first and "Traceback" not in err, err
 
 
 def test_a_run_directory_that_holds_a_run_is_not_reused_by_accident(tmp_path, tiny_model_dir):

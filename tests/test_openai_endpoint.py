@@ -34,8 +34,8 @@ class ScriptedClient:
     def __init__(self, replies):
         self.replies, self.prompts, self.generations = replies, [], []
 
-    async def generate(self, prompt_token_ids, *, max_tokens, **_):
-        ids = list(self.replies[len(self.prompts)][:max_tokens])
+    async def generate(self, prompt_token_ids, sampling, **_):
+        ids = list(self.replies[len(self.prompts)][: sampling.max_tokens])
         self.prompts.append(list(prompt_token_ids))
         gen = Generation(ids, [-0.25] * len(ids), [7] * len(ids), "stop")
         self.generations.append(gen)

@@ -10,6 +10,7 @@ from helpers import keys_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from millstream.shared import wire
 from millstream.shared.wire import (
     PROTOCOL_VERSION,
     Codec,
@@ -19,11 +20,10 @@ from millstream.shared.wire import (
     ProtocolError,
     ReplyCause,
     TokenDelta,
-    protocol,
 )
 from millstream.shared.wire.keys import secure
 
-MESSAGES = list(typing.get_args(protocol.Message))
+MESSAGES = list(typing.get_args(wire.Message))
 i32 = st.integers(-(2**31), 2**31 - 1)
 floats = st.floats(allow_nan=False, width=64)
 
@@ -76,7 +76,7 @@ def test_an_unknown_cause_is_a_protocol_error_not_a_string():
         codec.decode(frame)
     good = msgspec.msgpack.encode([PROTOCOL_VERSION, [["failed", "e", "g0", 8, "env_timeout", "x"]]])
     (failed,) = codec.decode(good)
-    assert failed.cause is protocol.Cause.ENV_TIMEOUT
+    assert failed.cause is wire.Cause.ENV_TIMEOUT
 
 
 def test_every_message_kind_is_covered():

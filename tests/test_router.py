@@ -10,6 +10,7 @@ import time
 from collections import Counter, defaultdict
 
 import anyio
+import pytest
 from helpers import keys_for, start_synthetic_actor, stop_group
 
 from millstream.envpool.actors.generation import Retry, Sampling
@@ -53,6 +54,7 @@ async def _with_router(refs: list[ReplicaRef], body):
     return result
 
 
+@pytest.mark.slow
 def test_episodes_stick_to_one_replica_and_spread_by_load(tiny_model_dir, tmp_path):
     a, pa = start_synthetic_actor(tiny_model_dir, tmp_path, SLOW)
     b, pb = start_synthetic_actor(tiny_model_dir, tmp_path, SLOW)
@@ -75,6 +77,7 @@ def test_episodes_stick_to_one_replica_and_spread_by_load(tiny_model_dir, tmp_pa
     assert stats["retries_by_cause"] == {} and stats["episodes_moved"] == 0
 
 
+@pytest.mark.slow
 def test_an_overloaded_replica_sheds_to_the_other(tiny_model_dir, tmp_path):
     tight, pa = start_synthetic_actor(tiny_model_dir, tmp_path, SLOW, "actor.max_live_requests=2")
     roomy, pb = start_synthetic_actor(tiny_model_dir, tmp_path, SLOW)
@@ -95,6 +98,7 @@ def test_an_overloaded_replica_sheds_to_the_other(tiny_model_dir, tmp_path):
     assert stats["replicas"]["roomy"]["requests"] > stats["replicas"]["tight"]["requests"]
 
 
+@pytest.mark.slow
 def test_a_dead_replicas_turns_move_and_it_waits_for_a_new_epoch(tiny_model_dir, tmp_path):
     """Kill one replica mid-turn: its turns finish on the other. Restarted at its address, it
     gets no request until the learner announces it with a larger epoch (it would otherwise
@@ -109,7 +113,9 @@ def test_a_dead_replicas_turns_move_and_it_waits_for_a_new_epoch(tiny_model_dir,
             served: dict[str, list[str]] = defaultdict(list)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_episodes, router, 20, 2, served)
-                await anyio.sleep(0.5)  # turns are live on both
+                with anyio.fail_after(20):  # turns are live on both
+                    while not all(router.replicas[r].client.stats.live for r in ("r0", "r1")):
+                        await anyio.sleep(0.01)
                 stop_group(pa, signal.SIGKILL)
             after_kill = router.statistics()
             _, restarted = await anyio.to_thread.run_sync(

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.sandbox import CHILD, mechanism_for, run_python, unavailable_message
+from millstream.envpool.envs.sandbox.run import CHILD, mechanism_for, run_python, unavailable_message
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = os.geteuid() == 0
@@ -110,6 +110,7 @@ def test_udp_out_fails_after_the_hook_is_removed():
         assert receiver.recv(64) == b"forged"
 
 
+@pytest.mark.slow
 def test_forked_children_are_all_gone_when_the_call_returns():
     marker = f"sbxf{os.getpid() % 10**6}"
     code = forker(marker, 50, then="print(len([p for p in os.listdir('/proc') if p.isdigit()]))")

@@ -59,6 +59,7 @@ def test_many_concurrent_requests_stream_to_completion(synthetic):
         assert (r.finish_reason == "stop") == (r.token_ids[-1] == 2)
 
 
+@pytest.mark.slow
 def test_lognormal_lengths_are_heavy_tailed_and_capped(tiny_model_dir, tmp_path):
     """`actor.synthetic_length_median`: each request's length is drawn once from a lognormal
     (median 20, sigma 1), ended by the end-of-turn token, capped by max_tokens (the bench of

@@ -43,6 +43,7 @@ def test_the_size_must_split_the_models_heads(tiny_model_dir, tmp_path):
             check_tensor_parallel(tmp_path, size)
 
 
+@pytest.mark.real
 def test_the_actor_refuses_a_size_that_cannot_split_before_its_engine_starts(tiny_model_dir):
     proc = subprocess.run(
         [

@@ -148,11 +148,17 @@ def count_episodes(db: sqlite3.Connection, filters: Filters | None = None) -> di
 
 
 class Pieces:
-    """Each token id as text, decoded alone with special tokens kept (cached per id)."""
+    """Each token id as text, decoded alone with special tokens kept (cached per id).
 
-    def __init__(self, tokenizer: Any) -> None:
+    It reads the model's `tokenizer.json` with `tokenizers` (a core dependency), not
+    transformers: a look at one episode should not wait seconds for a library import.
+    """
+
+    def __init__(self, tokenizer: Any, special: set[int] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        self.special = (
+            special if special is not None else set(getattr(tokenizer, "all_special_ids", []) or [])
+        )
         self.piece = functools.lru_cache(maxsize=65536)(self._piece)
 
     def _piece(self, token_id: int) -> str:
@@ -160,9 +166,14 @@ class Pieces:
 
     @classmethod
     def for_model(cls, model_dir: str | Path) -> Pieces:
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer
 
-        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}: cannot show its tokens")
+        tokenizer = Tokenizer.from_file(str(path))
+        special = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+        return cls(tokenizer, special)
 
     @classmethod
     def for_run(cls, run_dir: Path) -> Pieces:

@@ -7,7 +7,8 @@
     millstream inspect RUN_DIR [filters] [--serve] the run's episodes, one turn by turn (--help)
     millstream debug [RUN_DIR] [--episode ROW ...] one episode under a GDB-like prompt (--help)
     millstream tiny-model DIR [--seed N ...]       build the tiny random Qwen2 model
-    millstream config                              every config key, default and meaning
+    millstream config [WORD ...]                   config keys, defaults and meanings (all, or
+                                                   a section, `section.key`, or keys matching)
 
 Role commands replace this process with `python -m millstream.<role>`: `shared` imports no role package,
 and a role started by hand is the very same process the launcher starts.
@@ -24,7 +25,19 @@ ROLES = ("actor", "learner", "envpool")
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Dispatch; `millstream config | head` ends quietly when the reader leaves early."""
+    try:
+        _dispatch(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at exit
+    except BrokenPipeError:
+        # Python's advice for a closed stdout: point it at devnull, so the interpreter's last
+        # flush does not raise again, and end without a traceback (as `cat | head` does).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        sys.exit(0)
+
+
+def _dispatch(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if argv else 2)
@@ -51,10 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         tiny_main(rest)
         return
     if command == "config":
-        from millstream.shared.config import describe_config
-
-        print(describe_config())
-        return
+        sys.exit(config(rest))
     print(f"millstream: unknown command {command!r}\n{__doc__}", file=sys.stderr)
     sys.exit(2)
 
@@ -72,6 +82,66 @@ Examples:
 
 The config keys, with their defaults:
 """
+
+
+CONFIG_USAGE = """usage: millstream config [WORD ...]
+
+Prints config keys with their defaults and meanings, under their [section]:
+  millstream config                 every key
+  millstream config learner         one section
+  millstream config learner.lr      one key
+  millstream config timeout         every key whose name contains the word
+"""
+
+
+def config(words: list[str]) -> int:
+    """`millstream config [WORD ...]`: every key, or those the words pick (exit 2: none)."""
+    from millstream.shared.config import describe_config
+
+    if any(w in ("-h", "--help") for w in words):
+        print(CONFIG_USAGE)
+        return 0
+    blocks = _config_blocks(describe_config())
+    if not words:
+        print(describe_config())
+        return 0
+    sections = {section for section, _ in blocks}
+    shown = [
+        (section, [key for key in keys if any(_picks(w, section, key[0], sections) for w in words)])
+        for section, keys in blocks
+    ]
+    shown = [(section, keys) for section, keys in shown if keys]
+    if not shown:
+        print(f"millstream config: no key matches {' '.join(words)!r}", file=sys.stderr)
+        return 2
+    for section, keys in shown:
+        print(f"[{section}]")
+        for _, lines in keys:
+            print("\n".join(lines))
+    return 0
+
+
+def _config_blocks(text: str) -> list[tuple[str, list[tuple[str, list[str]]]]]:
+    """`describe_config()` read back: sections, each with (key, its lines)."""
+    blocks: list[tuple[str, list[tuple[str, list[str]]]]] = []
+    for line in text.splitlines():
+        if line.startswith("["):
+            blocks.append((line.strip("[]"), []))
+        elif line.startswith("  ") and not line.startswith("    ") and blocks:
+            blocks[-1][1].append((line.split("=")[0].strip(), [line]))
+        elif blocks and blocks[-1][1]:
+            blocks[-1][1][-1][1].append(line)
+    return blocks
+
+
+def _picks(word: str, section: str, key: str, sections: set[str]) -> bool:
+    """A section's name picks that section; `section.key` that key; another word the keys
+    whose name contains it."""
+    if word in sections:
+        return word == section
+    if "." in word:
+        return f"{section}.{key}" == word
+    return word in key
 
 
 def run(args: list[str]) -> int:
