@@ -1,15 +1,20 @@
 """Benchmarks, apart from the tests: they measure and record; tests assert behaviour.
 
-Layout:
-- `stress.py`        `millstream stress`: envpool workers at N concurrent episodes, faults, a report;
-- `stress_report.py` the report: workers' statistics over time, the table, JSON and the plot;
-- `stress_suite.py`  the recorded scenarios (`make bench-stress`), results in `results/`;
-- `fleet.py`         actor replicas: throughput by replica count, router overhead, weight sync time;
-- `fleet_report.py`  its outputs: the PNG and the text table;
-- `auth_cost.py`     what CURVE authentication costs;
-- `rounds.py`        systems compared round by round: medians, spread, JSON and PNG;
-- `all.py`           every benchmark (`make bench`, `make bench-quick`);
-- `async_sync.py`, `weight_sync.py`, `replicas.py`, `store_overhead.py`: one question each.
+Layout (each module at the top is one benchmark, run with `python -m millstream.bench.NAME`):
+
+    all.py              every benchmark (`make bench`, `make bench-quick`)
+    stress.py           `millstream stress`: envpool workers at N concurrent episodes, faults
+    stress_suite.py     the recorded scenarios (`make bench-stress`)
+    overhead.py         millstream's actor path against vLLM's AsyncLLM alone and `vllm serve`
+    pool_vs_http.py     envpool against one asyncio process speaking HTTP to the same engine
+    async_sync.py       asynchronous against synchronous training, same tokens
+    weight_sync.py      a weight push against a raw gloo broadcast of the same bytes
+    fleet.py            actor replicas: throughput by count, router overhead, sync time
+    auth_cost.py        what CURVE authentication costs
+    store_overhead.py   what the trajectory store costs the envpool
+    learning_margins.py a learner's reward rise against a non-learner's drift (test bars)
+    kit/                what they are built from: rounds, /proc CPU, replicas, reports
+    baselines/          what millstream is measured against: AsyncLLM alone, HTTP, the load
 
 `README.md` here holds the measured numbers and how to read them.
 """

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from millstream.bench.rounds import RESULTS
+from millstream.bench.kit.rounds import RESULTS
 
 __all__ = ["MODULES", "main"]
 

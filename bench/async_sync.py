@@ -28,7 +28,7 @@ step (from the moment it starts waiting for its first batch: process start-up is
 is the same for every setting); `tokens`, the generated tokens it trained (sum of
 `batch/generated_tokens`); `tokens_per_s` = tokens / train_s, the metric the ratios are taken
 of. Ratio = async tokens/s over sync tokens/s = sync time / async time for the same tokens.
-The settings run interleaved round by round (bench/rounds.py). Results:
+The settings run interleaved round by round (bench/kit/rounds.py). Results:
 bench/results/<date>-<host>/async-sync-<stack>.json and .png.
 """
 
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import orjson
 
-from millstream.bench.rounds import Outcome, compare, results_dir, write_outcome
+from millstream.bench.kit.rounds import Outcome, compare, results_dir, write_outcome
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.obs.metrics import read_jsonl
 

@@ -13,7 +13,7 @@ All through the production code, on loopback with `transport.curve=false`:
    same offered load for every N. After `--warmup` s, turns, tokens and CPU seconds (this
    process; all replicas, from /proc) are counted for `--duration` s. Then the router's own cost
    per turn is timed with every replica's `generate_once` replaced by a stub that answers at once.
-   The replica counts alternate round by round (bench/rounds.py, `--rounds`): fleet.json keeps
+   The replica counts alternate round by round (bench/kit/rounds.py, `--rounds`): fleet.json keeps
    the sample of median tokens/s per N, and `fleet-throughput-<step>ms.json` + .png every sample.
 2. **Router overhead, end to end.** One replica with a zero-cost engine, one-token turns, one at
    a time. In one event loop, `Router.generate` and a bare `ActorClient.generate_once` (each with
@@ -54,10 +54,10 @@ import orjson
 import torch
 from safetensors.torch import load_file
 
-from millstream.bench.fleet_report import plot, table
-from millstream.bench.procstat import cpu_s
-from millstream.bench.replicas import digest_s, replicas
-from millstream.bench.rounds import compare, results_dir, write_outcome
+from millstream.bench.kit.fleet_report import plot, table
+from millstream.bench.kit.procstat import cpu_s
+from millstream.bench.kit.replicas import digest_s, replicas
+from millstream.bench.kit.rounds import compare, results_dir, write_outcome
 from millstream.envpool.actors.client import ActorClient, Generation
 from millstream.envpool.actors.generation import Retry, Sampling
 from millstream.envpool.actors.router import Router

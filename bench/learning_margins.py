@@ -29,7 +29,7 @@ from pathlib import Path
 import orjson
 
 from millstream.bench.async_sync import start_vllm_actor
-from millstream.bench.rounds import results_dir
+from millstream.bench.kit.rounds import results_dir
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.obs.metrics import read_jsonl
 

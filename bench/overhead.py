@@ -9,12 +9,12 @@ lengths (`ignore_eos`, `min_tokens`), temperature 1, the sampled token's logprob
 - **millstream**: the actor process (`python -m millstream.actor`), driven over ZeroMQ with CURVE
   by envpool's `ActorClient` (trio): streamed deltas with logprobs and policy versions, as every
   episode turn is;
-- **asyncllm**: vLLM's `AsyncLLM` driven directly in one process (bench/overhead_engine.py);
+- **asyncllm**: vLLM's `AsyncLLM` driven directly in one process (bench/baselines/overhead_engine.py);
 - **vllm-serve**: vLLM's OpenAI server, driven by an asyncio + httpx client (the pattern most
   peers use: one HTTP request per turn, `/v1/completions` with the prompt's token ids).
 
-Each load shape (bench/overhead_load.py: waves, closed loop) and concurrency is one comparison,
-the three systems interleaved round by round (bench/rounds.py); all three engines stay up for
+Each load shape (bench/baselines/overhead_load.py: waves, closed loop) and concurrency is one comparison,
+the three systems interleaved round by round (bench/kit/rounds.py); all three engines stay up for
 the whole run, started one at a time, and only the measured one runs: the other two are
 stopped (SIGSTOP of their process groups, `OneAwake`), because an idle vLLM CPU engine keeps
 spinning for a second after its last step and takes cores from the measured one. Ratios are of
@@ -41,9 +41,9 @@ from typing import IO, Any
 import anyio
 import httpx
 
-from millstream.bench.overhead_load import prompt_ids, run_load
-from millstream.bench.procstat import tree_cpu_s
-from millstream.bench.rounds import compare, results_dir, write_outcome
+from millstream.bench.baselines.overhead_load import prompt_ids, run_load
+from millstream.bench.kit.procstat import tree_cpu_s
+from millstream.bench.kit.rounds import compare, results_dir, write_outcome
 from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
@@ -270,7 +270,7 @@ def start_engines(
     print("actor ready", flush=True)
     engine = _spawn(
         stack,
-        [sys.executable, "-m", "millstream.bench.overhead_engine", str(config_path)],
+        [sys.executable, "-m", "millstream.bench.baselines.overhead_engine", str(config_path)],
         work / "asyncllm.log",
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

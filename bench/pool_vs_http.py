@@ -10,12 +10,12 @@ the bottleneck (`ENGINE`: no step or prefill time, no batch limit to speak of):
   with CURVE, msgspec, the chat template, token in / token out, trajectories pushed to a
   stand-in learner), the synthetic actor process over the real protocol;
 - **asyncio-http**: one asyncio process running the episodes as coroutines, one aiohttp POST of
-  JSON per turn to the same engine model served over HTTP (bench/http_engine.py). It does the
+  JSON per turn to the same engine model served over HTTP (bench/baselines/http_engine.py). It does the
   same tokenizer work (envpool's `ChatFormat`: the first prompt, the close and the next prompt
   each turn, the reply decoded once) and runs the same `Echo` environment code, but builds no
   trajectory and sends nothing on.
 
-Turns/s is counted by each side the same way (bench/stress_report.py `ResultWindow`): the turns
+Turns/s is counted by each side the same way (bench/kit/stress_report.py `ResultWindow`): the turns
 of the episodes that ended after the first one, over the time from the first to the last, so
 neither side's process start (imports, tokenizer, handshakes) is in it; the wall-clock rate is
 kept as `turns_s_wall`. Where envpool itself saturates: its turns/s as concurrency grows.
@@ -37,9 +37,9 @@ from pathlib import Path
 
 import aiohttp
 
-from millstream.bench.rounds import compare, results_dir, write_outcome
+from millstream.bench.kit.rounds import compare, results_dir, write_outcome
+from millstream.bench.kit.stress_report import ResultWindow
 from millstream.bench.stress import stress_once
-from millstream.bench.stress_report import ResultWindow
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.envs import make_env
 from millstream.shared.models.tiny import build_tiny_model
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_model(work / "tiny", seed=0)
     port = free_port()
     server = subprocess.Popen(
-        [sys.executable, "-m", "millstream.bench.http_engine", str(port), str(model), *ENGINE],
+        [sys.executable, "-m", "millstream.bench.baselines.http_engine", str(port), str(model), *ENGINE],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -7,7 +7,7 @@ synthetic actor with the "fast engine" settings (10,000 slots, no step time), so
 itself is the bottleneck and any cost shows. The stress process stands in for the learner; with
 `--store` it writes every episode it receives through the learner's `StoreWriter` (the same
 thread and queue) to `store.sqlite`, as a run does. Store on and off alternate round by round
-(bench/rounds.py); the goal of issue 14 is a ratio within 3%.
+(bench/kit/rounds.py); the goal of issue 14 is a ratio within 3%.
 
 On this 2-core machine the writer thread, the stress process, the envpool worker and the
 synthetic actor share two cores, so the store's CPU is taken from the others: this is an upper
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 
-from millstream.bench.rounds import compare, results_dir, write_outcome
+from millstream.bench.kit.rounds import compare, results_dir, write_outcome
 from millstream.bench.stress import stress_once
 from millstream.bench.stress_suite import FAST_ENGINE
 

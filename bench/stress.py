@@ -10,7 +10,7 @@ running actor at ADDRESS (a vLLM actor of a real run works unchanged). This proc
 the learner: it announces a policy version whose admission limit lets every group start as soon as
 a worker has room (so `--concurrency` is the only bound), and counts what the workers push back.
 
-Faults wrap the environment in `flaky` (envpool/envs/flaky.py): `crash` raises in reset/step,
+Faults wrap the environment in `flaky` (envpool/envs/checks/flaky.py): `crash` raises in reset/step,
 `hang` sleeps past `envpool.step_timeout_s` (5 s here unless `--set` says otherwise), `garbage`
 replaces the model's reply by unparseable bytes (the environment answers with its format penalty).
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import zmq
 
-from millstream.bench.stress_report import (
+from millstream.bench.kit.stress_report import (
     ResultWindow,
     StatsFollower,
     build_report,

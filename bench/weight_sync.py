@@ -3,7 +3,7 @@
     python -m millstream.bench.weight_sync [--quick] [--sizes 10,100,500,1000] [--rounds 5]
 
 For every size (MB of float32, in 16 tensors), two systems alternate push by push
-(bench/rounds.py), each with one receiving process on this machine:
+(bench/kit/rounds.py), each with one receiving process on this machine:
 - `millstream`: learner/sync/weights.py as the learner's fleet uses it (bench/fleet.py section 3):
   `FlatWeights.pack` of the tensors, then `push_group` to one synthetic actor replica
   (`python -m millstream.actor actor.kind=synthetic`), which receives the broadcast into a fresh
@@ -43,8 +43,8 @@ import orjson
 import torch
 import torch.distributed as dist
 
-from millstream.bench.replicas import digest_s, replicas
-from millstream.bench.rounds import Outcome, compare, machine, results_dir, write_outcome
+from millstream.bench.kit.replicas import digest_s, replicas
+from millstream.bench.kit.rounds import Outcome, compare, machine, results_dir, write_outcome
 from millstream.learner.sync.weights import FlatWeights, ReplicaLink, attach_group, push_group
 from millstream.shared.config import LearnerConfig
 from millstream.shared.models.tiny import build_tiny_model

@@ -1,22 +1,31 @@
 """envpool: thousands of environment episodes as tasks on one event loop (trio by default).
 
 Layout:
-- `envs/`     environments (text in, text out) and their registry;
-- `chat.py`   token-in/token-out chat context (the envpool owns tokenization);
-- `client.py` many episodes' generation requests over one DEALER socket to the actor;
-- `episode.py` one episode: reset, generate, step, ... -> Trajectory or EpisodeFailed;
-- `gate.py`   the staleness-bounded admission gate;
-- `worker.py` the worker process: admission, concurrency, reporting to the learner, statistics.
+
+    worker.py    the worker process: admission, concurrency, reporting to the learner
+    episode.py   one episode: reset, generate, step, ... -> Trajectory or EpisodeFailed
+    record.py    the token record of an episode (text, agent and debug episodes alike)
+    chat.py      token-in/token-out chat context (the envpool owns tokenization)
+    gate.py      the staleness-bounded admission gate
+    seeds.py     where every random choice of an episode comes from
+    stats.py     what a worker counts
+    preflight.py `millstream envpool --check`: a config's envpool side, before a run starts
+    envs/        environments (text in, text out) by kind, and their registry
+    actors/      the link to the actor replicas: client, router, sampling and retries
+    agents/      the OpenAI-compatible endpoint per episode, for agent environments
+    scoring/     rewards, the LLM judge, evaluation rounds
+    debug/       `millstream debug`: one episode under a GDB-like prompt
 
 This package never imports torch or vllm: it talks to the actor and learner only through
-`shared.protocol` messages.
+`shared.wire` messages.
 """
 
 from millstream.envpool.actors.client import ActorClient, ActorUnreachable, Generation, GenerationFailed
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.envpool.gate import AdmissionGate
-from millstream.envpool.worker import WorkerStats, run_worker
+from millstream.envpool.stats import WorkerStats
+from millstream.envpool.worker import run_worker
 
 __all__ = [
     "ChatFormat",

@@ -4,7 +4,7 @@
 
 Returns a `Trajectory` (the whole context's token ids, a loss mask that is 1 only on generated
 tokens, their behaviour logprobs and policy versions, per-turn rewards) or an `EpisodeFailed` with
-its `shared.protocol.Cause`. Causes are how failures are counted, never how they are scored: an
+its `shared.wire.Cause`. Causes are how failures are counted, never how they are scored: an
 environment that raises (`env_error`), hangs (`env_timeout`), an actor that fails (`actor_*`), a
 first prompt that leaves no room for `max_tokens` in the context (`prompt_too_long`), or an
 episode over its time budget (`episode_timeout`) produce no reward at all.

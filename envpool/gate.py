@@ -18,7 +18,7 @@ corrections need its counts:
   checkpoint, or still running when a learner restarted) free no slot, so a restart
   over-admits once, by the groups then in flight, never for good.
 `envpool.admission_slack` extra batches may be admitted on purpose (over-generation), e.g. to
-test the learner's bound. The formula is `shared.protocol.admit_limit`.
+test the learner's bound. The formula is `shared.wire.admit_limit`.
 
 With several envpool workers, worker `i` of `W` owns group numbers `base + i, base + i + W, ...`,
 so the workers share one global count without talking to each other. A restarted worker (same

@@ -24,13 +24,8 @@ learner, a trajectory or a failure.
 from __future__ import annotations
 
 import logging
-import os
-import resource
-import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,10 +42,10 @@ from millstream.envpool.gate import AdmissionGate
 from millstream.envpool.scoring.evaluator import Evaluator
 from millstream.envpool.scoring.judge import Judge
 from millstream.envpool.seeds import group_seed, sampling_seed
+from millstream.envpool.stats import WorkerStats, rss_bytes
 from millstream.shared.config import Config
 from millstream.shared.obs.metrics import MetricsWriter, NullMetrics
 from millstream.shared.wire import (
-    ACTOR_CAUSES,
     Cause,
     EpisodeFailed,
     GroupStarted,
@@ -66,44 +61,13 @@ from millstream.shared.wire.transport import open_channel
 if TYPE_CHECKING:
     from millstream.envpool.agents.endpoint import Endpoint
 
-__all__ = ["run_worker", "Worker", "WorkerStats", "ActorUnavailable"]
+__all__ = ["run_worker", "Worker", "ActorUnavailable"]
 
 log = logging.getLogger("envpool")
 
 
-@dataclass
-class WorkerStats:
-    started: int = 0
-    finished: int = 0
-    failed: Counter[Cause] = field(default_factory=Counter)
-    live: int = 0
-    groups: int = 0
-    #: Episodes failed in a row by the actor's fault; reset by any other outcome.
-    actor_failure_streak: int = 0
-
-    def settle(self, result: Trajectory | EpisodeFailed) -> None:
-        """Count one episode's end."""
-        self.live -= 1
-        if isinstance(result, Trajectory):
-            self.finished += 1
-            self.actor_failure_streak = 0
-        else:
-            self.failed[result.cause] += 1
-            actor_fault = result.cause in ACTOR_CAUSES
-            self.actor_failure_streak = self.actor_failure_streak + 1 if actor_fault else 0
-
-
 class ActorUnavailable(RuntimeError):
     """Too many episodes in a row failed on the actor's side: stop instead of burning episodes."""
-
-
-def rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc), or its peak where /proc is missing."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class Worker:
@@ -400,29 +364,3 @@ async def run_worker(
     if stats_hook is not None:
         stats_hook(worker.stats)
     return await worker.run(ready_file)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from millstream.shared.process.lifecycle import run_until_signal
-    from millstream.shared.process.runtime import STOPPED, raise_fd_limit, run_role
-
-    def body(cfg: Config, ns: Any) -> int:
-        if ns.check:
-            from millstream.envpool.preflight import preflight
-
-            return preflight(cfg)
-        raise_fd_limit()
-        started = time.monotonic()
-        stats, stopped = anyio.run(
-            run_until_signal, run_worker, cfg, ns.worker_index, ns.ready_file, backend="trio"
-        )
-        log.info("envpool exited after %.1fs: %s", time.monotonic() - started, stats)
-        return STOPPED if stopped else 0
-
-    run_role(
-        "envpool",
-        body,
-        argv,
-        check="check the envpool's settings (environment, its "
-        "arguments, tokenizer, a first prompt against the context) and exit",
-    )

@@ -360,7 +360,7 @@ class ReplayBuffer:
     # --- numbering -------------------------------------------------------------------------
 
     def max_group_number(self) -> int | None:
-        """The highest `shared.protocol.group_number` of any group this buffer has seen
+        """The highest `shared.wire.group_number` of any group this buffer has seen
         (buffered, trained or dropped; restored ones included), or None if none: a resumed
         learner numbers new groups after it. Ids that are not `g<number>` are ignored."""
         highest = None

@@ -1,5 +1,5 @@
 """End to end: `millstream run envpool.env=openai_agent` with the real vLLM actor and the real
-DeepSpeed learner. The example agent (envpool/envs/openai_agent.py) talks to its episode's
+DeepSpeed learner. The example agent (envpool/envs/agents/openai_agent.py) talks to its episode's
 endpoint with the official `openai` client: a forced tool call, the tool's result, a final
 answer. The run must learn (reward rises), account for every episode, and train each episode as
 the two calls the agent made, with loss on generated tokens only.

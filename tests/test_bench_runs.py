@@ -32,7 +32,7 @@ def test_async_sync_settings_are_valid_config(stack, size):
 
 
 def test_runner_skips_missing_modules_and_runs_the_rest(monkeypatch, capsys):
-    # `rounds` stands in for a benchmark: `python -m millstream.bench.rounds` exits 0 at once.
+    # `rounds` stands in for a benchmark: `python -m millstream.bench.kit.rounds` exits 0 at once.
     monkeypatch.setattr(runner, "MODULES", ["no_such_benchmark", "rounds"])
     assert runner.main(["--quick"]) == 0
     out = capsys.readouterr().out
@@ -48,7 +48,7 @@ def test_load_counts_every_token_of_concurrent_requests(shape):
     once kept only the last finisher's count per wave)."""
     import anyio
 
-    from millstream.bench.overhead_load import run_load
+    from millstream.bench.baselines.overhead_load import run_load
 
     async def one(index: int) -> int:
         await anyio.sleep(0.001 * (index % 5))

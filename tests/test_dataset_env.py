@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.dataset import Dataset
+from millstream.envpool.envs.tasks.dataset import Dataset
 from millstream.envpool.preflight import check_envpool
 from millstream.envpool.scoring.evaluator import summarize
 from millstream.envpool.scoring.rewards import extract_answer, math_answer, parse_number

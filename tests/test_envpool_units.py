@@ -5,7 +5,7 @@ import pytest
 
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.envs import make_env, parse_answer
-from millstream.envpool.envs.evenchars import even_share
+from millstream.envpool.envs.checks.evenchars import even_share
 from millstream.envpool.gate import AdmissionGate
 from millstream.shared.wire import PolicyVersion, admit_limit, group_id, group_number
 
@@ -175,7 +175,7 @@ def test_parse_answer():
 @pytest.mark.slow
 @pytest.mark.anyio
 async def test_flaky_env_injects_both_faults():
-    from millstream.envpool.envs.flaky import InjectedFault
+    from millstream.envpool.envs.checks.flaky import InjectedFault
 
     crashes = hangs = clean = 0
     for i in range(200):

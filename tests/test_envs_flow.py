@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.agentflow import AgentFlow, CalculatorError, calculator, make_question
-from millstream.envpool.envs.echo import Echo
-from millstream.envpool.envs.markovian import MAX_STEPS, Markovian, make_chain
-from millstream.envpool.envs.noop import Noop
+from millstream.envpool.envs.checks.echo import Echo
+from millstream.envpool.envs.checks.noop import Noop
+from millstream.envpool.envs.tasks.agentflow import AgentFlow, CalculatorError, calculator, make_question
+from millstream.envpool.envs.tasks.markovian import MAX_STEPS, Markovian, make_chain
 
 GARBAGE = "\x00\ufffd<garbage>"  # what the fault injector sends
 

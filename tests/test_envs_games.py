@@ -16,11 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from millstream.envpool.envs import env_names, make_env
-from millstream.envpool.envs.countdown import Countdown, evaluate, make_task, parse_expression, used_numbers
-from millstream.envpool.envs.frozenlake import FrozenLake, generate_lake
-from millstream.envpool.envs.guessnumber import GuessNumber
-from millstream.envpool.envs.sokoban import MOVES as SOKOBAN_MOVES
-from millstream.envpool.envs.sokoban import Level, Sokoban, generate_level
+from millstream.envpool.envs.games.countdown import (
+    Countdown,
+    evaluate,
+    make_task,
+    parse_expression,
+    used_numbers,
+)
+from millstream.envpool.envs.games.frozenlake import FrozenLake, generate_lake
+from millstream.envpool.envs.games.guessnumber import GuessNumber
+from millstream.envpool.envs.games.sokoban import MOVES as SOKOBAN_MOVES
+from millstream.envpool.envs.games.sokoban import Level, Sokoban, generate_level
 
 GARBAGE = "\x00\ufffd<garbage>"
 SEEDS = st.integers(min_value=0, max_value=2**63)

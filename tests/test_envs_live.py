@@ -23,9 +23,9 @@ from helpers import keys_for
 from millstream.envpool.actors.client import ActorClient, Generation
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.envs import Observation, StepResult, env_names, make_env, parse_answer
-from millstream.envpool.envs.agent import is_agent_env
-from millstream.envpool.envs.echo import is_clean_reply
-from millstream.envpool.envs.evenchars import even_share
+from millstream.envpool.envs.agents.agent import is_agent_env
+from millstream.envpool.envs.checks.echo import is_clean_reply
+from millstream.envpool.envs.checks.evenchars import even_share
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.shared.config import EnvPoolConfig, TransportConfig
 from millstream.shared.wire import Trajectory

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.pytool import (
+from millstream.envpool.envs.tools.pytool import (
     TEMPLATES,
     Task,
     _collatz_steps,
@@ -22,8 +22,8 @@ from millstream.envpool.envs.pytool import (
     parse_integer,
     run_python,
 )
-from millstream.envpool.envs.sandbox.run import _limiter
-from millstream.envpool.envs.search import (
+from millstream.envpool.envs.tools.sandbox.run import _limiter
+from millstream.envpool.envs.tools.search import (
     BM25,
     DEFAULT_CORPUS,
     DEFAULT_QUESTIONS,

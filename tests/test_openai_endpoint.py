@@ -18,8 +18,8 @@ from millstream.envpool.agents.episode import run_agent_episode
 from millstream.envpool.agents.toolcalls import parse_tool_calls
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.agent import AgentResult
-from millstream.envpool.envs.openai_agent import SCORE_TOOL
+from millstream.envpool.envs.agents.agent import AgentResult
+from millstream.envpool.envs.agents.openai_agent import SCORE_TOOL
 from millstream.envpool.episode import EpisodeSpec
 from millstream.shared.config import EnvPoolConfig, TransportConfig
 from millstream.shared.wire import Cause, EpisodeFailed, Trajectory

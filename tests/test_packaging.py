@@ -2,6 +2,7 @@
 import rules (shared imports no role; envpool never imports torch or vLLM)."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,3 +189,23 @@ def test_no_folder_is_a_heap():
         and (n := len([p for p in d.glob("*.py") if p.name not in ("__init__.py", "__main__.py")])) > 12
     }
     assert heaps == {}
+
+
+def test_the_readme_layout_table_names_every_room():
+    """README's layout table has a row per top folder, and each row names that folder's rooms
+    (`name/`): a new room shows up there, or this fails."""
+    text = (ROOT / "README.md").read_text()
+    rows = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^\| `(\w+)/` \| (.*) \|$", text.split("## Layout", 1)[1], re.M)
+    }
+    assert set(rows) == {*FOLDERS, "tests"}
+    missing = {
+        folder: sorted(
+            room.name
+            for room in (ROOT / folder).iterdir()
+            if (room / "__init__.py").exists() and f"`{room.name}/`" not in rows[folder]
+        )
+        for folder in FOLDERS
+    }
+    assert {f: rooms for f, rooms in missing.items() if rooms} == {}

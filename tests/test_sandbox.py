@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.sandbox.run import CHILD, mechanism_for, run_python, unavailable_message
+from millstream.envpool.envs.tools.sandbox.run import CHILD, mechanism_for, run_python, unavailable_message
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = os.geteuid() == 0

@@ -9,7 +9,7 @@ Request ids are `<worker>-<counter>`, so they never repeat within a worker and a
 finished request is recognised and counted (`late_replies`), never delivered to the wrong episode.
 
 A generation either ends with a final delta (finish_reason set) or raises `GenerationFailed`
-with its `shared.protocol.Cause`: the actor's `GenerateError`, a timeout, an abort the envpool did
+with its `shared.wire.Cause`: the actor's `GenerateError`, a timeout, an abort the envpool did
 not ask for, or an actor that breaks the protocol. An episode cancelled while it waits (it timed
 out, or the run ends) sends `Abort`, so the actor stops spending compute on it.
 

@@ -30,7 +30,7 @@ import anyio
 import msgspec
 
 from millstream.envpool.actors.generation import GenerationFailed
-from millstream.envpool.envs.agent import AgentEnv, AgentResult, is_agent_env
+from millstream.envpool.envs.agents.agent import AgentEnv, AgentResult, is_agent_env
 from millstream.envpool.record import EpisodeRecord, EpisodeSpec, episode_failed
 from millstream.shared.config import EnvPoolConfig
 from millstream.shared.wire import Cause, EpisodeFailed, Trajectory

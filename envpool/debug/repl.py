@@ -38,7 +38,7 @@ from millstream.envpool.chat import ChatFormat, tokenizer_dir
 from millstream.envpool.debug.actor import actor_for_checkpoint
 from millstream.envpool.debug.engine import DebugEpisode
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.agent import is_agent_env
+from millstream.envpool.envs.agents.agent import is_agent_env
 from millstream.shared.config import Config, ConfigError, load_config
 from millstream.shared.store.trajstore import STORE_FILE, open_store, read_episodes, write_episode
 from millstream.shared.wire.keys import load_keys

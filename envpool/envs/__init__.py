@@ -1,9 +1,18 @@
 """Environments, by name. Importing this package registers the built-in ones.
 
 Layout: `base.py` defines Observation/StepResult, the Env protocol and the registry (with the
-`millstream.envs` entry-point group for third-party environments); every other module here is
-one environment with its rules in its docstring, and is imported (so registered) below: adding
-an environment is adding a module.
+`millstream.envs` entry-point group for third-party environments). The environments live in
+rooms by kind, one module each with its rules in its docstring:
+
+    games/   RAGEN's and TinyZero's games: bandit, countdown, frozenlake, guessnumber, sokoban
+    tasks/   text tasks: dataset (prompts and answers), markovian (Delethink), agentflow
+    tools/   tool use: pytool (Python in sandbox/), search (Search-R1, offline corpus)
+    agents/  agent environments: the contract (agent.py) and openai_agent
+    checks/  the loop's own checks: evenchars, echo, noop, flaky (fault injection)
+    data/    the shipped data sets
+
+Every module of a room is imported (so registered) below: adding an environment is adding a
+module to a room.
 """
 
 import importlib
@@ -22,9 +31,13 @@ from millstream.envpool.envs.base import (
     register,
 )
 
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "base" and not _module.name.startswith("_"):
-        importlib.import_module(f"{__name__}.{_module.name}")  # registration side effects
+ROOMS = ("games", "tasks", "tools", "agents", "checks")
+
+for _room in ROOMS:
+    _package = importlib.import_module(f"{__name__}.{_room}")
+    for _module in pkgutil.iter_modules(_package.__path__):
+        if not _module.ispkg and not _module.name.startswith("_"):  # tools/sandbox: not an env
+            importlib.import_module(f"{__name__}.{_room}.{_module.name}")  # registration side effects
 
 __all__ = [
     "Env",

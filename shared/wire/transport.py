@@ -2,7 +2,7 @@
 
 A `Channel` owns one ZeroMQ socket and two bounded queues, and runs two tasks:
 
-- the *reader* drains every frame the socket holds, decodes it (`shared.protocol.Codec`) and puts
+- the *reader* drains every frame the socket holds, decodes it (`shared.wire.Codec`) and puts
   `(peer, messages)` on the inbound queue; then it sleeps until the socket's file descriptor is
   readable.
 - the *writer* takes the first waiting message, then whatever else is already queued (up to

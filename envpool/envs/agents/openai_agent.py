@@ -11,7 +11,7 @@ episode's endpoint, envpool/agents/endpoint.py). Two calls, three messages deep:
 3. the model writes its final answer.
 
 Reward = half the tool's score (the model's choice of argument) plus half the even share of the
-final answer (the model's choice of words), in [0, 1]. As in envpool/envs/evenchars.py, a random
+final answer (the model's choice of words), in [0, 1]. As in envpool/envs/checks/evenchars.py, a random
 policy scores about 0.5 and every generated character moves the reward, so the tiny random-weight
 model learns it in tens of steps, and "reward rose" tests the whole loop through the endpoint.
 `valid` says whether the tool call came back well formed.
@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from millstream.envpool.envs.agent import AgentResult
+from millstream.envpool.envs.agents.agent import AgentResult
 from millstream.envpool.envs.base import register
-from millstream.envpool.envs.evenchars import even_share
+from millstream.envpool.envs.checks.evenchars import even_share
 
 __all__ = ["EvenWordAgent", "SCORE_TOOL"]
 

@@ -1,6 +1,6 @@
 """The synthetic engine served over HTTP, for the asyncio + HTTP baseline of bench/pool_vs_http.py.
 
-    python -m millstream.bench.http_engine PORT MODEL_DIR [key=value ...]
+    python -m millstream.bench.baselines.http_engine PORT MODEL_DIR [key=value ...]
 
 `POST /generate {"prompt_token_ids": [...], "max_tokens": N}` answers, when the request finishes,
 with its token ids and logprobs as JSON. Behind it runs the synthetic actor's own engine

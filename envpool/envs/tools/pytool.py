@@ -19,7 +19,7 @@ The seed picks a task (`random.Random(seed)`): one of the `templates` (default a
 parameters, e.g. "What is the sum of the digits of 37**11?", "How many primes are there below
 12345?"; the ground truth is computed here, in-process, at reset.
 
-The sandbox (`run_python`, envpool/envs/sandbox/run.py): `python -I -S child.py` (stdlib
+The sandbox (`run_python`, envpool/envs/tools/sandbox/run.py): `python -I -S child.py` (stdlib
 only) with an almost empty environment and the code on stdin, locked into new namespaces before
 the code runs. `sandbox` (default "strict") picks how, and the constructor refuses a mode that
 this machine cannot provide, naming what is missing and the opt-out:
@@ -58,7 +58,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from millstream.envpool.envs.base import Observation, StepResult, register
-from millstream.envpool.envs.sandbox import (
+from millstream.envpool.envs.tools.sandbox import (
     SANDBOX_MODES,
     RunResult,
     SandboxUnavailable,

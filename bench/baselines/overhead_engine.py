@@ -1,6 +1,6 @@
 """vLLM's AsyncLLM driven directly in one process: the reference of the overhead benchmark.
 
-    python -m millstream.bench.overhead_engine CONFIG.toml
+    python -m millstream.bench.baselines.overhead_engine CONFIG.toml
 
 Builds the engine exactly as the actor does (`millstream.actor.main.build_engine`: same model,
 dtype, batch width, KV budget, prefill settings), then answers load commands, one JSON object a
@@ -19,7 +19,7 @@ import sys
 import uuid
 
 from millstream.actor.main import build_engine
-from millstream.bench.overhead_load import prompt_ids, run_load
+from millstream.bench.baselines.overhead_load import prompt_ids, run_load
 from millstream.shared.config import load_config
 from millstream.shared.process.runtime import resolve_model_dir
 

@@ -2,7 +2,7 @@
 
     python -I -S child.py MEMORY_BYTES CPU_SECONDS FILE_BYTES MECHANISM [WORK_BYTES] < code
 
-Run by envpool/envs/sandbox/run.py, never imported by it (stdlib only, nothing from millstream: with
+Run by envpool/envs/tools/sandbox/run.py, never imported by it (stdlib only, nothing from millstream: with
 `-I -S` neither the repository nor site-packages is on the path; the one sibling it needs,
 jail.py, is imported by path before any user code exists). In order:
 

@@ -1,6 +1,6 @@
 """Compare systems round by round in one run, and record the result where the README points.
 
-    from millstream.bench.rounds import compare, Outcome, results_dir, write_outcome
+    from millstream.bench.kit.rounds import compare, Outcome, results_dir, write_outcome
 
     outcome = compare({"millstream": run_ours, "asyncllm": run_engine}, rounds=3, metric="tokens_s")
     write_outcome(outcome, results_dir(), "overhead-c64")   # overhead-c64.json + .png

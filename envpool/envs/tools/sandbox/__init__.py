@@ -5,7 +5,7 @@ child.py   the child process (run by path): reads the code, locks itself in, run
 jail.py    the lock: namespaces, a private read-only root, no network, rlimits (stdlib only)
 """
 
-from millstream.envpool.envs.sandbox.run import (
+from millstream.envpool.envs.tools.sandbox.run import (
     SANDBOX_MODES,
     RunResult,
     SandboxError,

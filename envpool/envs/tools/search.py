@@ -56,7 +56,7 @@ __all__ = [
     "DEFAULT_QUESTIONS",
 ]
 
-DATA_DIR = Path(__file__).resolve().parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"  # envpool/envs/data
 DEFAULT_CORPUS = DATA_DIR / "search_corpus.jsonl"
 DEFAULT_QUESTIONS = DATA_DIR / "search_questions.jsonl"
 

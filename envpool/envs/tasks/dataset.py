@@ -44,7 +44,7 @@ from millstream.envpool.envs.base import Observation, StepResult, register
 __all__ = ["Dataset", "load_rows", "resolve_path", "load_reward", "shipped_sets", "SHIPPED_PREFIX"]
 
 SHIPPED_PREFIX = "millstream:"
-_SHIPPED_DIR = Path(__file__).parent / "data"
+_SHIPPED_DIR = Path(__file__).parent.parent / "data"  # envpool/envs/data
 #: Distinct files kept in memory per process.
 _CACHE_FILES = 8
 _cache: OrderedDict[tuple[str, int, int], list[dict[str, Any]]] = OrderedDict()
