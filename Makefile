@@ -74,7 +74,7 @@ bench-stress: install
 	$(BIN)/python -m millstream.bench.stress_suite $(ARGS)
 
 # Every benchmark of bench/ (bench/all.py lists them; README has each one's table): full size,
-# or each at its --quick size (under 10 minutes here). ARGS, e.g. ARGS="--only fleet".
+# or each at its --quick size (436 s of benchmarks here, 2026-11-25: bench/README.md). ARGS, e.g. ARGS="--only fleet".
 bench: install
 	$(BIN)/python -m millstream.bench.all $(ARGS)
 

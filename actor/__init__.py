@@ -5,6 +5,8 @@ Layout:
 - `stream.py`  one request's sampling parameters, and its outputs as version-labelled deltas;
 - `admission.py` what every actor kind serves and refuses (bad request, overloaded);
 - `link.py`    the learner link both actor kinds share: Hello, attach, weight updates, version;
+- `boundary.py` the error boundary per message: served, refused or failed, never a crash;
+- `membership.py` a replica's word to its run: "take me" (`--join`) and "I am leaving";
 - `weights.py` the vLLM worker extension that receives the learner's broadcast and reloads;
 - `synthetic.py` a timing model of a batching engine on the same protocol (`actor.kind=synthetic`),
   for scale tests without vLLM; not a language model;

@@ -21,7 +21,7 @@ are taken only from a peer that authenticated with the learner's key (`Channel.p
 Every exchange is inside the actor's error boundary (`actor/boundary.py`): replies never wait,
 a failing exchange is counted, and at most `MAX_EXCHANGES` run at once (more are refused `busy`).
 An attach first checks, in a thread and without the lock, that the learner's store is up and
-marked for its session (`shared.weightsync.await_session`); only then does the engine join, so
+marked for its session (`shared.wire.weightsync.await_session`); only then does the engine join, so
 an `AttachLearner` naming a closed port or a silent store never pauses generation. A failed
 attach leaves the session that was attached before it in place.
 

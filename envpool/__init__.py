@@ -16,26 +16,7 @@ Layout:
     scoring/     rewards, the LLM judge, evaluation rounds
     debug/       `millstream debug`: one episode under a GDB-like prompt
 
-This package never imports torch or vllm: it talks to the actor and learner only through
-`shared.wire` messages.
+Import the module you need; this file imports nothing, so importing one module of the package
+does not load the worker. This package never imports torch or vllm: it talks to the actor and
+the learner only through `shared.wire` messages.
 """
-
-from millstream.envpool.actors.client import ActorClient, ActorUnreachable, Generation, GenerationFailed
-from millstream.envpool.chat import ChatFormat
-from millstream.envpool.episode import EpisodeSpec, run_episode
-from millstream.envpool.gate import AdmissionGate
-from millstream.envpool.stats import WorkerStats
-from millstream.envpool.worker import run_worker
-
-__all__ = [
-    "ChatFormat",
-    "ActorClient",
-    "ActorUnreachable",
-    "Generation",
-    "GenerationFailed",
-    "EpisodeSpec",
-    "run_episode",
-    "AdmissionGate",
-    "run_worker",
-    "WorkerStats",
-]

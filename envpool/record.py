@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
-from millstream.envpool.actors.generation import GenerationFailed
+from millstream.envpool.actors.generation import Generation, GenerationFailed
 from millstream.shared.wire import Cause, EpisodeFailed, Scene, Trajectory, Truncation
 
-__all__ = ["EpisodeSpec", "EpisodeRecord", "Generated", "episode_failed"]
+__all__ = ["EpisodeSpec", "EpisodeRecord", "episode_failed"]
 
 
 @dataclass(frozen=True)
@@ -36,15 +35,6 @@ class EpisodeSpec:
     member: int
     group_size: int
     env_name: str
-
-
-class Generated(Protocol):
-    """What the record needs of one generation (envpool/actors/client.py's `Generation`)."""
-
-    request_id: str
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
 
 
 def episode_failed(
@@ -106,7 +96,7 @@ class EpisodeRecord:
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([-1] * len(ids))
 
-    def add_reply(self, gen: Generated, *, trained: bool = True, anchor: str = "") -> None:
+    def add_reply(self, gen: Generation, *, trained: bool = True, anchor: str = "") -> None:
         """One turn's generated tokens, with their logprobs and versions."""
         self.turn_starts.append(len(self.ids))
         self.request_ids.append(gen.request_id)
@@ -117,7 +107,7 @@ class EpisodeRecord:
         self.versions.extend(gen.versions)
         self.turn_ends.append(len(self.ids))
 
-    def add_call(self, prompt_ids: list[int], gen: Generated, text: str) -> bool:
+    def add_call(self, prompt_ids: list[int], gen: Generation, text: str) -> bool:
         """One model call of an agent: its prompt (only what extends the context) and reply.
 
         Returns whether the call started a new segment (its prompt did not extend the context).
@@ -137,10 +127,15 @@ class EpisodeRecord:
 
     # --- the outcome -----------------------------------------------------------------------
 
-    def scene(self, failed: GenerationFailed | None = None) -> Scene | None:
-        """What the episode had done, and the request that failed, if one did."""
-        if not self.ids and failed is None:
-            return None  # it failed before its first prompt: there is nothing to see
+    def scene(self, failed: GenerationFailed | None = None, *, always: bool = False) -> Scene | None:
+        """What the episode had done, and the request that failed, if one did.
+
+        None for an episode that failed before its first prompt (nothing to see), unless
+        `always`: an agent's episode keeps its seed and duration even when the agent failed
+        before it called the model.
+        """
+        if not self.ids and failed is None and not always:
+            return None
         request = failed.as_request(len(self.rewards)) if failed is not None else None
         return Scene(
             self.spec.env_name,

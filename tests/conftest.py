@@ -41,10 +41,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.timeout(REAL_TIMEOUT_S if real else DEFAULT_TIMEOUT_S))
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    """The rest of the rule: a test that starts a whole run or a vLLM actor through tests/helpers
-    (`helpers.require_real`), or imports vLLM or DeepSpeed here, fails unless it is `real`."""
+def _real_only(item: pytest.Item) -> Iterator[None]:
+    """The rest of the rule, around a test's setup and its call: a test that starts a whole run
+    or a vLLM actor through tests/helpers (`helpers.require_real`), or imports vLLM or DeepSpeed
+    into this process, fails unless it is `real` (its fixtures included)."""
     before = {m for m in REAL_MODULES if m in sys.modules}
     helpers.CURRENT_TEST = item
     try:
@@ -53,10 +53,19 @@ def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         helpers.CURRENT_TEST = None
     imported = sorted({m for m in REAL_MODULES if m in sys.modules} - before)
     if imported and item.get_closest_marker("real") is None:
-        pytest.fail(
-            f"{item.nodeid} imports {', '.join(imported)}: mark it `real` (make test-fast skips those)"
-        )
+        names = ", ".join(imported)
+        pytest.fail(f"{item.nodeid} imports {names}: mark it `real` (make test-fast skips those)")
     return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    return (yield from _real_only(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    return (yield from _real_only(item))
 
 
 @pytest.fixture(autouse=True)

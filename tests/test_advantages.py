@@ -1,4 +1,4 @@
-"""Tests of learner.advantages: hand-computed references, algebraic properties, filters."""
+"""Tests of learner.train.advantages: hand-computed references, algebraic properties, filters."""
 
 from __future__ import annotations
 

@@ -32,12 +32,12 @@ def test_async_sync_settings_are_valid_config(stack, size):
 
 
 def test_runner_skips_missing_modules_and_runs_the_rest(monkeypatch, capsys):
-    # `rounds` stands in for a benchmark: `python -m millstream.bench.kit.rounds` exits 0 at once.
-    monkeypatch.setattr(runner, "MODULES", ["no_such_benchmark", "rounds"])
+    # `kit.rounds` stands in for a benchmark: `python -m millstream.bench.kit.rounds` exits 0 at once.
+    monkeypatch.setattr(runner, "MODULES", ["no_such_benchmark", "kit.rounds"])
     assert runner.main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "no_such_benchmark: skipped" in out
-    assert "| rounds | ok |" in out and "| no_such_benchmark | skipped |" in out
+    assert "| kit.rounds | ok |" in out and "| no_such_benchmark | skipped |" in out
     with pytest.raises(SystemExit):
         runner.main(["--only", "nope"])
 

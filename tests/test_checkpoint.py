@@ -1,4 +1,4 @@
-"""Tests of learner.checkpoint with the real Trainer (DeepSpeed ZeRO-2) on the tiny model.
+"""Tests of learner.persist.checkpoint with the real Trainer (DeepSpeed ZeRO-2) on the tiny model.
 
 The central check: train, save, train one more step (weights W1); load the checkpoint into a
 FRESH Trainer and buffer, train the same step, and get W1 bit for bit, at the same version. Also:

@@ -1,4 +1,4 @@
-"""Tests of learner.loss: log-probabilities, the PPO clip loss (plain and decoupled), aggregations,
+"""Tests of learner.train.loss: log-probabilities, the PPO clip loss (plain and decoupled), aggregations,
 KL and entropy terms, masking and micro-batching. References are computed by hand."""
 
 from __future__ import annotations

@@ -283,6 +283,8 @@ class Silent:
 def test_agent_failures_are_counted_causes(tiny_model_dir, agent, cause):
     result, _, _ = play_scripted(tiny_model_dir, agent, [], episode_timeout_s=0.5)
     assert isinstance(result, EpisodeFailed) and result.cause == cause
+    if not isinstance(agent, Silent):  # the store keeps the agent's seed and how long it ran
+        assert result.scene is not None and result.scene.seed == SPEC.seed and result.scene.token_ids == []
 
 
 def test_the_example_agent_calls_its_tool_and_is_scored(tiny_model_dir):

@@ -38,7 +38,8 @@ def test_metadata_says_what_the_code_needs():
 
 
 def _imports(folder: str) -> dict[str, set[str]]:
-    """Every module each file of `folder` imports (absolute names; relative ones resolved)."""
+    """Every module each file of `folder` imports (the project writes absolute imports only:
+    `test_imports_are_absolute`)."""
     out = {}
     for path in (ROOT / folder).rglob("*.py"):
         names = set()
@@ -209,3 +210,15 @@ def test_the_readme_layout_table_names_every_room():
         for folder in FOLDERS
     }
     assert {f: rooms for f, rooms in missing.items() if rooms} == {}
+
+
+def test_imports_are_absolute():
+    """`from millstream.envpool.record import ...`, never `from .record import ...`: the import
+    rules above read module names, and a moved module's importers are found by grep."""
+    relative = sorted(
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in _modules().values()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level > 0
+    )
+    assert relative == []

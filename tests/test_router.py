@@ -13,10 +13,11 @@ import anyio
 import pytest
 from helpers import keys_for, start_synthetic_actor, stop_group
 
-from millstream.envpool.actors.generation import Retry, Sampling
+from millstream.envpool.actors.generation import GenerationFailed, Retry, Sampling
 from millstream.envpool.actors.router import Router
 from millstream.shared.config import TransportConfig
-from millstream.shared.wire import ReplicaRef
+from millstream.shared.process.runtime import free_port
+from millstream.shared.wire import Cause, ReplicaRef
 
 SLOW = "actor.synthetic_step_s=0.01"  # turns last long enough to overlap
 
@@ -163,3 +164,26 @@ def test_a_replica_connected_while_the_loop_was_busy_is_used(synthetic):
         return router.usable(router.replicas["r0"])
 
     assert anyio.run(main)
+
+
+def test_no_usable_replica_fails_the_turn_once_without_retrying():
+    """A replica that never connects: the pick waits out the turn's time limit and the turn
+    fails as `actor_timeout`, once. Retrying would wait as long again for the same nothing."""
+    address = f"tcp://127.0.0.1:{free_port()}"  # nobody listens
+
+    async def main():
+        router = Router(TransportConfig(), "test", keys_for("envpool"), address)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(router.run)
+            await anyio.sleep(0)
+            router.update([ReplicaRef("r0", address, 1)])
+            with pytest.raises(GenerationFailed) as info:
+                await router.generate(
+                    [1, 2], Sampling(max_tokens=2, timeout_s=0.3), seed=1, retry=Retry(3, 0.01)
+                )
+            tg.cancel_scope.cancel()
+        return info.value, dict(router.retries_by_cause)
+
+    failure, retries = anyio.run(main, backend="trio")
+    assert failure.cause == Cause.ACTOR_TIMEOUT and "no actor replica" in str(failure)
+    assert retries == {}

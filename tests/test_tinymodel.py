@@ -1,4 +1,4 @@
-"""Tests of shared.tinymodel: the tiny random Qwen2 chat model built on local disk.
+"""Tests of shared.models.tiny: the tiny random Qwen2 chat model built on local disk.
 
 vLLM is not started here (the real-engine fixtures do that); these tests load the
 model with transformers only.

@@ -1,4 +1,4 @@
-"""Tests of learner.trainer on the tiny model: direction of the update, the loss mask, micro-batch
+"""Tests of learner.train.trainer on the tiny model: direction of the update, the loss mask, micro-batch
 splitting under every aggregation, decoupled PPO, the KL penalty, and the weights going out (names,
 save/load round trip).
 

@@ -23,6 +23,8 @@ from millstream.bench.baselines.overhead_load import prompt_ids, run_load
 from millstream.shared.config import load_config
 from millstream.shared.process.runtime import resolve_model_dir
 
+__all__ = ["serve"]
+
 
 async def serve(config_path: str) -> None:
     from vllm import SamplingParams

@@ -1,5 +1,6 @@
 """The envpool's link to the actor replicas.
 
-client.py   many episodes' generation requests over one DEALER socket to one replica
-router.py   one worker's turns spread over the run's replicas (affinity, shedding, retries)
+- `generation.py` a turn's `Sampling`, its `Generation` or `GenerationFailed`, the one retry policy;
+- `client.py` many episodes' generation requests over one DEALER socket to one replica;
+- `router.py` one worker's turns spread over the run's replicas (affinity, shedding, retries).
 """

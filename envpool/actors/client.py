@@ -1,7 +1,7 @@
 """The envpool side of the actor connection: many episodes, one DEALER socket.
 
 Every episode task calls `client.generate(...)` and reads its own stream of `TokenDelta`s; all of
-them share one socket, one reader task and one writer task (`shared.transport.Channel`), which
+them share one socket, one reader task and one writer task (`shared.wire.transport.Channel`), which
 packs the requests of a tick into one frame. Replies are routed back to the right episode by
 request id into a per-request inbox (`_Inbox`, below).
 
@@ -87,7 +87,7 @@ class ClientStats:
 
 class TurnClient(Protocol):
     """What an episode needs to generate its turns: `ActorClient` (one actor) or
-    `envpool.router.Router` (the run's replicas)."""
+    `envpool.actors.router.Router` (the run's replicas)."""
 
     async def generate(
         self,

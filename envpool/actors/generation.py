@@ -5,8 +5,9 @@
 
 `Sampling` holds what every request of a run's turns shares (token budget, temperature, top-p,
 stop ids, the turn's time limit); only the seed changes per turn, and it is an argument of its
-own. The worker builds it once from `[envpool]` with `Sampling.for_turns`; the agent endpoint and
-the judge change a field or two with `msgspec.structs.replace`, never by spelling out the rest.
+own. The worker builds it once from `[envpool]` with `Sampling.for_turns`, and the agent endpoint
+and the debugger do the same; the endpoint changes only a call's `max_tokens` (with
+`msgspec.structs.replace`). The judge samples by its own `[judge]` section, so it builds its own.
 
 `Retry` is the one retry policy of a generation, used by `ActorClient.generate` (one actor) and
 `Router.generate` (the run's replicas) alike through `with_retries`: a request that got no final
@@ -49,9 +50,12 @@ class Generation:
 class GenerationFailed(Exception):
     """A generation ended without a final delta; `cause` is the episode's failure cause."""
 
-    def __init__(self, cause: Cause, message: str) -> None:
+    def __init__(self, cause: Cause, message: str, *, retryable: bool = True) -> None:
         super().__init__(f"{cause}: {message}")
         self.cause = cause
+        #: False where sending the request again cannot help whatever its cause says (no
+        #: replica became available within the whole wait: a retry would only wait again).
+        self.retryable = retryable
         #: The request that failed and what it had streamed before (the trajectory store keeps
         #: them as the failed episode's scene); set where the request was made.
         self.request_id: str | None = None
@@ -124,7 +128,7 @@ async def with_retries(
         try:
             return await attempt()
         except GenerationFailed as exc:
-            if exc.cause not in RETRYABLE_CAUSES or n == retry.retries:
+            if not exc.retryable or exc.cause not in RETRYABLE_CAUSES or n == retry.retries:
                 raise
             await before_retry(exc, retry.delay(n))
     raise AssertionError("unreachable")

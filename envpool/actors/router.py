@@ -235,7 +235,9 @@ class Router:
             with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
                 await changed.wait()
             if anyio.current_time() >= deadline:
-                raise GenerationFailed(Cause.ACTOR_TIMEOUT, "no actor replica was available in time")
+                raise GenerationFailed(
+                    Cause.ACTOR_TIMEOUT, "no actor replica was available in time", retryable=False
+                )
 
     def release(self, affinity: str) -> None:
         self._sticky.pop(affinity, None)
@@ -269,6 +271,8 @@ class Router:
             return gen
 
         async def before_retry(exc: GenerationFailed, delay_s: float) -> None:
+            # Only a request a replica failed is retried (a failed pick is final), so `tried`
+            # holds the replica that failed it.
             self.retries_by_cause[exc.cause] += 1
             await self._before_retry(tried[-1], exc.cause, delay_s)
 

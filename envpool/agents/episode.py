@@ -54,7 +54,7 @@ async def run_agent_episode(
             return episode_failed(spec, exc.cause, str(exc))
         return record.failed(exc.cause, str(exc), exc)
     if isinstance(result, EpisodeFailed):
-        return msgspec.structs.replace(result, scene=record.scene())
+        return msgspec.structs.replace(result, scene=record.scene(always=True))
     if not isinstance(result, AgentResult):
         return episode_failed(
             spec, Cause.ENV_ERROR, f"agent returned {type(result).__name__}, not AgentResult"

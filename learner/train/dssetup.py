@@ -27,7 +27,7 @@ __all__ = ["import_deepspeed", "init_distributed", "ds_config"]
 
 def import_deepspeed() -> Any:
     # DeepSpeed picks its accelerator once, at import; say "cpu" explicitly rather than rely on
-    # detection. Imported lazily because it takes seconds and `import learner.trainer` should not.
+    # detection. Imported lazily because it takes seconds and `import learner.train.trainer` should not.
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed

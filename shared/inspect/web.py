@@ -4,7 +4,7 @@ One page (shared/inspect/page.html, plain HTML and JavaScript: no build step, no
 from the internet) and three JSON endpoints it calls:
 
     GET /api/episodes?cause=&fate=&env=&group=&request=&text=&step=A:B&reward_min=&reward_max=&limit=
-    GET /api/episode/<row id>     one episode token by token (shared/inspect_query.describe_episode)
+    GET /api/episode/<row id>     one episode token by token (shared/inspect/query.py (describe_episode))
     GET /api/counts?...           how many match, by fate and cause
 
 Why the standard library's threaded HTTP server: a read-only viewer for one person needs no

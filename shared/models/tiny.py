@@ -33,6 +33,8 @@ import random
 import tempfile
 from pathlib import Path
 
+__all__ = ["build_tiny_model", "main", "MARKER", "MODEL_FILES", "SPECIAL_TOKENS"]
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MARKER = "millstream_tiny.json"
 # Bump when the recipe changes, so old directories are rebuilt instead of reused.

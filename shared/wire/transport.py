@@ -292,7 +292,7 @@ def open_channel(
     """Create a socket of `kind`, bind or connect it to `address`, and wrap it in a Channel.
 
     Binding to port 0 (`tcp://127.0.0.1:0`) picks a free port; `channel.address` tells which.
-    `keys` (from `shared.keys.load_keys`) makes it a CURVE server (bind) or client (connect);
+    `keys` (from `shared.wire.keys.load_keys`) makes it a CURVE server (bind) or client (connect);
     None is allowed only with `transport.curve = false`.
     `monitor_events` (ZeroMQ's EVENT_* flags): a monitor of the socket, `channel.monitor`,
     attached *before* it connects, so no event of the first connection is missed (a handshake

@@ -66,7 +66,7 @@ from millstream.envpool.envs.tools.sandbox import (
     run_python,
 )
 
-# run_python and RunResult live in sandbox.py; re-exported here, where tool users look first.
+# run_python and RunResult live in sandbox/run.py; re-exported here, where tool users look first.
 __all__ = ["PyTool", "Task", "TEMPLATES", "make_task", "run_python", "RunResult", "parse_integer"]
 _ACTION = re.compile(r"<(python|answer)>(.*?)</\1>", re.S)
 _FENCE = re.compile(r"^\s*```(?:python|py)?\s*\n?(.*?)\n?\s*```\s*$", re.S)

@@ -16,7 +16,7 @@ outlive the call. init also dies with the supervisor (PR_SET_PDEATHSIG), so the 
 of the supervisor on a timeout takes the whole namespace with it. The supervisor turns the
 worker's wait status into its own (same exit code, same signal), so pytool reads it as before.
 
-Two mechanisms, picked by pytool (see sandbox.py):
+Two mechanisms, picked by pytool (see sandbox/run.py):
 - "namespaces" (run as root): new mount, PID, network, IPC and UTS namespaces; the worker then
   becomes uid/gid 65534 (nobody) with no supplementary groups, an empty capability bounding
   set and no_new_privs, so nothing it runs can become root again;
