@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
+from helpers import ROOT
 
 from millstream.bench import all as runner
 from millstream.bench import async_sync, weight_sync
@@ -109,3 +110,11 @@ def test_pool_vs_http_plays_both_sides_against_the_same_engine(tmp_path):
         (sample,) = result["samples"][system]
         assert sample["turns_s"] > 0 and sample["turns_s_wall"] > 0 and sample["p99_ms"] > 0
     assert (tmp_path / "pool-vs-http-c16.png").stat().st_size > 0
+
+
+def test_the_kit_finds_the_results_folder_and_the_repository():
+    """bench/kit/ sits one folder below bench/: its paths must not move with it."""
+    from millstream.bench.kit import replicas, rounds
+
+    assert rounds.RESULTS == ROOT / "bench" / "results" and rounds.RESULTS.is_dir()
+    assert replicas.ROOT == ROOT and (replicas.ROOT / "pyproject.toml").is_file()

@@ -23,7 +23,7 @@ from millstream.shared.process.runtime import free_port
 
 __all__ = ["replicas", "digest_s"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent.parent  # the repository (bench/kit/ -> ..)
 
 
 @contextmanager

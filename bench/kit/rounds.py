@@ -35,7 +35,7 @@ import orjson
 
 __all__ = ["Outcome", "compare", "spread", "results_dir", "write_outcome", "machine"]
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parent.parent / "results"  # bench/results
 
 
 @dataclass
