@@ -102,7 +102,9 @@ def test_a_run_admits_only_its_own_keys(tiny_model_dir, tmp_path):
         outsider.attach()
         raise AssertionError("an attach without the run's keys was answered")
     except WeightSyncError as exc:
-        assert "no ActorInfo" in str(exc)  # the handshake never completes: silence
+        # The handshake never completes: silence, whether the Hello found no connection to
+        # take it (the actor dropped the keyless one) or went out and was never answered.
+        assert "no ActorInfo" in str(exc) or "no connection to the replica" in str(exc), exc
     finally:
         outsider.close()
     reply = _attach_with_envpool_key(resolved["actor"]["address"], load_keys(cfg, "envpool"))

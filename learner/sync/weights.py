@@ -100,8 +100,19 @@ class ReplicaLink:
         sock.connect(self.address)
         return sock, monitor
 
-    def send(self, message: Message) -> None:
-        self._sock.send(self._codec.encode([message]))
+    def send(self, message: Message, timeout_s: float = 30.0) -> None:
+        """Send, waiting at most `timeout_s` for a connection to take it.
+
+        A DEALER has nowhere to put a message while no connection is up (none completed its
+        handshake yet, or the replica refused this process's keys and dropped it), and a plain
+        send would then block for good.
+        """
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+            raise WeightSyncError(
+                f"no connection to the replica at {self.address} took {type(message).__name__} "
+                f"within {timeout_s:.0f}s (is it running, and does it use this run's keys?)"
+            )
+        self._sock.send(self._codec.encode([message]), zmq.NOBLOCK)
 
     def reconnect(self) -> None:
         """A fresh socket: nothing queued for or from the old one is read as an answer."""
@@ -120,7 +131,9 @@ class ReplicaLink:
     def answers_hello(self, client: str) -> ActorInfo | None:
         """Without blocking: the replica's answer to the Hello this sends on its first call."""
         if not self._probing:
-            self.send(Hello(client))
+            if not self._sock.poll(0, zmq.POLLOUT):
+                return None  # no connection up yet: ask on a later call
+            self.send(Hello(client), timeout_s=0)
             self._probing = True
         while self._sock.poll(0):
             for reply in self._codec.decode(self._sock.recv()):
@@ -164,7 +177,7 @@ class ReplicaLink:
         )
 
     def request(self, message: Message, expect: type[M], timeout_s: float) -> M:
-        self.send(message)
+        self.send(message, timeout_s)
         return self.await_reply(expect, timeout_s, what=type(message).__name__)
 
     def close(self) -> None:
@@ -232,7 +245,8 @@ def attach_group(
         link.send(
             AttachLearner(
                 session, cfg.sync_host, store.port, world, backend, cfg.sync_timeout_s, first_rank=first
-            )
+            ),
+            cfg.sync_timeout_s,
         )
         first += info.weight_ranks
     try:
@@ -253,7 +267,7 @@ def push_group(
     assert flat.flat is not None, "pack before pushing"
     update = WeightUpdate(group.session, version, flat.dtype, flat.flat.numel(), flat.layout)
     for link in group.links:
-        link.send(update)
+        link.send(update, cfg.sync_timeout_s)
     try:
         broadcast(group.group, flat.flat, cfg.sync_timeout_s)
     except RuntimeError as exc:
