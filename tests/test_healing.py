@@ -82,7 +82,10 @@ def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, 
     rejoined = re.findall(r"weight group of 1 replicas \(actor\) at version (\d+)", learner_log)
     assert len(rejoined) >= 2 and int(rejoined[1]) > 0, rejoined
     assert summary["replica_weights"]["actor"]["matches"] is True
-    assert stats[-1]["client"]["retries_by_cause"].get("actor_lost", 0) >= 1
+    # The dead actor's live turns were retried: by whichever worker held turns at the kill (a
+    # 2026-11-26 run had all three on the restarted worker 0 and none on worker 1).
+    last = [orjson.loads((run_dir / f"envpool-w{w}.jsonl").read_bytes().splitlines()[-1]) for w in (0, 1)]
+    assert sum(r["client"]["retries_by_cause"].get("actor_lost", 0) for r in last) >= 1, last
     assert run_processes(run_dir) == []
     lost = [r for r in read_episodes(run_dir) if r["cause"] == "worker_lost"]
     assert len(lost) == summary["worker_lost"]
