@@ -30,6 +30,18 @@ not a failure: the rotary layer's only tensor is `cos_sin_cache`, a buffer compu
 model config that no checkpoint (and no broadcast) contains. vLLM counts buffers as loadable,
 finds none loaded, warns, and puts the existing cache back (`_place_kernel_tensors`), which is
 right. We drop that one message (`_DerivedBufferFilter`) so real load failures stay visible.
+
+Tied weights (`tie_word_embeddings`: most small real models, SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B)
+need one more step. The output head shares the embedding's parameter, so the reload writes the
+new values into it through the embedding, and the head loads nothing of its own (vLLM logs
+"ParallelLMHead: Failed to load weights" and keeps the head as it was). On GPU that is enough.
+On CPU it is not: vLLM packs every GEMM weight into a oneDNN (or sgl) kernel's own buffer when a
+layer is processed, and the head is never processed again, so its logits kept coming from the
+*initial* weights while the learner trained the tied matrix (the actor sampled from a policy the
+learner did not hold: ratio 1.43 on-policy after one update). `_reprocess_tied_layers` runs
+vLLM's own processing again for every layer whose weight is shared with another, after each
+reload, which repacks the head from the values just loaded. The head has no such message for
+us to silence: it names a real gap, which this closes, so it stays visible in the log.
 """
 
 from __future__ import annotations
@@ -72,6 +84,7 @@ class WeightSyncExtension:
 
     # Provided by the vLLM worker this class is mixed into (declared for the type checker).
     device: Any
+    model_runner: Any
     reload_weights: Callable[..., Any]
 
     def millstream_join(
@@ -128,6 +141,7 @@ class WeightSyncExtension:
             (name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in tensors
         )
         self.reload_weights(weights_iterator=views)
+        _reprocess_tied_layers(self.model_runner.get_model())
         self._ms_digest = flat_digest(flat)  # only once vLLM's reload returned
         return time.monotonic() - started
 
@@ -135,3 +149,21 @@ class WeightSyncExtension:
         """The digest of the weights this worker loaded last (see `flat_digest`); zeros
         before its first update."""
         return getattr(self, "_ms_digest", (0.0, 0.0, 0))
+
+
+def _reprocess_tied_layers(model: torch.nn.Module) -> int:
+    """Run vLLM's weight processing again on every layer that shares its weight with another
+    (tied embeddings), so kernels that packed a copy of it see the values just loaded; returns
+    how many layers were processed. See the module's docstring for why."""
+    sharing: dict[int, list[tuple[torch.nn.Module, Any]]] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is None or weight.numel() == 0 or weight.is_meta:
+            continue  # no weight, or one a kernel already took over (vLLM left an empty one)
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            sharing.setdefault(id(weight), []).append((module, method))
+    tied = [pair for group in sharing.values() if len(group) > 1 for pair in group]
+    for module, method in tied:
+        method.process_weights_after_loading(module)
+    return len(tied)

@@ -127,7 +127,9 @@ def test_a_replica_joins_a_running_run_and_drains_on_sigterm(tiny_model_dir, tmp
         run_dir,
         *SYNTHETIC,
         f"model.path={tiny_model_dir}",
-        "train.steps=80",  # joined at step 3 and drained by step 8 here: room for a slow box
+        # Joined at step 5 and drained by step 9 here (1.6 s a step, 2026-11-26): 40 steps leave
+        # a slow box four times the room.
+        "train.steps=40",
         "actor.synthetic_step_s=0.02",  # slow enough that the joined replica is needed
         "actor.max_num_seqs=8",
     )
@@ -163,7 +165,7 @@ def test_a_replica_joins_a_running_run_and_drains_on_sigterm(tiny_model_dir, tmp
     assert proc.returncode == 0, out[-3000:]
     summary = check_accounting(run_dir)
     assert not [cause for cause in summary["episodes_failed"] if cause.startswith("actor")]
-    assert joined_at < 80
+    assert joined_at < 40
     spot = _router_stats(run_dir)["spot-1"]
     assert spot["tokens"] > 0
     weights = orjson.loads((run_dir / "summary.json").read_bytes())["replica_weights"]

@@ -248,8 +248,14 @@ def build_tiny_model(
     intermediate_size: int = 256,
     max_position_embeddings: int = 4096,
     dtype: str = "float32",
+    tied: bool = False,
 ) -> Path:
-    """Write a tiny random Qwen2 chat model into `out_dir` and return its path."""
+    """Write a tiny random Qwen2 chat model into `out_dir` and return its path.
+
+    `tied` ties the output head to the embeddings (`tie_word_embeddings`), as most small real
+    models do; the default model is untied (see `_write_model`), and a tied one exists to test
+    what ties change (the engine's weight reload, for one).
+    """
     out = Path(out_dir)
     args = dict(
         recipe=RECIPE_VERSION,
@@ -262,6 +268,7 @@ def build_tiny_model(
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         dtype=dtype,
+        tied=tied,
     )
     marker = out / MARKER
     try:
@@ -317,8 +324,9 @@ def _write_model(out: Path, args: dict) -> None:
         "sliding_window": None,
         "max_window_layers": n_layers,
         "layer_types": ["full_attention"] * n_layers,
-        # Random init with tied embeddings makes every output echo the last token.
-        "tie_word_embeddings": False,
+        # Random init with tied embeddings makes every output echo the last token: the default
+        # model is untied, and `tied` exists for the tests of what ties change.
+        "tie_word_embeddings": args["tied"],
         "bos_token_id": eot,
         "eos_token_id": im_end,
         "pad_token_id": eot,
@@ -355,6 +363,11 @@ def _write_model(out: Path, args: dict) -> None:
     from safetensors.torch import save_file
 
     weights = _init_weights(seed, cfg, _quiet_token_ids(tok))
+    if args["tied"]:
+        # The head is the embedding matrix: scaled as the untied head is, or the logits (std ~11
+        # with unit embeddings) would put all the probability on one token.
+        head = weights.pop("lm_head.weight")
+        weights["model.embed_tokens.weight"] *= head.std() / weights["model.embed_tokens.weight"].std()
     weights = {k: t.to(getattr(torch, dtype)).contiguous() for k, t in weights.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     os.chmod(out / "model.safetensors", 0o644)  # safetensors makes it owner-only
