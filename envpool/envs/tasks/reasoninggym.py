@@ -1,0 +1,127 @@
+"""Any task of reasoning-gym (procedural reasoning datasets with their own scorers), by name.
+
+    envpool.env = "reasoning_gym"
+    envpool.env_args = { task = "basic_arithmetic", task_args = { min_terms = 2, max_terms = 3 } }
+
+reasoning-gym (PyPI `reasoning-gym`, the `real` extra) generates each item from the dataset's
+seed and the item's index, and scores an answer with the dataset's own `score_answer`: the
+reward here is that score, never one of ours. `task` is any of its dataset names (106 in
+0.1.25); `task_args` are that dataset's config fields, checked by reasoning-gym itself when the
+environment is built, so a wrong name or value fails the preflight naming the key.
+
+Seeds to items: one dataset of `size` items is made from `data_seed`; its first `eval_items`
+indices are the held-out eval split, the rest the training split. A training episode of seed
+`s` plays item `eval_items + s mod (size - eval_items)`, an eval episode of seed `s` item
+`s mod eval_items` (so `[eval]`'s seeds 0..N-1 walk the eval items in order, and a group's
+members face the same item). Generated questions can repeat across indices where a task's space
+is small; `millstream envpool --check` does not look for that.
+
+The answer is what the model writes inside `<answer>...</answer>` (reasoning-gym's format,
+asked for by its default system prompt, which is this environment's default too); a reply
+without the tags is scored as an empty answer (0 for most tasks) and marked `valid=False`.
+Modes as the dataset environment's: "single" (one attempt), or "feedback" (a wrong answer is
+told so and tried again, up to `max_attempts`; the first success ends the episode).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from millstream.envpool.envs.base import Observation, StepResult, register
+
+__all__ = ["ReasoningGym", "DEFAULT_SYSTEM_PROMPT"]
+
+DEFAULT_SYSTEM_PROMPT = (
+    "Given a problem, your task is to answer the question by thinking step-by-step in a clear and "
+    "specific manner.\nOnce you have thought about the reasoning process, provide the answer in the "
+    "following format:\n<answer>answer here</answer>\nDo not explain your reasoning inside the "
+    "answer tags, provide only the final answer. When an example is provided, you should strictly "
+    "follow the format of the output/answer in that example.\n"
+)  # reasoning_gym.utils.SYSTEM_PROMPTS["default"], spelled out so a run's config shows it
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _create(task: str, task_args: dict[str, Any], size: int, data_seed: int) -> Any:
+    try:
+        import reasoning_gym
+    except ImportError:
+        raise ValueError(
+            "envpool.env = 'reasoning_gym' needs the reasoning-gym package: pip install 'millstream[real]'"
+        ) from None
+    from reasoning_gym.factory import DATASETS
+
+    if task not in DATASETS:
+        close = sorted(n for n in DATASETS if task.split("_")[0] in n)[:8]
+        hint = f"close: {', '.join(close)}" if close else f"{len(DATASETS)} tasks in reasoning_gym.factory"
+        raise ValueError(f"envpool.env_args.task = {task!r}: reasoning-gym has no such task ({hint})")
+    try:
+        return reasoning_gym.create_dataset(task, seed=data_seed, size=size, **task_args)
+    except (TypeError, ValueError, AssertionError) as exc:
+        raise ValueError(f"envpool.env_args.task_args for {task!r}: {type(exc).__name__}: {exc}") from None
+
+
+@register("reasoning_gym")
+class ReasoningGym:
+    def __init__(
+        self,
+        task: str = "basic_arithmetic",
+        task_args: dict[str, Any] | None = None,
+        split: str = "train",
+        size: int = 100_000,
+        eval_items: int = 200,
+        data_seed: int = 0,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        mode: str = "single",
+        max_attempts: int = 3,
+        feedback: str = "That is not right. Try again.",
+        success_reward: float = 1.0,
+    ) -> None:
+        if split not in ("train", "eval"):
+            raise ValueError(f"envpool.env_args.split = {split!r}: expected 'train' or 'eval'")
+        if mode not in ("single", "feedback"):
+            raise ValueError(f"envpool.env_args.mode = {mode!r}: expected 'single' or 'feedback'")
+        if not isinstance(max_attempts, int) or max_attempts < 1:
+            raise ValueError(f"envpool.env_args.max_attempts = {max_attempts!r}: expected an integer >= 1")
+        if not 0 < eval_items < size:
+            raise ValueError(
+                f"envpool.env_args.eval_items = {eval_items!r}: expected 0 < eval_items < size ({size})"
+            )
+        self.task, self.split, self.eval_items = task, split, eval_items
+        self.dataset = _create(task, dict(task_args or {}), size, data_seed)
+        self.system_prompt = system_prompt
+        self.mode, self.max_attempts, self.feedback = mode, max_attempts, feedback
+        self.success_reward = success_reward
+        self.item: dict[str, Any] = {}
+        self.index = -1
+        self.attempts = 0
+        self._done = True
+
+    def item_index(self, seed: int) -> int:
+        """The dataset index that `seed` plays in this split (see the module's docstring)."""
+        if self.split == "eval":
+            return seed % self.eval_items
+        return self.eval_items + seed % (len(self.dataset) - self.eval_items)
+
+    async def reset(self, seed: int) -> Observation:
+        self.index = self.item_index(seed)
+        self.item = self.dataset[self.index]
+        self.attempts = 0
+        self._done = False
+        return Observation(str(self.item["question"]), anchor=f"{self.task}/{self.index}/0")
+
+    async def step(self, action: str) -> StepResult:
+        if self._done:
+            raise RuntimeError("step() after the episode ended; call reset() first")
+        self.attempts += 1
+        found = _ANSWER.findall(action)
+        answer = found[-1].strip() if found else None
+        reward = float(self.dataset.score_answer(answer, self.item))
+        success = reward >= self.success_reward
+        info = {"valid": answer is not None, "success": success, "item": self.index}
+        last = self.mode == "single" or success or self.attempts >= self.max_attempts
+        self._done = last
+        text = "" if last else self.feedback
+        return StepResult(
+            Observation(text, anchor=f"{self.task}/{self.index}/{self.attempts}"), reward, last, info
+        )

@@ -1,0 +1,71 @@
+"""envpool.env = "reasoning_gym" (envpool/envs/tasks/reasoninggym.py): items by seed, a held-out
+eval split, rewards from the dataset's own scorer, and bad arguments named before a run."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from millstream.envpool.envs import make_env
+
+pytest.importorskip("reasoning_gym")
+
+
+def _play(env, seed: int, *replies: str):
+    async def go():
+        obs = await env.reset(seed)
+        results = [await env.step(reply) for reply in replies]
+        return obs, results
+
+    return anyio.run(go)
+
+
+def test_a_seed_plays_one_item_and_is_scored_by_the_datasets_own_scorer():
+    env = make_env("reasoning_gym", dict(task="basic_arithmetic", size=1000, eval_items=100))
+    obs, [right] = _play(env, 7, f"I think... <answer>{env.dataset[107]['answer']}</answer>")
+    assert obs.text == env.dataset[107]["question"] and env.index == 107
+    assert right.reward == 1.0 and right.done and right.info["success"] and right.info["valid"]
+    again = make_env("reasoning_gym", dict(task="basic_arithmetic", size=1000, eval_items=100))
+    assert _play(again, 7)[0].text == obs.text  # a group's members face the same item
+    _, [wrong] = _play(env, 7, "<answer>not a number</answer>")
+    assert wrong.reward == env.dataset.score_answer("not a number", env.dataset[107]) == 0.0
+    _, [untagged] = _play(env, 7, env.dataset[107]["answer"])  # no <answer> tags: no answer
+    assert untagged.reward == 0.0 and untagged.info["valid"] is False
+
+
+def test_the_eval_split_is_held_out_and_walked_in_order():
+    train = make_env("reasoning_gym", dict(task="basic_arithmetic", size=1000, eval_items=100))
+    held = make_env("reasoning_gym", dict(task="basic_arithmetic", size=1000, eval_items=100, split="eval"))
+    assert [held.item_index(s) for s in range(100)] == list(range(100))
+    assert {train.item_index(s) for s in range(5000)} == set(range(100, 1000))
+
+
+def test_feedback_mode_tries_again_until_right():
+    env = make_env("reasoning_gym", dict(task="basic_arithmetic", mode="feedback", max_attempts=3))
+    answer = None
+
+    async def go():
+        nonlocal answer
+        await env.reset(3)
+        answer = env.item["answer"]
+        first = await env.step("<answer>-1.5e99</answer>")
+        second = await env.step(f"<answer>{answer}</answer>")
+        return first, second
+
+    first, second = anyio.run(go)
+    assert not first.done and first.observation.text == "That is not right. Try again."
+    assert second.done and second.reward == 1.0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"task": "basic_arithmetik"}, "envpool.env_args.task = 'basic_arithmetik': reasoning-gym has no"),
+        ({"task_args": {"min_terms": "two"}}, "envpool.env_args.task_args for 'basic_arithmetic'"),
+        ({"split": "test"}, "envpool.env_args.split = 'test'"),
+        ({"eval_items": 0}, "envpool.env_args.eval_items = 0"),
+    ],
+)
+def test_bad_arguments_name_the_key(args, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace("[", r"\[")):
+        make_env("reasoning_gym", args)
