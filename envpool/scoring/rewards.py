@@ -15,6 +15,15 @@ counted cause `env_error` (envpool/episode.py): a broken reward is never scored 
 the reference as a number, exactly (fractions, not floats): "1,234", "1234.0", "2/4" and
 `\\frac{1}{2}` are the numbers they look like. A reference that is not a number is compared as
 stripped text.
+
+`math_verify` is Hugging Face's verifier (the `math-verify` package, in the `real` extra): it
+parses LaTeX and expressions with sympy and compares them symbolically, so `2\\sqrt{2}` equals
+`\\sqrt{8}`, `\\{1,2\\}` equals `\\{2,1\\}`, and "The answer is 7, not 8" is 7, where
+`math_answer` (numbers only, last number wins) says no to all three; it also accepts floats
+equal to 6 decimals (0.333333 for 1/3), which `math_answer`'s exact comparison refuses.
+tests/test_rewards_verify.py holds the cases where the two disagree. Use `math_verify` for a
+real model's math; `math_answer` stays the default because it needs nothing installed and is
+exact on the integer answers of the shipped arithmetic set.
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["math_answer", "extract_answer", "parse_number", "answers_match", "boxed_content"]
+__all__ = ["math_answer", "math_verify", "extract_answer", "parse_number", "answers_match", "boxed_content"]
 
 #: Longest text a number may be parsed from: Fraction("1" * 100_000) is slow, and no answer is it.
 MAX_NUMBER_CHARS = 64
@@ -99,3 +108,21 @@ def math_answer(response: str, answer: str, row: dict[str, Any]) -> dict[str, An
     given = extract_answer(response)
     success = given is not None and answers_match(given, str(answer))
     return {"reward": 1.0 if success else 0.0, "success": success, "valid": given is not None}
+
+
+def math_verify(response: str, answer: str, row: dict[str, Any]) -> dict[str, Any]:
+    """1.0 if Hugging Face's math-verify finds the response's answer equal to `answer`.
+
+    The reference is read as LaTeX (wrapped in `$...$` unless it has its own delimiters or a
+    box). math-verify bounds its own parsing and comparison with a 5 s alarm (SIGALRM, so only
+    in a process's main thread, where the envpool runs environments). `valid` says whether an
+    answer could be parsed from the response at all."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ValueError("the math_verify reward needs math-verify: pip install 'millstream[real]'") from None
+    reference = str(answer)
+    gold = parse(reference if ("$" in reference or "\\boxed" in reference) else f"${reference}$")
+    given = parse(response)
+    success = bool(gold) and bool(given) and bool(verify(gold, given))
+    return {"reward": 1.0 if success else 0.0, "success": success, "valid": bool(given)}
