@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import MILLSTREAM, ROOT, start_actor, start_run, stop_group
+from helpers import MILLSTREAM, ROOT, start_run
 
-from millstream.shared.process.lifecycle import run_processes, session_processes
+from millstream.shared.process.lifecycle import run_processes
 from millstream.shared.process.runtime import free_port
 
 pytestmark = pytest.mark.real
@@ -49,17 +49,6 @@ def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str) -> subpro
     )
     assert len(run_processes(run_dir)) >= 3  # actor, learner, envpool (and their children)
     return proc
-
-
-def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tiny_model_dir, tmp_path):
-    _, proc, _ = start_actor(tiny_model_dir, tmp_path)  # in a session of its own
-    try:
-        assert {b"VLLM::EngineCore", b"VLLM::Worker"} <= titles(session_processes(proc.pid))
-        os.kill(proc.pid, signal.SIGTERM)  # the actor alone, not its process group
-        assert proc.wait(timeout=120) == 130
-        assert wait_gone(proc.pid, find=session_processes) == []
-    finally:
-        stop_group(proc)
 
 
 def test_kill_9_of_the_launcher_leaves_no_process_vllm_children_included(tiny_model_dir, tmp_path):

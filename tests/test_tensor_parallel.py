@@ -1,5 +1,6 @@
 """Tensor parallelism (`actor.tensor_parallel_size`): the check that the model splits, and a real
-TP=2 actor on CPU whose two vLLM workers both load the learner's weights.
+TP=2 actor on CPU whose two vLLM workers both load the learner's weights, and which SIGTERM
+stops with its engine and both workers (the last test here: it ends the module's actor).
 
 Why generations prove that *both* workers loaded: with TP=2 every attention and MLP layer is
 split in halves across the two workers, and each logit is the sum of both halves. A worker that
@@ -7,6 +8,8 @@ kept its old shard would make logits that are neither the old model's nor the ne
 greedy tokens and logprobs equal to transformers' on the learner's weights need both shards new.
 """
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -20,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import ConfigError, LearnerConfig
+from millstream.shared.process.lifecycle import session_processes
 from millstream.shared.process.runtime import check_tensor_parallel
 
 
@@ -74,13 +78,13 @@ def tp_actor(tiny_model_dir, tmp_path_factory):
         "learner.sync_timeout_s=120",
         timeout_s=300,
     )
-    yield address, log
+    yield address, log, proc
     stop_group(proc, sig=15)
 
 
 @pytest.mark.real
 def test_both_tensor_parallel_workers_load_the_learners_weights(tp_actor, tiny_model_dir):
-    address, log = tp_actor
+    address, log, _ = tp_actor
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     learner = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     torch.manual_seed(1234)
@@ -111,3 +115,18 @@ def test_both_tensor_parallel_workers_load_the_learners_weights(tp_actor, tiny_m
     text = log.read_text()
     assert f"vLLM workers joined weight group {sender.session} as ranks [1, 2] of 3" in text
     assert "Failed to load weights" not in text
+
+
+@pytest.mark.real
+def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tp_actor):
+    """An actor started by hand (in a session of its own) and sent SIGTERM alone, not its
+    process group, stops vLLM's EngineCore and every Worker with it. It runs last in this
+    module, on the module's TP=2 actor: one engine start less for the suite."""
+    from test_lifecycle import titles, wait_gone
+
+    _, _, proc = tp_actor
+    names = titles(session_processes(proc.pid))
+    assert {b"VLLM::EngineCore", b"VLLM::Worker_TP0", b"VLLM::Worker_TP1"} <= names, names
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=120) == 130
+    assert wait_gone(proc.pid, find=session_processes) == []

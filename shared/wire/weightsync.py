@@ -17,6 +17,7 @@ large collective beats many small ones; the layout itself goes in the `WeightUpd
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -53,17 +54,40 @@ def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeou
 
     The master listens on `host` only: torch's TCPStore binds every interface when it opens its
     own socket, whatever host it is given, so we bind the socket and hand it over.
+
+    A client first waits for the port to accept a connection (`wait_for_listener`), then opens
+    the store in what is left of `timeout_s`. torch's own client retries a failed connect after
+    a random back-off of up to its timeout and then tries again for a whole timeout: an attach
+    naming a closed port with a 15 s timeout took 46 s here, and the sender had long given up.
     """
+    started = time.monotonic()
     listen_fd = listen_on(host, port) if is_master else None
+    if not is_master:
+        wait_for_listener(host, port, timeout_s)
+    left = max(1.0, timeout_s - (time.monotonic() - started))
     return dist.TCPStore(
         host,
         port,
         world_size,
         is_master=is_master,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=left),
         wait_for_workers=False,
         master_listen_fd=listen_fd,
     )
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Return once `host:port` accepts a TCP connection; TimeoutError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"nothing accepted a connection at {host}:{port} within {timeout_s:.0f}s")
+        try:
+            socket.create_connection((host, port), timeout=min(1.0, left)).close()
+            return
+        except OSError:  # refused (nothing listens yet) or timed out: try again shortly
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def listen_on(host: str, port: int) -> int:
