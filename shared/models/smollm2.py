@@ -132,6 +132,8 @@ def _convert(gguf: Path, out: Path) -> None:
         raise ModelFetchError(f"the GGUF's tensors do not fit: missing {missing}, extra {unexpected}")
     plain.tie_weights()
     plain.save_pretrained(out, safe_serialization=True)
+    for weights in out.glob("*.safetensors"):
+        os.chmod(weights, 0o644)  # safetensors writes owner-only files; a model is for everyone
     tokenizer.save_pretrained(out)
     if plain.generation_config is not None:
         plain.generation_config.save_pretrained(out)
