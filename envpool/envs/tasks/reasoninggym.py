@@ -26,6 +26,7 @@ told so and tried again, up to `max_attempts`; the first success ends the episod
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Any
 
 from millstream.envpool.envs.base import Observation, StepResult, register
@@ -44,7 +45,11 @@ _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 def _create(task: str, task_args: dict[str, Any], size: int, data_seed: int) -> Any:
     try:
-        import reasoning_gym
+        with warnings.catch_warnings():
+            # One of its dependencies (cellpylib) has `is "literal"` comparisons: a SyntaxWarning
+            # when compiled, an error under `-W error`, and none of our business.
+            warnings.simplefilter("ignore", SyntaxWarning)
+            import reasoning_gym
     except ImportError:
         raise ValueError(
             "envpool.env = 'reasoning_gym' needs the reasoning-gym package: pip install 'millstream[real]'"
