@@ -33,6 +33,14 @@ def test_a_seed_plays_one_item_and_is_scored_by_the_datasets_own_scorer():
     assert untagged.reward == 0.0 and untagged.info["valid"] is False
 
 
+def test_a_final_answer_mode_reads_replies_without_tags():
+    env = make_env("reasoning_gym", dict(task="basic_arithmetic", answer="final"))
+    _, [right] = _play(env, 5, f"First 2, then... so it is {env.dataset[env.item_index(5)]['answer']}.")
+    assert right.reward == 1.0 and right.info["valid"]
+    _, [none] = _play(env, 5, "I do not know.")
+    assert none.reward == 0.0 and none.info["valid"] is False
+
+
 def test_the_eval_split_is_held_out_and_walked_in_order():
     train = make_env("reasoning_gym", dict(task="basic_arithmetic", size=1000, eval_items=100))
     held = make_env("reasoning_gym", dict(task="basic_arithmetic", size=1000, eval_items=100, split="eval"))
@@ -64,6 +72,7 @@ def test_feedback_mode_tries_again_until_right():
         ({"task_args": {"min_terms": "two"}}, "envpool.env_args.task_args for 'basic_arithmetic'"),
         ({"split": "test"}, "envpool.env_args.split = 'test'"),
         ({"eval_items": 0}, "envpool.env_args.eval_items = 0"),
+        ({"answer": "xml"}, "envpool.env_args.answer = 'xml'"),
     ],
 )
 def test_bad_arguments_name_the_key(args, message):

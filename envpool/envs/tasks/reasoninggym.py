@@ -16,9 +16,13 @@ indices are the held-out eval split, the rest the training split. A training epi
 members face the same item). Generated questions can repeat across indices where a task's space
 is small; `millstream envpool --check` does not look for that.
 
-The answer is what the model writes inside `<answer>...</answer>` (reasoning-gym's format,
-asked for by its default system prompt, which is this environment's default too); a reply
-without the tags is scored as an empty answer (0 for most tasks) and marked `valid=False`.
+`answer = "tag"` (the default) takes what the model writes inside `<answer>...</answer>`
+(reasoning-gym's format, asked for by its default system prompt, which is this environment's
+default too); a reply without the tags is scored as an empty answer (0 for most tasks) and
+marked `valid=False`. `answer = "final"` takes the reply's final answer as the dataset
+environment's `math_answer` does (the last `\\boxed{}`, else the last number): for models too
+small to follow the tag format (SmolLM2-135M wrote no tags in any of 4 sampled replies), on
+tasks whose answers are numbers.
 Modes as the dataset environment's: "single" (one attempt), or "feedback" (a wrong answer is
 told so and tried again, up to `max_attempts`; the first success ends the episode).
 """
@@ -30,6 +34,7 @@ import warnings
 from typing import Any
 
 from millstream.envpool.envs.base import Observation, StepResult, register
+from millstream.envpool.scoring.rewards import extract_answer
 
 __all__ = ["ReasoningGym", "DEFAULT_SYSTEM_PROMPT"]
 
@@ -81,7 +86,10 @@ class ReasoningGym:
         max_attempts: int = 3,
         feedback: str = "That is not right. Try again.",
         success_reward: float = 1.0,
+        answer: str = "tag",
     ) -> None:
+        if answer not in ("tag", "final"):
+            raise ValueError(f"envpool.env_args.answer = {answer!r}: expected 'tag' or 'final'")
         if split not in ("train", "eval"):
             raise ValueError(f"envpool.env_args.split = {split!r}: expected 'train' or 'eval'")
         if mode not in ("single", "feedback"):
@@ -97,6 +105,7 @@ class ReasoningGym:
         self.system_prompt = system_prompt
         self.mode, self.max_attempts, self.feedback = mode, max_attempts, feedback
         self.success_reward = success_reward
+        self.answer_format = answer
         self.item: dict[str, Any] = {}
         self.index = -1
         self.attempts = 0
@@ -107,6 +116,13 @@ class ReasoningGym:
         if self.split == "eval":
             return seed % self.eval_items
         return self.eval_items + seed % (len(self.dataset) - self.eval_items)
+
+    def answer_of(self, reply: str) -> str | None:
+        """The answer the reply gives, as `answer` says to find it; None if it gives none."""
+        if self.answer_format == "final":
+            return extract_answer(reply)
+        found = _ANSWER.findall(reply)
+        return found[-1].strip() if found else None
 
     async def reset(self, seed: int) -> Observation:
         self.index = self.item_index(seed)
@@ -119,8 +135,7 @@ class ReasoningGym:
         if self._done:
             raise RuntimeError("step() after the episode ended; call reset() first")
         self.attempts += 1
-        found = _ANSWER.findall(action)
-        answer = found[-1].strip() if found else None
+        answer = self.answer_of(action)
         reward = float(self.dataset.score_answer(answer, self.item))
         success = reward >= self.success_reward
         info = {"valid": answer is not None, "success": success, "item": self.index}
