@@ -5,7 +5,8 @@ Layout: `base.py` defines Observation/StepResult, the Env protocol and the regis
 rooms by kind, one module each with its rules in its docstring:
 
     games/   RAGEN's and TinyZero's games: bandit, countdown, frozenlake, guessnumber, sokoban
-    tasks/   text tasks: dataset (prompts and answers), markovian (Delethink), agentflow
+    tasks/   text tasks: dataset (prompts and answers), reasoninggym (any reasoning-gym task),
+             markovian (Delethink), agentflow
     tools/   tool use: pytool (Python in sandbox/), search (Search-R1, offline corpus)
     agents/  agent environments: the contract (agent.py) and openai_agent
     checks/  the loop's own checks: evenchars, echo, noop, flaky (fault injection)
