@@ -11,6 +11,7 @@ import orjson
 import pytest
 from helpers import KEYS, MILLSTREAM
 
+from millstream.shared.process.runtime import free_port
 from millstream.shared.store.trajstore import STORE_FILE, read_episodes
 
 ENV_ARGS = 'envpool.env_args={turns=4, prompt="Write anything."}'
@@ -105,14 +106,15 @@ def test_back_takes_another_branch_and_bad_commands_are_named(actor, recorded):
     assert fork["fork_turn"] == 1 and fork["turns"][1]["response"] == "bbbb"
 
 
-def test_an_unknown_episode_or_env_fails_before_any_actor_is_used(actor, tmp_path):
+def test_an_unknown_env_fails_before_any_actor_is_used(tmp_path):
+    nobody = f"tcp://127.0.0.1:{free_port()}"  # no actor at all: it must not be needed
     result = subprocess.run(
         [
             *MILLSTREAM,
             "debug",
             KEYS,
             "--actor",
-            actor.address,
+            nobody,
             "--env",
             "nosuchenv",
             "--store",
