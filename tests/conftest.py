@@ -10,14 +10,12 @@ do not see each other's weights). Starting vLLM costs ~1 minute here, hence once
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import helpers
 import pytest
-from helpers import LAUNCHED, start_actor, start_synthetic_actor, stop_group
+from helpers import LAUNCHED, RunningActor, running_actor, start_synthetic_actor, stop_group
 
 #: Fixtures that start the real stack or a whole run (a Ray cluster, a `millstream stress` run):
 #: a test that uses one is `real`.
@@ -86,24 +84,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0))
 
 
-class RunningActor:
-    def __init__(self, address: str, proc: subprocess.Popen, log: Path, model_dir: str) -> None:
-        self.address = address
-        self.proc = proc
-        self.log = log
-        self.model_dir = model_dir
-
-
 @pytest.fixture(scope="session")
 def actor(tiny_model_dir, tmp_path_factory) -> Iterator[RunningActor]:
-    address, proc, log = start_actor(
-        tiny_model_dir,
-        tmp_path_factory.mktemp("actor"),
-        "actor.max_num_seqs=64",
-        "learner.sync_timeout_s=120",
-    )
-    yield RunningActor(address, proc, log, tiny_model_dir)
-    stop_group(proc, sig=15)
+    workdir = tmp_path_factory.mktemp("actor")
+    with running_actor(
+        tiny_model_dir, workdir, "actor.max_num_seqs=64", "learner.sync_timeout_s=120"
+    ) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +119,26 @@ def stop_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout_s: flo
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+class RunningActor:
+    """A started actor process: its address, process, log file and model directory."""
+
+    def __init__(self, address: str, proc: subprocess.Popen, log: Path, model_dir: str) -> None:
+        self.address = address
+        self.proc = proc
+        self.log = log
+        self.model_dir = model_dir
+
+
+@contextmanager
+def running_actor(model_dir: str, workdir: Path, *overrides: str) -> Iterator[RunningActor]:
+    """An actor (`start_actor`) for the length of a `with`, stopped by SIGTERM to its group after."""
+    address, proc, log = start_actor(model_dir, workdir, *overrides)
+    try:
+        yield RunningActor(address, proc, log, model_dir)
+    finally:
+        stop_group(proc, sig=signal.SIGTERM)
 
 
 def start_actor(

@@ -16,8 +16,7 @@ from collections.abc import Iterator
 import anyio
 import pytest
 import torch
-from conftest import RunningActor
-from helpers import keys_for, millstream_run, start_actor, steps_of, stop_group, with_client
+from helpers import RunningActor, keys_for, millstream_run, running_actor, steps_of, with_client
 from test_actor import PROMPT, hf_logprobs
 from transformers import AutoModelForCausalLM
 
@@ -34,14 +33,9 @@ def tied_actor(tmp_path_factory) -> Iterator[RunningActor]:
     from millstream.shared.models.tiny import build_tiny_model
 
     model_dir = str(build_tiny_model(tmp_path_factory.mktemp("model") / "tied", seed=0, tied=True))
-    address, proc, log = start_actor(
-        model_dir,
-        tmp_path_factory.mktemp("tied-actor"),
-        "actor.max_num_seqs=16",
-        "learner.sync_timeout_s=120",
-    )
-    yield RunningActor(address, proc, log, model_dir)
-    stop_group(proc, sig=15)
+    workdir = tmp_path_factory.mktemp("tied-actor")
+    with running_actor(model_dir, workdir, "actor.max_num_seqs=16", "learner.sync_timeout_s=120") as running:
+        yield running
 
 
 def _sample(actor: RunningActor, n: int = 24) -> tuple[list[int], list[float], list[int]]:

@@ -168,7 +168,9 @@ def check_model_dir(path: str | Path, key: str = "model.path") -> Path:
     ConfigError naming the key and what is missing."""
     where = Path(path).expanduser()
     if not where.is_dir():
-        fetch = " (`make real-model` puts SmolLM2-135M-Instruct there)" if "SmolLM2" in str(path) else ""
+        from millstream.shared.models.smollm2 import default_dir
+
+        fetch = " (`make real-model` puts the model there)" if where == default_dir() else ""
         raise ConfigError(f"{key} = {str(path)!r}: not a directory{fetch}")
     missing = [
         f for f in ("config.json", "tokenizer.json", "tokenizer_config.json") if not (where / f).is_file()

@@ -16,9 +16,10 @@ indices are the held-out eval split, the rest the training split. A training epi
 members face the same item). Generated questions can repeat across indices where a task's space
 is small; `millstream envpool --check` does not look for that.
 
-`answer = "tag"` (the default) takes what the model writes inside `<answer>...</answer>`
-(reasoning-gym's format, asked for by its default system prompt, which is this environment's
-default too); a reply without the tags is scored as an empty answer (0 for most tasks) and
+`answer = "tag"` (the default) takes what the model writes inside its last
+`<answer>...</answer>`, with reasoning-gym's own `extract_answer` (the format asked for by its
+default system prompt, `SYSTEM_PROMPTS["default"]`, which is this environment's default too); a
+reply without the tags is scored as an empty answer (0 for most tasks) and
 marked `valid=False`. `answer = "final"` takes the reply's final answer as the dataset
 environment's `math_answer` does (the last `\\boxed{}`, else the last number): for models too
 small to follow the tag format (SmolLM2-135M wrote no tags in any of 4 sampled replies), on
@@ -29,26 +30,17 @@ told so and tried again, up to `max_attempts`; the first success ends the episod
 
 from __future__ import annotations
 
-import re
 import warnings
 from typing import Any
 
 from millstream.envpool.envs.base import Observation, StepResult, register
 from millstream.envpool.scoring.rewards import extract_answer
 
-__all__ = ["ReasoningGym", "DEFAULT_SYSTEM_PROMPT"]
-
-DEFAULT_SYSTEM_PROMPT = (
-    "Given a problem, your task is to answer the question by thinking step-by-step in a clear and "
-    "specific manner.\nOnce you have thought about the reasoning process, provide the answer in the "
-    "following format:\n<answer>answer here</answer>\nDo not explain your reasoning inside the "
-    "answer tags, provide only the final answer. When an example is provided, you should strictly "
-    "follow the format of the output/answer in that example.\n"
-)  # reasoning_gym.utils.SYSTEM_PROMPTS["default"], spelled out so a run's config shows it
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+__all__ = ["ReasoningGym"]
 
 
-def _create(task: str, task_args: dict[str, Any], size: int, data_seed: int) -> Any:
+def _import() -> Any:
+    """reasoning_gym, imported on first use (it loads its 106 tasks: 2.5 s)."""
     try:
         with warnings.catch_warnings():
             # One of its dependencies (cellpylib) has `is "literal"` comparisons: a SyntaxWarning
@@ -59,6 +51,11 @@ def _create(task: str, task_args: dict[str, Any], size: int, data_seed: int) -> 
         raise ValueError(
             "envpool.env = 'reasoning_gym' needs the reasoning-gym package: pip install 'millstream[real]'"
         ) from None
+    return reasoning_gym
+
+
+def _create(task: str, task_args: dict[str, Any], size: int, data_seed: int) -> Any:
+    reasoning_gym = _import()
     from reasoning_gym.factory import DATASETS
 
     if task not in DATASETS:
@@ -81,7 +78,7 @@ class ReasoningGym:
         size: int = 100_000,
         eval_items: int = 200,
         data_seed: int = 0,
-        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        system_prompt: str | None = None,
         mode: str = "single",
         max_attempts: int = 3,
         feedback: str = "That is not right. Try again.",
@@ -102,7 +99,10 @@ class ReasoningGym:
             )
         self.task, self.split, self.eval_items = task, split, eval_items
         self.dataset = _create(task, dict(task_args or {}), size, data_seed)
-        self.system_prompt = system_prompt
+        from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
+
+        self._extract_tag = extract_answer
+        self.system_prompt = SYSTEM_PROMPTS["default"] if system_prompt is None else system_prompt
         self.mode, self.max_attempts, self.feedback = mode, max_attempts, feedback
         self.success_reward = success_reward
         self.answer_format = answer
@@ -121,8 +121,8 @@ class ReasoningGym:
         """The answer the reply gives, as `answer` says to find it; None if it gives none."""
         if self.answer_format == "final":
             return extract_answer(reply)
-        found = _ANSWER.findall(reply)
-        return found[-1].strip() if found else None
+        answer: str | None = self._extract_tag(reply)  # reasoning-gym's own: the last tag, stripped
+        return answer
 
     async def reset(self, seed: int) -> Observation:
         self.index = self.item_index(seed)
