@@ -40,6 +40,7 @@ from typing import Any
 import orjson
 
 from millstream.envpool.envs.base import Observation, StepResult, register
+from millstream.envpool.envs.tasks.attempts import Attempts
 
 __all__ = ["Dataset", "load_rows", "resolve_path", "load_reward", "shipped_sets", "SHIPPED_PREFIX"]
 
@@ -163,10 +164,7 @@ class Dataset:
         feedback: str = "That is not right. Try again.",
         success_reward: float = 1.0,
     ) -> None:
-        if mode not in ("single", "feedback"):
-            raise ValueError(f"envpool.env_args.mode = {mode!r}: expected 'single' or 'feedback'")
-        if not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ValueError(f"envpool.env_args.max_attempts = {max_attempts!r}: expected an integer >= 1")
+        self.attempts = Attempts(mode, max_attempts, feedback)
         self.file = resolve_path(path, split)
         self.rows = load_rows(self.file)
         for field in (prompt_field, answer_field):
@@ -180,31 +178,24 @@ class Dataset:
         self.reward_fn = load_reward(reward)
         self.system_prompt = system_prompt
         self.prompt_field, self.answer_field = prompt_field, answer_field
-        self.mode, self.max_attempts, self.feedback = mode, max_attempts, feedback
         self.success_reward = success_reward
         self.row: dict[str, Any] = {}
-        self.attempts = 0
-        self._done = True
 
     async def reset(self, seed: int) -> Observation:
         self.index = seed % len(self.rows)
         self.row = self.rows[self.index]
-        self.attempts = 0
-        self._done = False
+        self.attempts.start()
         return Observation(str(self.row[self.prompt_field]), anchor=f"row{self.index}/0")
 
     async def step(self, action: str) -> StepResult:
-        if self._done:
-            raise RuntimeError("step() after the episode ended; call reset() first")
-        self.attempts += 1
+        self.attempts.take()
         answer = str(self.row[self.answer_field])
         reward, info = _score(self.reward_fn(action, answer, self.row), self.reward_spec)
         success = bool(info.pop("success", reward >= self.success_reward))
         info = {"valid": bool(info.pop("valid", True)), "success": success, "row": self.index, **info}
-        last = self.mode == "single" or success or self.attempts >= self.max_attempts
-        self._done = last
-        text = "" if last else self.feedback
-        return StepResult(Observation(text, anchor=f"row{self.index}/{self.attempts}"), reward, last, info)
+        last, text = self.attempts.outcome(success)
+        anchor = f"row{self.index}/{self.attempts.count}"
+        return StepResult(Observation(text, anchor=anchor), reward, last, info)
 
 
 def shipped_sets() -> list[str]:

@@ -34,6 +34,7 @@ import warnings
 from typing import Any
 
 from millstream.envpool.envs.base import Observation, StepResult, register
+from millstream.envpool.envs.tasks.attempts import Attempts
 from millstream.envpool.scoring.rewards import extract_answer
 
 __all__ = ["ReasoningGym"]
@@ -89,10 +90,7 @@ class ReasoningGym:
             raise ValueError(f"envpool.env_args.answer = {answer!r}: expected 'tag' or 'final'")
         if split not in ("train", "eval"):
             raise ValueError(f"envpool.env_args.split = {split!r}: expected 'train' or 'eval'")
-        if mode not in ("single", "feedback"):
-            raise ValueError(f"envpool.env_args.mode = {mode!r}: expected 'single' or 'feedback'")
-        if not isinstance(max_attempts, int) or max_attempts < 1:
-            raise ValueError(f"envpool.env_args.max_attempts = {max_attempts!r}: expected an integer >= 1")
+        self.attempts = Attempts(mode, max_attempts, feedback)
         if not 0 < eval_items < size:
             raise ValueError(
                 f"envpool.env_args.eval_items = {eval_items!r}: expected 0 < eval_items < size ({size})"
@@ -103,13 +101,10 @@ class ReasoningGym:
 
         self._extract_tag = extract_answer
         self.system_prompt = SYSTEM_PROMPTS["default"] if system_prompt is None else system_prompt
-        self.mode, self.max_attempts, self.feedback = mode, max_attempts, feedback
         self.success_reward = success_reward
         self.answer_format = answer
         self.item: dict[str, Any] = {}
         self.index = -1
-        self.attempts = 0
-        self._done = True
 
     def item_index(self, seed: int) -> int:
         """The dataset index that `seed` plays in this split (see the module's docstring)."""
@@ -127,21 +122,16 @@ class ReasoningGym:
     async def reset(self, seed: int) -> Observation:
         self.index = self.item_index(seed)
         self.item = self.dataset[self.index]
-        self.attempts = 0
-        self._done = False
+        self.attempts.start()
         return Observation(str(self.item["question"]), anchor=f"{self.task}/{self.index}/0")
 
     async def step(self, action: str) -> StepResult:
-        if self._done:
-            raise RuntimeError("step() after the episode ended; call reset() first")
-        self.attempts += 1
+        self.attempts.take()
         answer = self.answer_of(action)
         reward = float(self.dataset.score_answer(answer, self.item))
         success = reward >= self.success_reward
         info = {"valid": answer is not None, "success": success, "item": self.index}
-        last = self.mode == "single" or success or self.attempts >= self.max_attempts
-        self._done = last
-        text = "" if last else self.feedback
+        last, text = self.attempts.outcome(success)
         return StepResult(
-            Observation(text, anchor=f"{self.task}/{self.index}/{self.attempts}"), reward, last, info
+            Observation(text, anchor=f"{self.task}/{self.index}/{self.attempts.count}"), reward, last, info
         )
