@@ -12,6 +12,10 @@ rise is the test's measure: the mean reward of the last 4 steps less that of the
 prints both distributions (min, quartiles, max) and the gap between the learners' minimum and
 the non-learners' maximum; the test's docstring cites them and puts its bar in the gap.
 
+Every run's per-step rewards are kept, and the same gap is printed for every shorter length: the
+learning rate is constant (no schedule), so the first L steps of a longer run are an L-step run,
+and one measurement says how short a test may be (`by_length` in the results).
+
 Results: bench/results/<date>-<host>/learning-margins-<case>.json.
 """
 
@@ -42,22 +46,57 @@ CASES: dict[str, list[str]] = {
     # tests/test_algorithms_run.py::test_estimator_learns
     "drgrpo": ["learner.advantage=drgrpo", "learner.loss_agg=seq_sum_norm"],
     "gigpo-multiturn": ["learner.advantage=gigpo", "learner.reward_level=turn", "envpool.env_args={turns=3}"],
+    # tests/test_run.py::test_the_loop_learns_under_attack (the default run)
+    "default": [],
+    # tests/test_lora.py::test_a_lora_run_learns_and_its_adapter_loads_with_peft
+    "lora": ["learner.lora_rank=8", "learner.lr=2e-2"],
+    # tests/test_agent_run.py
+    "agent": ["envpool.env=openai_agent", "envpool.max_tokens=12"],
+    # tests/test_dataset_run.py (its evaluation rounds are not part of the measure)
+    "dataset": [
+        "envpool.env=dataset",
+        "envpool.env_args.path=millstream:arithmetic",
+        "envpool.max_tokens=8",
+        "train.group_size=4",
+        "train.groups_per_batch=12",
+    ],
 }
 
 
+def step_rewards(metrics: Path) -> list[float]:
+    """The mean reward of each training step of a run, in order (rolled-back steps left out)."""
+    return [r["reward/mean"] for r in read_jsonl(metrics) if "reward/mean" in r and not r.get("rolled_back")]
+
+
+def rise_of(rewards: list[float], n: int = 4) -> float:
+    """Mean of the last `n` rewards less the mean of the first `n` (the tests' measure)."""
+    return statistics.fmean(rewards[-n:]) - statistics.fmean(rewards[:n])
+
+
 def rise(metrics: Path, n: int = 4) -> float:
-    """Mean reward of the last `n` steps less that of the first `n` (the tests' measure)."""
-    steps = [r for r in read_jsonl(metrics) if "reward/mean" in r and not r.get("rolled_back")]
-    first = statistics.fmean(r["reward/mean"] for r in steps[:n])
-    return statistics.fmean(r["reward/mean"] for r in steps[-n:]) - first
+    """`rise_of` a run's step rewards, read from its metrics.jsonl."""
+    return rise_of(step_rewards(metrics), n)
 
 
-def run_once(run_dir: Path, overrides: list[str], timeout_s: float) -> float:
+def run_once(run_dir: Path, overrides: list[str], timeout_s: float) -> list[float]:
     cmd = [sys.executable, "-m", "millstream.shared.launch.cli", "run", f"run.dir={run_dir}", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"run failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return rise(run_dir / "metrics.jsonl")
+    return step_rewards(run_dir / "metrics.jsonl")
+
+
+def gaps_by_length(
+    rewards: dict[str, list[list[float]]], steps: int, n: int = 4
+) -> dict[int, dict[str, float]]:
+    """For each run length L from 2n to `steps`: the learners' smallest rise over the first L
+    steps, the non-learners' largest, and the gap between them."""
+    table = {}
+    for length in range(2 * n, steps + 1):
+        low = min(rise_of(r[:length], n) for r in rewards["learner"])
+        high = max(rise_of(r[:length], n) for r in rewards["non_learner"])
+        table[length] = {"learner_min": low, "non_learner_max": high, "gap": low - high}
+    return table
 
 
 def quartiles(values: list[float]) -> dict[str, float]:
@@ -84,17 +123,18 @@ def main(argv: list[str] | None = None) -> int:
         f"train.steps={ns.steps}",
         *CASES[ns.case],
     ]
-    sides: dict[str, list[float]] = {"learner": [], "non_learner": []}
+    rewards: dict[str, list[list[float]]] = {"learner": [], "non_learner": []}
     started = time.monotonic()
     try:
         for i in range(ns.runs):  # interleaved: a drift of the machine hits both sides alike
             for side, extra in (("learner", []), ("non_learner", ["learner.lr=1e-12"])):
-                value = run_once(work / f"{side}-{i}", [*base, f"run.seed={i}", *extra], ns.timeout)
-                sides[side].append(value)
-                print(f"{side} run {i}: rise {value:+.3f}", flush=True)
+                run = run_once(work / f"{side}-{i}", [*base, f"run.seed={i}", *extra], ns.timeout)
+                rewards[side].append(run)
+                print(f"{side} run {i}: rise {rise_of(run):+.3f}", flush=True)
     finally:
         os.killpg(actor.pid, 15)
         actor.wait(timeout=60)
+    sides = {side: [rise_of(run) for run in runs] for side, runs in rewards.items()}
     summary = {
         "case": ns.case,
         "overrides": CASES[ns.case],
@@ -104,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
         "learner": quartiles(sides["learner"]),
         "non_learner": quartiles(sides["non_learner"]),
         "gap": min(sides["learner"]) - max(sides["non_learner"]),
+        "by_length": {str(k): v for k, v in gaps_by_length(rewards, ns.steps).items()},
+        "rewards": rewards,
         "wall_s": time.monotonic() - started,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "load": os.getloadavg()[0],
@@ -111,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     out = results_dir() / f"learning-margins-{ns.case}.json"
     out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     print(orjson.dumps({k: summary[k] for k in ("learner", "non_learner", "gap")}).decode())
+    for length, row in summary["by_length"].items():
+        print(
+            f"{length:3d} steps: learners' min {row['learner_min']:+.3f}, "
+            f"non-learners' max {row['non_learner_max']:+.3f}, gap {row['gap']:+.3f}"
+        )
     print(f"wrote {out}")
     return 0
 

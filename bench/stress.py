@@ -83,17 +83,25 @@ def parse_faults(text: str) -> dict[str, float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="millstream stress", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="millstream stress",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows each default
+    )
     p.add_argument("--env", default="echo", help="environment name (registry or entry point)")
     p.add_argument("--episodes", type=int, default=2000, help="episodes to run in total")
     p.add_argument("--concurrency", type=int, default=500, help="live episodes at most, all workers")
     p.add_argument("--actor", default="synthetic", help="'synthetic' (started here) or an address")
-    p.add_argument("--faults", default="", help="crash=P,hang=P,garbage=P")
+    p.add_argument("--faults", default="", help="crash=P,hang=P,garbage=P (default: %(default)r, no faults)")
     p.add_argument("--workers", type=int, default=1, help="envpool worker processes")
     p.add_argument("--group-size", type=int, default=8, help="episodes per group (same seed)")
-    p.add_argument("--out", default="", help="output folder (default runs/stress-<env>-<time>)")
+    p.add_argument("--out", default="", help="output folder (default: %(default)r, runs/stress-<env>-<time>)")
     p.add_argument("--timeout-s", type=float, default=3600, help="give up (and report) after this")
-    p.add_argument("--config", default=None, help="TOML config the run starts from")
+    p.add_argument(
+        "--config",
+        default=None,
+        help="TOML config to start from (default: %(default)s, the embedded defaults)",
+    )
     p.add_argument(
         "--store",
         action="store_true",

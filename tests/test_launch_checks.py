@@ -152,6 +152,23 @@ def test_config_shows_a_section_a_key_or_the_keys_a_word_matches():
     assert config_of().stdout.count("\n[") >= 8  # every section, as before
 
 
+@pytest.mark.parametrize("args", [["--version"], ["run", "--version"], ["actor", "--version"]])
+def test_every_command_answers_version(args):
+    from importlib.metadata import version
+
+    proc = subprocess.run([*MILLSTREAM, *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"millstream {version('millstream')}\n", proc
+
+
+def test_stress_help_shows_the_defaults():
+    proc = subprocess.run(
+        [*MILLSTREAM, "stress", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0
+    for option in ("(default: 2000)", "(default: 500)", "(default: echo)"):
+        assert option in " ".join(proc.stdout.split()), proc.stdout
+
+
 @pytest.mark.parametrize("args", [["--help"], ["config"], ["run", "--help"]])
 def test_output_cut_short_by_the_reader_ends_quietly(args):
     """`millstream config | head`: the reader closes the pipe after one line; no traceback."""

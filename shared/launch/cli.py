@@ -11,6 +11,7 @@
                                                    convert it (shared/models/smollm2.py)
     millstream config [WORD ...]                   config keys, defaults and meanings (all, or
                                                    a section, `section.key`, or keys matching)
+    millstream --version                           the installed version (after any command too)
 
 Role commands replace this process with `python -m millstream.<role>`: `shared` imports no role package,
 and a role started by hand is the very same process the launcher starts.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["main"]
+__all__ = ["main", "version"]
 
 ROLES = ("actor", "learner", "envpool")
 
@@ -39,7 +40,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(0)
 
 
+def version() -> str:
+    """The installed package's version line, as `millstream --version` prints it."""
+    from importlib.metadata import version as installed
+
+    return f"millstream {installed('millstream')}"
+
+
 def _dispatch(argv: list[str]) -> None:
+    if "--version" in argv:  # on every command: `millstream run --version` answers it too
+        print(version())
+        sys.exit(0)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
         sys.exit(0 if argv else 2)
