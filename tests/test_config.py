@@ -74,6 +74,11 @@ def test_file_then_overrides(tmp_path):
             "model.dtype = \"float64\": expected one of 'float32', 'bfloat16', 'float16'",
         ),
         (["run.log_level=LOUD"], "run.log_level = \"LOUD\": expected one of 'DEBUG', 'INFO'"),
+        (  # a list's element: named by its index and shown, not `= None`
+            ['metrics.backends=["jsonl", "tensorbord"]'],
+            "metrics.backends[1] = \"tensorbord\": expected one of 'jsonl', 'tensorboard', 'wandb'; "
+            "did you mean 'tensorboard'?",
+        ),
         # What the engine would refuse, and what spans keys.
         (["envpool.temperature=2.5"], "envpool.temperature = 2.5: expected float <= 2.0"),
         (["actor.address=localhost:5555"], 'actor.address = "localhost:5555": expected tcp://HOST:PORT'),

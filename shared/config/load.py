@@ -171,9 +171,13 @@ def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
 
 
 def _lookup(data: dict[str, Any], dotted: str) -> Any:
+    """The value at msgspec's path (`metrics.backends[1]`: keys and list indices), or None."""
     node: Any = data
-    for part in filter(None, dotted.split(".")):
-        node = node.get(part) if isinstance(node, dict) else None
+    for key, index in re.findall(r"([^.\[\]]+)|\[(\d+)\]", dotted):
+        if key:
+            node = node.get(key) if isinstance(node, dict) else None
+        else:
+            node = node[int(index)] if isinstance(node, list) and int(index) < len(node) else None
     return node
 
 
@@ -198,11 +202,14 @@ def _field(dotted: str) -> msgspec.structs.FieldInfo | None:
 
 
 def _choices(dotted: str) -> tuple[Any, ...]:
-    """The allowed values of a Literal-typed key, or () for any other key."""
-    field = _field(dotted)
+    """The allowed values of a Literal-typed key or list element (`metrics.backends[1]`), or ()."""
+    element = re.fullmatch(r"(.*)\[\d+\]", dotted)
+    field = _field(element.group(1) if element else dotted)
     if field is None:
         return ()
     tp = get_args(field.type)[0] if hasattr(field.type, "__metadata__") else field.type
+    if element:
+        tp = get_args(tp)[0] if get_origin(tp) is list else None
     return get_args(tp) if get_origin(tp) is Literal else ()
 
 
