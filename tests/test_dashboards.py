@@ -6,6 +6,7 @@ readers (TensorBoard's EventAccumulator) or from the offline run's files (W&B ha
 reader: its run file must hold the keys). The real run uses the session's actor (conftest).
 """
 
+import os
 import struct
 import subprocess
 import zlib
@@ -60,6 +61,31 @@ def test_wandb_writes_an_offline_run_with_the_history(tmp_path, monkeypatch):
     history = next(runs[0].glob("run-*.wandb")).read_bytes()
     for needle in (b"reward/mean", b"episode/success_rate", b"0.25", b"t1", b"eval/reward_mean", b"0.375"):
         assert needle in history, needle
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_metrics_wandb_mode_is_the_mode_wandb_starts_in(tmp_path, monkeypatch, mode):
+    """`metrics.wandb_mode` reaches wandb.init and WANDB_MODE (the recorder stands in for W&B's
+    servers: an online run must not reach the network from a test)."""
+    import wandb
+
+    seen: dict = {}
+
+    class RecordedRun:
+        def define_metric(self, *args, **kwargs):
+            pass
+
+    def recording_init(**kwargs):
+        seen.update(kwargs, env_mode=os.environ["WANDB_MODE"])
+        return RecordedRun()
+
+    monkeypatch.setattr(wandb, "init", recording_init)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = load_config(overrides=[f"metrics.wandb_mode={mode}"])
+    metrics = open_metrics(tmp_path, ["jsonl", "wandb"], wandb_mode=cfg.metrics.wandb_mode)
+    assert "wandb" in metrics.backends and seen["mode"] == seen["env_mode"] == mode
+    with pytest.raises(ConfigError, match="metrics.wandb_mode"):
+        load_config(overrides=["metrics.wandb_mode=live"])
 
 
 def test_a_failing_backend_is_switched_off_and_the_jsonl_goes_on(tmp_path, caplog):

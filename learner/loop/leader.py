@@ -174,6 +174,7 @@ class Leader:
         self.metrics = open_metrics(
             self.run_dir,
             cfg.metrics.backends,
+            wandb_mode=cfg.metrics.wandb_mode,
             wandb_project=cfg.metrics.wandb_project,
             wandb_name=cfg.metrics.wandb_name,
             wandb_tags=cfg.metrics.wandb_tags,

@@ -116,7 +116,14 @@ class MetricsConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "offline run in <run.dir>/wandb, never touches the network; extra `dashboards`)."
         ),
     ] = msgspec.field(default_factory=lambda: ["jsonl"])
-    wandb_project: Annotated[str, _doc("wandb: the W&B project name of the offline run.")] = "millstream"
+    wandb_mode: Annotated[
+        Literal["offline", "online"],
+        _doc(
+            "wandb: offline (a run in <run.dir>/wandb, no network; `wandb sync` uploads it later) or "
+            "online (logs live; the key comes from WANDB_API_KEY or `wandb login`, as with any W&B run)."
+        ),
+    ] = "offline"
+    wandb_project: Annotated[str, _doc("wandb: the W&B project name of the run.")] = "millstream"
     wandb_name: Annotated[str, _doc("wandb: the run's display name (empty: the run directory's name).")] = ""
     wandb_tags: Annotated[list[str], _doc("wandb: tags of the run.")] = msgspec.field(default_factory=list)
 

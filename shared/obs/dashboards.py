@@ -5,8 +5,8 @@ on. TensorBoard and W&B are optional extras (`pip install 'millstream[dashboards
 
 - tensorboard: event files in `<run.dir>/tensorboard`, written with tensorboard's own event file
   writer (no torch needed, so this module stays role-free);
-- wandb: an offline run in `<run.dir>/wandb` (`WANDB_MODE=offline`; never touches the network;
-  `wandb sync` uploads it later if wanted).
+- wandb: a run in `<run.dir>/wandb`, offline by default (`metrics.wandb_mode`: offline never
+  touches the network, and `wandb sync` uploads it later if wanted; online logs live).
 
 Both receive every per-step record's flat numeric keys exactly as `metrics.jsonl` has them
 (`reward/mean`, `train/entropy`, ...) at step = the training step; event records (checkpoints,
@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from millstream.shared.obs.metrics import MetricsWriter
 
@@ -90,14 +90,22 @@ class _TensorBoard:
 
 
 class _Wandb:
-    def __init__(self, run_dir: Path, project: str, name: str, tags: list[str], config: dict) -> None:
-        os.environ["WANDB_MODE"] = "offline"  # before the import: wandb reads it at init
+    def __init__(
+        self,
+        run_dir: Path,
+        project: str,
+        name: str,
+        tags: list[str],
+        config: dict,
+        mode: Literal["offline", "online"],
+    ) -> None:
+        os.environ["WANDB_MODE"] = mode  # before the import: wandb reads it at init
         os.environ.setdefault("WANDB_SILENT", "true")
         import wandb
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
-            mode="offline",
+            mode=mode,
             dir=str(run_dir),
             project=project,
             name=name or run_dir.name,
@@ -168,6 +176,7 @@ def open_metrics(
     run_dir: str | Path,
     backends: Sequence[str],
     *,
+    wandb_mode: Literal["offline", "online"] = "offline",
     wandb_project: str = "millstream",
     wandb_name: str = "",
     wandb_tags: list[str] | None = None,
@@ -182,7 +191,9 @@ def open_metrics(
             if name == "tensorboard":
                 opened[name] = _TensorBoard(run_dir)
             elif name == "wandb":
-                opened[name] = _Wandb(run_dir, wandb_project, wandb_name, wandb_tags or [], config or {})
+                opened[name] = _Wandb(
+                    run_dir, wandb_project, wandb_name, wandb_tags or [], config or {}, wandb_mode
+                )
         except Exception as exc:
             log.error(
                 "metrics backend %s could not start (%s: %s); running without it",
