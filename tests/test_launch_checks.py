@@ -111,6 +111,53 @@ def test_the_command_says_one_line_and_starts_nothing(tmp_path, tiny_model_dir, 
     assert not list(Path("/proc").glob("*/environ")) or _no_run_process(root)
 
 
+@pytest.mark.parametrize("key", ["actor.address", "learner.experience_address", "learner.version_address"])
+def test_a_busy_address_fails_at_once_naming_its_key(tmp_path, tiny_model_dir, key):
+    """A port another process listens on: one line naming the key, well before any role starts
+    (it took 126-137 s and three actor restarts before), and no run directory."""
+    import socket
+    import time
+
+    root = tmp_path / "runs"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+        started = time.monotonic()
+        proc = subprocess.run(
+            [*MILLSTREAM, "run", f"run.root={root}", f"model.path={tiny_model_dir}", f"{key}={address}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    took = time.monotonic() - started
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith(f"millstream run: {key} = '{address}': another process already listens")
+    assert len(proc.stderr.strip().splitlines()) == 1 and not root.exists()
+    assert took < 60, took  # a bound, not a benchmark: the failure it replaces took over 120 s
+
+
+def test_a_connected_actor_address_is_not_bind_checked(tiny_model_dir):
+    """actor.connect: the launcher starts no actor, so only the learner's addresses are its to bind."""
+    from millstream.shared.config import load_config
+    from millstream.shared.launch.preflight import bind_addresses
+
+    cfg = load_config(None, ["actor.connect=tcp://127.0.0.1:5555", "judge.model_path=x"])
+    assert [key for key, _ in bind_addresses(cfg)] == [
+        "learner.experience_address",
+        "learner.version_address",
+        "judge.address",
+    ]
+    cfg = load_config(
+        None, ["actor.replicas=2", 'actor.replica_addresses=["tcp://127.0.0.1:7001", "tcp://127.0.0.1:7002"]']
+    )
+    assert [key for key, _ in bind_addresses(cfg)][2:] == [
+        "actor.replica_addresses[0]",
+        "actor.replica_addresses[1]",
+    ]
+
+
 def _no_run_process(root: Path) -> bool:
     """No process anywhere carries a run directory under `root` in its environment."""
     marker = f"{ENV_RUN}={root}".encode()

@@ -33,9 +33,7 @@ from __future__ import annotations
 import re
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import tomllib
 from dataclasses import dataclass
@@ -53,14 +51,10 @@ from millstream.shared.config import (
     parse_overrides,
     toml_value,
 )
+from millstream.shared.launch import preflight
 from millstream.shared.launch.healing import Healer, watch
-from millstream.shared.process.lifecycle import run_processes, watch_parent
-from millstream.shared.process.runtime import (
-    check_model_dir,
-    check_tensor_parallel,
-    free_port,
-    resolve_model_dir,
-)
+from millstream.shared.process.lifecycle import watch_parent
+from millstream.shared.process.runtime import check_model_dir, free_port, resolve_model_dir
 from millstream.shared.process.supervisor import LineStream, RoleProcesses, Supervisor
 from millstream.shared.store.rundir import (
     Resume,
@@ -116,13 +110,14 @@ def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
     plan = Plan(cfg, run_dir, resume, [])
     if plan.finished:
         return plan
-    _check_run_dir(run_dir, resume)
-    _check_actor(cfg)
+    preflight.check_run_dir(run_dir, resuming=resume is not None)
+    preflight.check_actor(cfg)
+    preflight.check_bind_addresses(cfg)
     if cfg.launcher.kind == "ray":
         from millstream.shared.launch.ray.cluster import check_cluster  # ray is an optional dependency
 
         check_cluster(cfg)
-    _check_envpool(cfg)
+    preflight.check_roles(cfg)
     if resume is not None:
         refused, plan.changed = resume_conflicts(resume.previous, cfg)
         if refused:
@@ -206,27 +201,6 @@ def _replica_addresses(cfg: Config) -> list[str]:
         return picked
     host, port = base.rsplit(":", 1)
     return [f"{host}:{int(port) + i}" for i in range(cfg.actor.replicas)]
-
-
-def _check_actor(cfg: Config) -> None:
-    """What the actor this run starts would refuse only after its engine's processes started."""
-    if not cfg.actor.connect and cfg.actor.kind == "vllm":
-        check_tensor_parallel(cfg.model.path, cfg.actor.tensor_parallel_size)
-
-
-def _check_run_dir(run_dir: Path, resume: Resume | None) -> None:
-    """A run directory holds one run: never a live one, and never a second one by accident."""
-    live = run_processes(run_dir)
-    if live:
-        raise ConfigError(
-            f"run.dir = {str(run_dir)!r}: a run is still live in it (pids "
-            f"{', '.join(map(str, live))}); stop it first"
-        )
-    if resume is None and (run_dir / "config.toml").exists():
-        raise ConfigError(
-            f"run.dir = {str(run_dir)!r}: already holds a run; resume it with "
-            f"run.resume={run_dir}, or choose another run.dir"
-        )
 
 
 def _make_run_dir(plan: Plan, out: IO[str]) -> None:
@@ -331,36 +305,6 @@ def _resume_hint(run_dir: Path) -> str:
         f"latest checkpoint: {checkpoint} (step {checkpoint_step(checkpoint)}); resume "
         f"with: millstream run run.resume={run_dir}"
     )
-
-
-def _check_envpool(cfg: Config) -> None:
-    """`millstream envpool --check` on the resolved config, and `millstream learner --check`
-    where the learner has something to check before it starts (LoRA targets)."""
-    _check_role("envpool", cfg, max(120.0, cfg.envpool.step_timeout_s + 60))
-    if cfg.learner.lora_rank > 0:
-        _check_role("learner", cfg, 120.0)
-
-
-def _check_role(role: str, cfg: Config, timeout_s: float) -> None:
-    """A role's own checks on the resolved config, in a child process because the launcher
-    imports no role. The problem, if any, is its one line on stdout (its logs go to stderr)."""
-    with tempfile.TemporaryDirectory(prefix="millstream-check-") as tmp:
-        path = Path(tmp) / "config.toml"
-        path.write_text(dump_config(cfg))
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", f"millstream.{role}", "--check", "--config", str(path)],
-                capture_output=True,
-                text=True,
-                timeout=timeout_s,
-                stdin=subprocess.DEVNULL,
-            )
-        except subprocess.TimeoutExpired:
-            raise ConfigError(f"the {role}'s check did not finish in {timeout_s:.0f}s") from None
-    if proc.returncode == 2 and proc.stdout.strip():
-        raise ConfigError(proc.stdout.strip().splitlines()[0])
-    if proc.returncode != 0:
-        raise ConfigError(f"the {role}'s check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
 
 
 def _relay(stream: LineStream, out: IO[str]) -> None:

@@ -1,0 +1,127 @@
+"""What `millstream run` checks before any role starts, beyond the config's own checks.
+
+Each check here stands for a failure that would otherwise show only after engines load (a minute
+or more on a CPU) and that no restart can mend: a run directory that holds another run, a tensor
+parallel size the model cannot split into, an address another process already listens on, an
+environment or a LoRA target the roles would refuse. A problem is a ConfigError naming the key;
+the launcher prints it as one line and makes no run directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from millstream.shared.config import Config, ConfigError, dump_config
+from millstream.shared.process.lifecycle import run_processes
+from millstream.shared.process.runtime import check_tensor_parallel
+
+__all__ = ["check_actor", "check_bind_addresses", "check_roles", "check_run_dir", "bind_addresses"]
+
+
+def check_run_dir(run_dir: Path, resuming: bool) -> None:
+    """A run directory holds one run: never a live one, and never a second one by accident."""
+    live = run_processes(run_dir)
+    if live:
+        raise ConfigError(
+            f"run.dir = {str(run_dir)!r}: a run is still live in it (pids "
+            f"{', '.join(map(str, live))}); stop it first"
+        )
+    if not resuming and (run_dir / "config.toml").exists():
+        raise ConfigError(
+            f"run.dir = {str(run_dir)!r}: already holds a run; resume it with "
+            f"run.resume={run_dir}, or choose another run.dir"
+        )
+
+
+def check_actor(cfg: Config) -> None:
+    """What the actor this run starts would refuse only after its engine's processes started."""
+    if not cfg.actor.connect and cfg.actor.kind == "vllm":
+        check_tensor_parallel(cfg.model.path, cfg.actor.tensor_parallel_size)
+
+
+def bind_addresses(cfg: Config) -> list[tuple[str, str]]:
+    """(config key, address) for every address a role this launcher starts will bind, on the
+    resolved config (ports filled in)."""
+    out = [
+        ("learner.experience_address", cfg.learner.experience_address),
+        ("learner.version_address", cfg.learner.version_address),
+    ]
+    if not cfg.actor.connect:
+        for i, address in enumerate(cfg.actor.replica_addresses or [cfg.actor.address]):
+            out.append(
+                (
+                    "actor.address" if address == cfg.actor.address else f"actor.replica_addresses[{i}]",
+                    address,
+                )
+            )
+    if cfg.judge.model_path and not cfg.judge.connect:
+        out.append(("judge.address", cfg.judge.address))
+    return out
+
+
+def check_bind_addresses(cfg: Config) -> None:
+    """Every TCP address the run's roles will bind is free now. A busy one would fail the role
+    at its bind, after its engine loaded, and again at every restart (a bind error never mends);
+    here it fails in well under a second, naming the key. Only for roles on this host: with
+    `launcher.kind = "ray"` the roles bind on the hosts Ray places them on."""
+    if cfg.launcher.kind != "local":
+        return
+    for key, address in bind_addresses(cfg):
+        if not address.startswith("tcp://"):
+            continue
+        host, port = address[len("tcp://") :].rsplit(":", 1)
+        if port == "0":
+            continue
+        problem = _bind_problem(host.strip("[]"), int(port))
+        if problem:
+            raise ConfigError(f"{key} = {address!r}: {problem}; choose another port, or port 0 (a free one)")
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why a listener could not bind host:port now, or None. SO_REUSEADDR as libzmq sets it, so a
+    port left in TIME_WAIT by an earlier run (which ZeroMQ can bind) is not reported."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "another process already listens there"
+            return f"cannot bind it here ({exc.strerror})"
+    return None
+
+
+def check_roles(cfg: Config) -> None:
+    """`millstream envpool --check` on the resolved config, and `millstream learner --check`
+    where the learner has something to check before it starts (LoRA targets)."""
+    _check_role("envpool", cfg, max(120.0, cfg.envpool.step_timeout_s + 60))
+    if cfg.learner.lora_rank > 0:
+        _check_role("learner", cfg, 120.0)
+
+
+def _check_role(role: str, cfg: Config, timeout_s: float) -> None:
+    """A role's own checks on the resolved config, in a child process because the launcher
+    imports no role. The problem, if any, is its one line on stdout (its logs go to stderr)."""
+    with tempfile.TemporaryDirectory(prefix="millstream-check-") as tmp:
+        path = Path(tmp) / "config.toml"
+        path.write_text(dump_config(cfg))
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", f"millstream.{role}", "--check", "--config", str(path)],
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+                stdin=subprocess.DEVNULL,
+            )
+        except subprocess.TimeoutExpired:
+            raise ConfigError(f"the {role}'s check did not finish in {timeout_s:.0f}s") from None
+    if proc.returncode == 2 and proc.stdout.strip():
+        raise ConfigError(proc.stdout.strip().splitlines()[0])
+    if proc.returncode != 0:
+        raise ConfigError(f"the {role}'s check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
