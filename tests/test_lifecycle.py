@@ -7,6 +7,7 @@ it spawns (vLLM's EngineCore and Worker too), so `run_processes` finds them all,
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,33 +97,65 @@ def test_a_role_that_dies_stops_the_run_naming_it_and_how_to_resume(tiny_model_d
 
 
 def test_a_crashing_role_is_reported_by_its_cause_not_its_traceback(tiny_model_dir, tmp_path):
-    """The actor fails at start (its address is taken); the launcher names the error."""
-    taken = f"tcp://127.0.0.1:{free_port()}"
+    """The actor fails at start (its ipc path's folder does not exist: not a failure the launcher
+    classes as repeating, so it is retried once); the launcher names the error."""
+    proc = subprocess.run(
+        [
+            *MILLSTREAM,
+            "run",
+            f"run.dir={tmp_path / 'run'}",
+            "actor.kind=synthetic",
+            f"model.path={tiny_model_dir}",
+            f"actor.address=ipc://{tmp_path / 'no-such-folder' / 'actor'}",
+            "run.max_restarts=1",
+            "run.restart_backoff_s=0.1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 1
+    out = proc.stdout
+    assert "actor died (ZMQError: No such file or directory" in out and "restarting it in 0.1s" in out
+    assert "actor exited early, stopping the run (after 1 restarts): ZMQError: No such file" in out
+    assert wait_gone(tmp_path / "run", 10) == []
+
+
+def test_a_role_failing_as_every_restart_would_is_not_retried(tmp_path):
+    """A role whose address is taken (after the launcher's check: another process got there
+    first) exits 78 with the cause written down, and the healer stops the run at once."""
     import zmq
 
+    from millstream.shared.config import load_config
+    from millstream.shared.launch.healing import Healer
+    from millstream.shared.process.runtime import SETUP_FAILED, exit_file
+
+    taken = f"tcp://127.0.0.1:{free_port()}"
     blocker = zmq.Context.instance().socket(zmq.ROUTER)
     blocker.bind(taken)
+    (tmp_path / "logs").mkdir()
+    body = (
+        "import zmq\n"
+        "from millstream.shared.process.runtime import run_role\n"
+        "def body(cfg, ns):\n"
+        f"    zmq.Context.instance().socket(zmq.ROUTER).bind({taken!r})\n"
+        f"run_role('actor', body, ['run.dir={tmp_path}'])\n"
+    )
     try:
         proc = subprocess.run(
-            [
-                *MILLSTREAM,
-                "run",
-                f"run.dir={tmp_path / 'run'}",
-                "actor.kind=synthetic",
-                f"model.path={tiny_model_dir}",
-                f"actor.address={taken}",
-                "run.max_restarts=1",
-                "run.restart_backoff_s=0.1",
-            ],
+            [sys.executable, "-c", body],
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=120,
+            env=dict(os.environ, MILLSTREAM_NAME="actor"),
         )
     finally:
         blocker.close(0)
-    assert proc.returncode == 1
-    out = proc.stdout
-    assert "actor died (ZMQError: Address already in use" in out and "restarting it in 0.1s" in out
-    assert "actor exited early, stopping the run (after 1 restarts): ZMQError: Address already in use" in out
-    assert wait_gone(tmp_path / "run", 10) == []
+    assert proc.returncode == SETUP_FAILED, proc.stderr
+    assert "Address already in use" in exit_file(tmp_path, "actor").read_text()
+    healer = Healer(load_config(None, ["run.max_restarts=3"]), tmp_path)
+    decision = healer.on_exit("actor", time.monotonic(), SETUP_FAILED)
+    assert not decision.restart and decision.repeats and healer.used == {}
+    assert healer.on_exit("actor", time.monotonic(), 1).restart  # an ordinary crash is retried

@@ -2,7 +2,9 @@
 and then.
 
 `watch` is the launcher's loop; it asks `Healer.on_exit(name, now)` about every role that ended
-early. A role is restarted after a backoff (`run.restart_backoff_s`, doubling per restart of that
+early. A role that failed in a way a restart would repeat (exit status 78: its config, an import,
+an address it cannot bind; shared/process/runtime.py) stops the run at once. Any other is
+restarted after a backoff (`run.restart_backoff_s`, doubling per restart of that
 role, at most 60 s) while it has restarts left (`run.max_restarts` each); the other roles keep
 running meanwhile:
 - a restarted envpool worker says hello with a new incarnation, and the learner closes the
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import IO
 
 from millstream.shared.config import Config, ConfigError
-from millstream.shared.process.runtime import ACCOUNTING_FAILED
+from millstream.shared.process.runtime import ACCOUNTING_FAILED, SETUP_FAILED
 from millstream.shared.process.supervisor import RoleProcesses
 from millstream.shared.store.rundir import (
     find_checkpoint,
@@ -61,6 +63,8 @@ class Decision:
     restart: bool
     at: float = 0.0
     attempt: int = 0
+    #: The role failed in a way every restart would repeat (exit SETUP_FAILED): not retried.
+    repeats: bool = False
 
 
 @dataclass
@@ -94,6 +98,8 @@ class Healer:
         """A role ended before the run did: restart it (when) or give up."""
         if name == "learner" and code == ACCOUNTING_FAILED:
             return Decision(False)  # it finished; a restart would not change its count
+        if code in (SETUP_FAILED, 2):  # 2: its config or arguments did not load
+            return Decision(False, attempt=self.used.get(name, 0), repeats=True)
         if not self.restartable(name):
             return Decision(False)
         if name in self.chaos_killed:
@@ -181,6 +187,8 @@ def _schedule_restart(
     why = sup.describe_exit(name, code)
     if not decision.restart:
         after = f" (after {decision.attempt} restarts)" if decision.attempt else ""
+        if decision.repeats:
+            after += " (a restart would fail the same way: not retried)"
         if name == "learner":
             print(f"learner failed{after}: {why}", file=out, flush=True)
         else:

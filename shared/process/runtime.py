@@ -10,13 +10,15 @@ Each role's entry point (`python -m millstream.actor`, `... learner`, `... envpo
 
 `run_role` wraps a role's body: it stops the role when its launcher dies, turns a stop by signal
 into exit status 130, writes the cause of a fatal error to `<run.dir>/logs/<name>.exit.json`
-(the launcher reports it, instead of a traceback's last line), and stops any child process the
-role leaves behind (`shared/process/lifecycle.py`).
+(the launcher reports it, instead of a traceback's last line), exits 78 for a failure a restart
+would repeat (`fails_again`: the launcher then stops instead of retrying), and stops any child
+process the role leaves behind (`shared/process/lifecycle.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import random
@@ -46,6 +48,7 @@ __all__ = [
     "ENV_NAME",
     "STOPPED",
     "ACCOUNTING_FAILED",
+    "SETUP_FAILED",
     "exit_file",
 ]
 
@@ -57,6 +60,10 @@ STOPPED = 130
 
 #: Exit status of a learner that finished but whose episode accounting does not add up.
 ACCOUNTING_FAILED = 3
+
+#: Exit status of a role that failed in a way a restart would repeat exactly: its config, an
+#: import, an address it cannot bind (sysexits' EX_CONFIG). The launcher does not restart it.
+SETUP_FAILED = 78
 
 
 def role_args(
@@ -113,6 +120,7 @@ def run_role(
         else:
             log.exception("%s failed", role)
             _write_exit_cause(cfg, exc)
+            code = SETUP_FAILED if fails_again(first) else 1
     finally:
         reap_children()
     sys.exit(code)
@@ -128,6 +136,15 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
     return [exc]
+
+
+def fails_again(exc: BaseException) -> bool:
+    """Would a restart fail the same way? A bad config or model directory (ConfigError), a
+    missing module, an address in use or not on this host: nothing changes between restarts."""
+    if isinstance(exc, ConfigError | ImportError):
+        return True
+    # zmq.ZMQError and OSError both carry the errno; zmq is not imported for the check.
+    return getattr(exc, "errno", None) in (errno.EADDRINUSE, errno.EADDRNOTAVAIL)
 
 
 def _root_cause(exc: BaseException) -> BaseException:
