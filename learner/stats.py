@@ -110,7 +110,11 @@ def _sync(record: dict) -> str:
     return f"sync {record['sync/total_s']:.2f}s"
 
 
-def progress_line(record: dict, steps: int, no_signal_after: int = 3) -> str:
+def progress_line(
+    record: dict, steps: int, no_signal_after: int = 3, steps_per_min: float | None = None
+) -> str:
+    """The step's line on standard output; with `steps_per_min` (the recent pace) it ends with
+    the pace and the time left at that pace."""
     dropped = sum(v for k, v in record.items() if k.startswith("episodes/dropped/"))
     failed = sum(v for k, v in record.items() if k.startswith("episodes/failed/"))
     line = (
@@ -120,6 +124,9 @@ def progress_line(record: dict, steps: int, no_signal_after: int = 3) -> str:
         f"{record['perf/tokens_per_s']:.0f} tok/s | dropped {dropped} failed {failed} | "
         f"{_sync(record)} | {record['perf/elapsed_s']:.0f}s"
     )
+    if steps_per_min:
+        left_s = (steps - record["step"]) / steps_per_min * 60
+        line += f" | {steps_per_min:.1f} steps/min, ETA {_clock(left_s)}"
     replicas, up = record.get("fleet/replicas", 1), record.get("fleet/up", 1)
     if replicas > 1 or up < replicas:
         line += f" | replicas {up:.0f}/{replicas:.0f}"
@@ -127,6 +134,16 @@ def progress_line(record: dict, steps: int, no_signal_after: int = 3) -> str:
     if quiet >= no_signal_after:
         line += f" | NO SIGNAL: equal rewards in every group for {quiet} steps"
     return line
+
+
+def _clock(seconds: float) -> str:
+    """12s, 4m05s, 2h03m."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 class NoSignalWatch:

@@ -102,6 +102,12 @@ def test_sigkill_then_resume_continues_the_run_in_its_directory(actor, tmp_path)
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 9))  # rolled-back steps 5.. are marked
     assert steps[ckpt]["trained_version"] == ckpt
+    # The run's clock goes on across the resume, and the checkpoint resumed from stands.
+    assert steps[ckpt]["perf/elapsed_s"] > steps[ckpt - 1]["perf/elapsed_s"]
+    events = read_jsonl(run_dir / "metrics.jsonl")
+    assert [
+        r.get("rolled_back", False) for r in events if r.get("event") == "checkpoint" and r["step"] == ckpt
+    ] == [False]
     rolled = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r.get("rolled_back")]
     assert {r["step"] for r in rolled if "reward/mean" in r} == set(range(ckpt + 1, killed_at + 1))
     summary = check_accounting(run_dir)  # the whole run adds up, earlier session included

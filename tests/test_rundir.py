@@ -25,8 +25,10 @@ def test_records_after_the_checkpoint_offsets_are_marked_and_nothing_else(tmp_pa
     for step in (1, 2, 3):
         metrics.write({"step": step})
     at_checkpoint = metrics.position()  # what the learner stores in the checkpoint
+    metrics.write({"event": "checkpoint", "step": 3})  # written just after it saved
     for step in (4, 5):
         metrics.write({"step": step})
+    metrics.write({"event": "checkpoint", "step": 5})
     metrics.close()
     # A failure that arrived before the checkpoint keeps its place whatever its version.
     write_records(
@@ -36,15 +38,26 @@ def test_records_after_the_checkpoint_offsets_are_marked_and_nothing_else(tmp_pa
     )
     first = (tmp_path / "trajectories.jsonl").read_bytes().index(b"\n") + 1
 
-    marked = mark_rolled_back(tmp_path, {"metrics.jsonl": at_checkpoint, "trajectories.jsonl": first})
-    assert marked == {"metrics.jsonl": 2, "trajectories.jsonl": 1}
-    steps = [(r["step"], r.get("rolled_back", False)) for r in read_jsonl(tmp_path / "metrics.jsonl")]
-    assert steps == [(1, False), (2, False), (3, False), (4, True), (5, True)]
+    marked = mark_rolled_back(tmp_path, {"metrics.jsonl": at_checkpoint, "trajectories.jsonl": first}, step=3)
+    assert marked == {"metrics.jsonl": 3, "trajectories.jsonl": 1}
+    steps = [
+        (r.get("event", ""), r["step"], r.get("rolled_back", False))
+        for r in read_jsonl(tmp_path / "metrics.jsonl")
+    ]
+    assert steps == [
+        ("", 1, False),
+        ("", 2, False),
+        ("", 3, False),
+        ("checkpoint", 3, False),  # the checkpoint resumed from stands
+        ("", 4, True),
+        ("", 5, True),
+        ("checkpoint", 5, True),
+    ]
     lines = (tmp_path / "trajectories.jsonl").read_bytes().splitlines()
     assert len(lines) == 2  # the torn line left by the kill is gone
     assert orjson.loads(lines[0]) == {"fate": "failed", "version": 3}
     # Marking again (a second resume from the same checkpoint) changes nothing.
-    assert mark_rolled_back(tmp_path, {"metrics.jsonl": at_checkpoint}) == {"metrics.jsonl": 0}
+    assert mark_rolled_back(tmp_path, {"metrics.jsonl": at_checkpoint}, step=3) == {"metrics.jsonl": 0}
 
 
 def make_checkpoint(root, step, records):

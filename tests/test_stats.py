@@ -40,3 +40,39 @@ def test_the_step_line_says_no_signal_after_enough_steps():
     line = progress_line({**record, "warning/no_signal_steps": 3}, 10)
     assert line.endswith("| NO SIGNAL: equal rewards in every group for 3 steps")
     assert "failed 2" in line
+
+
+def test_the_step_line_gives_the_pace_and_the_time_left():
+    record = {
+        "step": 8,
+        "reward/mean": 0.5,
+        "reward/std": 0.1,
+        "staleness/min": 0,
+        "staleness/mean": 0.5,
+        "staleness/max": 1,
+        "perf/tokens_per_s": 10.0,
+        "sync/total_s": 0.1,
+        "perf/elapsed_s": 90.0,
+    }
+    assert "ETA" not in progress_line(record, 20)  # no pace known yet (the first step)
+    assert progress_line(record, 20, steps_per_min=4.0).endswith("| 4.0 steps/min, ETA 3m00s")
+    assert progress_line(record, 1000, steps_per_min=4.0).endswith("ETA 4h08m")
+
+
+def test_the_pace_is_measured_over_recent_steps_and_a_resume_keeps_the_runs_clock(tmp_path):
+    from millstream.learner.loop.report import PACE_WINDOW, StepReport, elapsed_before
+    from millstream.shared.config import load_config
+
+    report = StepReport(load_config(None, []), metrics=None)  # type: ignore[arg-type]
+    assert report.pace(1, 60.0) is None  # step 1 carries the start-up
+    assert report.pace(2, 70.0) == 6.0  # 1 step in 10 s
+    for step in range(3, 3 + PACE_WINDOW):  # then 30 s a step: the start-up falls out of the window
+        pace = report.pace(step, 70.0 + 30 * (step - 2))
+    assert pace == 2.0
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 4, "perf/elapsed_s": 120.5}\n'
+        '{"event": "checkpoint", "step": 4}\n'
+        '{"step": 5, "perf/elapsed_s": 150.0, "rolled_back": true}\n'
+    )
+    assert elapsed_before(tmp_path, 4) == 120.5 and elapsed_before(tmp_path, 5) == 0.0
+    assert elapsed_before(tmp_path / "nowhere", 4) == 0.0

@@ -38,7 +38,7 @@ from millstream.learner.episodes.validate import EpisodeCheck, vocab_size
 from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.evals import EvalLog
 from millstream.learner.loop.finish import close_run, final_wait_s, write_summary
-from millstream.learner.loop.report import StepReport
+from millstream.learner.loop.report import StepReport, elapsed_before
 from millstream.learner.loop.session import Session, restore_session, session_state
 from millstream.learner.persist.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
 from millstream.learner.replay import Group, ReplayBuffer
@@ -192,8 +192,10 @@ class Leader:
         write_ready(
             ready_file, experience=cfg.learner.experience_address, versions=cfg.learner.version_address
         )
-        self.started = self.last_step = self.last_data = time.monotonic()
-        self.greeting_until = self.started + min(60.0, cfg.envpool.start_timeout_s)
+        now = self.last_step = self.last_data = time.monotonic()
+        # A resumed run's clock goes on from its checkpoint's step (its records say when that was).
+        self.started = now - (elapsed_before(self.run_dir, trainer.version) if cfg.run.resume else 0.0)
+        self.greeting_until = now + min(60.0, cfg.envpool.start_timeout_s)
 
     def _receive(self) -> None:
         """Take what arrived; release the held episodes once every worker said hello."""

@@ -13,13 +13,20 @@ A batch the group filter drops whole takes no step, so it has no record and no p
 from __future__ import annotations
 
 import logging
+from collections import deque
+from pathlib import Path
 
 from millstream.learner.episodes.experience import say
 from millstream.learner.stats import CollapseWatch, NoSignalWatch, progress_line
 from millstream.shared.config import Config
 from millstream.shared.obs.dashboards import DashboardMetrics
+from millstream.shared.obs.metrics import read_jsonl
 
-__all__ = ["StepReport"]
+__all__ = ["StepReport", "elapsed_before"]
+
+#: Steps the pace (steps/min, ETA) is measured over: recent enough to follow a change of speed,
+#: long enough not to swing with one slow step (a checkpoint, an evaluation round).
+PACE_WINDOW = 5
 
 log = logging.getLogger("learner")
 
@@ -31,6 +38,14 @@ class StepReport:
         self.cfg, self.metrics = cfg, metrics
         self.collapse = CollapseWatch()
         self.no_signal = NoSignalWatch()
+        self.recent: deque[tuple[int, float]] = deque(maxlen=PACE_WINDOW + 1)  # (step, elapsed_s)
+
+    def pace(self, step: int, elapsed_s: float) -> float | None:
+        """Steps per minute over the last PACE_WINDOW steps (None before the second step: the
+        first one's time is mostly start-up)."""
+        self.recent.append((step, elapsed_s))
+        (first, start), (last, end) = self.recent[0], self.recent[-1]
+        return (last - first) / (end - start) * 60 if last > first and end > start else None
 
     def step(self, record: dict, step_metrics: dict[str, float], step: int) -> None:
         """The step's metrics record, its warnings and its progress line."""
@@ -49,7 +64,8 @@ class StepReport:
                 f"{warning['entropy']:.2f} from {warning['entropy_peak']:.2f})"
             )
             self.metrics.write({"event": "collapse_warning", "step": step, **warning})
-        say(progress_line(record, self.cfg.train.steps, no_signal_after=self.no_signal.after))
+        pace = self.pace(step, record["perf/elapsed_s"])
+        say(progress_line(record, self.cfg.train.steps, self.no_signal.after, steps_per_min=pace))
 
     def no_batch(self, step: int) -> None:
         """The group filter dropped a whole batch (no group had a reward spread): no step, so no
@@ -62,3 +78,17 @@ class StepReport:
                 f"by learner.group_filter={self.cfg.learner.group_filter}); no step was taken"
             )
             self.metrics.write({"event": "no_signal_warning", "step": step, "batches": quiet})
+
+
+def elapsed_before(run_dir: str | Path, step: int) -> float:
+    """The run's elapsed time at `step` by its metrics (0 if none): a resumed run's clock goes on
+    from there, so its elapsed time and pace are the run's, not the session's."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0.0
+    at = [
+        r["perf/elapsed_s"]
+        for r in read_jsonl(path)
+        if r.get("step") == step and "perf/elapsed_s" in r and not r.get("rolled_back")
+    ]
+    return float(at[-1]) if at else 0.0

@@ -216,7 +216,7 @@ def _restart(sup: RoleProcesses, healer: Healer, name: str, learner_started: Cal
     except ConfigError as exc:  # its checkpoint went missing: the run cannot go on
         raise HealingFailed(f"cannot restart the learner: {exc}") from None
     retire_later_checkpoints(healer.run_dir, resume.step)
-    mark_rolled_back(healer.run_dir, resume.records)
+    mark_rolled_back(healer.run_dir, resume.records, resume.step)
     sup.restart(name, extra_args=[f"run.resume={healer.run_dir}"])
     learner_started()
 

@@ -211,7 +211,7 @@ def _make_run_dir(plan: Plan, out: IO[str]) -> None:
         previous = run_dir / "config.toml"
         shutil.copyfile(previous, run_dir / f"config-before-step-{plan.resume.step}.toml")
         retire_later_checkpoints(run_dir, plan.resume.step)
-        marked = mark_rolled_back(run_dir, plan.resume.records)
+        marked = mark_rolled_back(run_dir, plan.resume.records, plan.resume.step)
         print(
             f"millstream run: resuming {run_dir} from step {plan.resume.step}; records after "
             f"it marked rolled back: {marked}",

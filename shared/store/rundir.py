@@ -215,10 +215,11 @@ def checkpoint_records(checkpoint: Path) -> dict[str, int]:
     return dict(state.get("extra", {}).get("records", {}))
 
 
-def mark_rolled_back(run_dir: Path, records: dict[str, int]) -> dict[str, int]:
+def mark_rolled_back(run_dir: Path, records: dict[str, int], step: int | None = None) -> dict[str, int]:
     """Mark every record after `records[name]` bytes of each file rolled back; returns how many
     per file. Streams (constant memory) and replaces each file atomically; a torn last line
-    (left by a kill mid-write) is dropped."""
+    (left by a kill mid-write) is dropped. The checkpoint event of `step` (the checkpoint resumed
+    from) is kept: it is written just after the positions its checkpoint records."""
     marked = {}
     for name, offset in records.items():
         path = run_dir / name
@@ -236,7 +237,12 @@ def mark_rolled_back(run_dir: Path, records: dict[str, int]) -> dict[str, int]:
                     record = orjson.loads(line)
                 except orjson.JSONDecodeError:
                     continue
-                if isinstance(record, dict) and not record.get("rolled_back"):
+                resumed_from = (
+                    isinstance(record, dict)
+                    and record.get("event") == "checkpoint"
+                    and record.get("step") == step
+                )
+                if isinstance(record, dict) and not record.get("rolled_back") and not resumed_from:
                     record["rolled_back"] = True
                     count += 1
                 dst.write(orjson.dumps(record) + b"\n")
