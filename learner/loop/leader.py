@@ -31,7 +31,7 @@ from typing import Any
 
 import msgspec
 
-from millstream.learner.episodes.experience import Experience
+from millstream.learner.episodes.experience import Experience, say
 from millstream.learner.episodes.intake import Intake
 from millstream.learner.episodes.records import EpisodeRecords
 from millstream.learner.episodes.validate import EpisodeCheck, vocab_size
@@ -325,8 +325,11 @@ class Leader:
     # --- the end ---------------------------------------------------------------------------
 
     def _finish(self) -> dict:
+        say(f"training done at version {self.trainer.version}; collecting the workers' last episodes")
         self._final_round()
+        saving = time.monotonic()
         checkpoint = self._save()  # before the drain: its complete groups survive a resume
+        say(f"final checkpoint saved in {time.monotonic() - saving:.1f}s: {checkpoint}")
         summary = close_run(
             self.cfg,
             version=self.trainer.version,

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import IO
 
 from millstream.shared.config import Config, ConfigError
+from millstream.shared.launch.progress import StartupProgress
 from millstream.shared.process.runtime import ACCOUNTING_FAILED, SETUP_FAILED
 from millstream.shared.process.supervisor import RoleProcesses
 from millstream.shared.store.rundir import (
@@ -143,12 +144,16 @@ def watch(
     out: IO[str],
     healer: Healer,
     learner_started: Callable[[], None],
+    progress: StartupProgress | None = None,
 ) -> int:
     """Poll the roles every 0.1 s until the learner finishes, a role dies beyond healing, or a
-    signal; `learner_started` is called after each learner restart (to relay its output)."""
+    signal; `learner_started` is called after each learner restart (to relay its output), and
+    `progress` hears of every poll and restart (start-up lines)."""
     restarts: dict[str, float] = {}  # role -> when it is started again
     while not stop.wait(0.1):
         now, exited = time.monotonic(), sup.exited()
+        if progress is not None:
+            progress.poll(now)
         if exited.get("learner") == 0:
             return _learner_finished(sup)
         for name, code in exited.items():
@@ -159,6 +164,8 @@ def watch(
         for name, at in list(restarts.items()):
             if now >= at:
                 del restarts[name]
+                if progress is not None:
+                    progress.started(name, now)
                 try:
                     _restart(sup, healer, name, learner_started)
                 except HealingFailed as exc:

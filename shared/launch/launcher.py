@@ -35,6 +35,7 @@ import shutil
 import signal
 import sys
 import threading
+import time
 import tomllib
 from dataclasses import dataclass
 from datetime import datetime
@@ -53,8 +54,9 @@ from millstream.shared.config import (
 )
 from millstream.shared.launch import preflight
 from millstream.shared.launch.healing import Healer, watch
+from millstream.shared.launch.progress import StartupProgress
 from millstream.shared.process.lifecycle import watch_parent
-from millstream.shared.process.runtime import check_model_dir, free_port, resolve_model_dir
+from millstream.shared.process.runtime import check_model_dir, free_port, ready_file, resolve_model_dir
 from millstream.shared.process.supervisor import LineStream, RoleProcesses, Supervisor
 from millstream.shared.store.rundir import (
     Resume,
@@ -241,11 +243,19 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
 
     try:
         with sup.starting():  # Ray reserves every role's resources at once, then starts them
-            _start_roles(sup, cfg, config)
+            names = _start_roles(sup, cfg, config)
         relay_learner()
-        code = watch(sup, stop, out, Healer(cfg, run_dir), relay_learner)
+        local = cfg.launcher.kind == "local"  # on Ray, the ready files are on the roles' hosts
+        progress = StartupProgress(run_dir, [n for n in names if "-rank" not in n], out) if local else None
+        code = watch(sup, stop, out, Healer(cfg, run_dir), relay_learner, progress)
     finally:
+        stopping = time.monotonic()
         sup.stop(grace_s=10.0)
+        print(
+            f"millstream run: every process stopped ({time.monotonic() - stopping:.1f}s)",
+            file=out,
+            flush=True,
+        )
         for relay in relays:
             relay.join(timeout=5)  # after the stop: the learner's last lines, then end of pipe
         for sig, handler in old.items():
@@ -266,12 +276,21 @@ def _supervisor(cfg: Config, run_dir: Path) -> RoleProcesses:
     return Supervisor(run_dir)
 
 
-def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> None:
+def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> list[str]:
+    """Start every role; returns their names."""
+
+    names: list[str] = []
+
+    def args(name: str, *more: str) -> list[str]:  # each says when it serves (shared/launch/progress.py)
+        names.append(name)
+        return [*config, "--ready-file", str(ready_file(cfg.run.dir, name)), *more]
+
     if not cfg.actor.connect:
         for index in range(cfg.actor.replicas):
-            sup.start(replica_name(index), "millstream.actor", [*config, "--worker-index", str(index)])
+            name = replica_name(index)
+            sup.start(name, "millstream.actor", args(name, "--worker-index", str(index)))
     if cfg.judge.model_path and not cfg.judge.connect:
-        sup.start("judge", "millstream.actor", [*config, "--judge"])
+        sup.start("judge", "millstream.actor", args("judge", "--judge"))
     # Rank 0 is "learner" (it talks to the run and prints the progress lines); the other ranks
     # of a data-parallel learner follow it. Not torchrun: its agent's TCPStore listens on every
     # interface; rank 0 hosts the group's store on loopback instead (learner/train/dssetup.py).
@@ -288,12 +307,13 @@ def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> None:
         sup.start(
             name,
             "millstream.learner",
-            config,
+            args(name) if rank == 0 else config,
             pipe_stdout=rank == 0,
             env=env if cfg.learner.ranks > 1 else None,
         )
     for i in range(cfg.envpool.workers):
-        sup.start(f"envpool-{i}", "millstream.envpool", [*config, "--worker-index", str(i)])
+        sup.start(f"envpool-{i}", "millstream.envpool", args(f"envpool-{i}", "--worker-index", str(i)))
+    return names
 
 
 def _resume_hint(run_dir: Path) -> str:

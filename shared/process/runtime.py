@@ -50,6 +50,7 @@ __all__ = [
     "ACCOUNTING_FAILED",
     "SETUP_FAILED",
     "exit_file",
+    "ready_file",
 ]
 
 #: The name the launcher gave this process ("actor", "learner", "envpool-0", ...).
@@ -124,6 +125,11 @@ def run_role(
     finally:
         reap_children()
     sys.exit(code)
+
+
+def ready_file(run_dir: str | Path, name: str) -> Path:
+    """Where the process called `name` says it serves (`--ready-file`, as the launcher passes it)."""
+    return Path(run_dir) / "logs" / f"{name}.ready"
 
 
 def exit_file(run_dir: str | Path, name: str) -> Path:

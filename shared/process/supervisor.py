@@ -31,7 +31,7 @@ from typing import IO, Protocol
 import orjson
 
 from millstream.shared.process.lifecycle import ENV_PARENT, ENV_RUN
-from millstream.shared.process.runtime import ENV_NAME, STOPPED, exit_file
+from millstream.shared.process.runtime import ENV_NAME, STOPPED, exit_file, ready_file
 
 __all__ = ["Supervisor", "RoleProcesses", "LineStream", "describe_exit", "tail_log"]
 
@@ -104,6 +104,7 @@ class Supervisor:
         self.logs[name] = log
         self.specs[name] = (module, args, pipe_stdout, env)
         exit_file(self.run_dir, name).unlink(missing_ok=True)  # a previous session's
+        ready_file(self.run_dir, name).unlink(missing_ok=True)
         out: IO[bytes] = log.open("ab")
         child_env = dict(
             os.environ,
