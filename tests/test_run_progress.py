@@ -36,3 +36,26 @@ def test_each_role_is_announced_once_ready_and_the_slow_ones_are_named_with_thei
     assert out.getvalue().splitlines()[-1] == "millstream run: actor ready in 40s (engine loaded, serving)"
     assert "every role is ready" not in out.getvalue().splitlines()[-1]
     assert progress.waiting == {}
+
+
+def test_the_closing_line_counts_the_episodes_the_end_caught_once(tmp_path):
+    import orjson
+
+    from millstream.shared.launch.launcher import _print_summary
+
+    summary = {
+        "episodes_started": 512,
+        "episodes_trained": 480,
+        "episodes_dropped": {"run_ended": 16},
+        "episodes_failed": {"run_ended": 14, "env_error": 2},
+        "accounting_ok": True,
+        "final_weights": "w",
+    }
+    (tmp_path / "summary.json").write_bytes(orjson.dumps(summary))
+    out = io.StringIO()
+    _print_summary(tmp_path, out)
+    first = out.getvalue().splitlines()[0]
+    assert first == (
+        "episodes: started 512, trained 480, left at the end 30 (16 finished in incomplete groups, "
+        "14 running), dropped {}, failed {'env_error': 2} (accounting ok)"
+    )

@@ -89,6 +89,7 @@ def test_a_resume_refuses_what_defines_the_experiment_and_allows_the_rest():
             "envpool.env=echo",
             "learner.micro_batch_size=4",
             "actor.address=tcp://127.0.0.1:5",
+            "judge.address=tcp://127.0.0.1:6",  # addresses are picked afresh at each start
         ],
     )
     refused, changed = resume_conflicts(before, after)

@@ -341,9 +341,16 @@ def _print_summary(run_dir: Path, out: IO[str]) -> None:
     started = f"started {summary['episodes_started']}"
     if summary.get("learner_sessions", 1) > 1:
         started += f" (over {summary['learner_sessions']} learner sessions)"
+    # An episode the run's end caught (finished in a group still incomplete, or still running)
+    # is neither a drop nor a failure: said once, on its own (summary.json keeps both counts).
+    dropped, failed = dict(summary["episodes_dropped"]), dict(summary["episodes_failed"])
+    waiting, running = dropped.pop("run_ended", 0), failed.pop("run_ended", 0)
+    ended = (
+        f", left at the end {waiting + running} ({waiting} finished in incomplete groups, {running} running)"
+    )
     print(
-        f"episodes: {started}, trained {summary['episodes_trained']}, "
-        f"dropped {summary['episodes_dropped']}, failed {summary['episodes_failed']} "
+        f"episodes: {started}, trained {summary['episodes_trained']}"
+        f"{ended if waiting + running else ''}, dropped {dropped}, failed {failed} "
         f"(accounting {'ok' if summary['accounting_ok'] else 'BROKEN'})",
         file=out,
     )

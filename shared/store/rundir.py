@@ -184,6 +184,7 @@ _SESSION_KEYS = frozenset(
         "actor.replica_addresses",
         "learner.experience_address",
         "learner.version_address",
+        "judge.address",  # picked afresh at each start, like the other addresses
     }
 )
 
