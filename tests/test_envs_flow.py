@@ -37,6 +37,54 @@ def test_registered_names():
         assert type(make_env(name)) is cls
 
 
+ONE_FILE_ENV = """
+from millstream.envpool.envs import Observation, StepResult
+
+
+class Parrot:
+    def __init__(self, word: str = "hi") -> None:
+        self.word = word
+
+    async def reset(self, seed: int) -> Observation:
+        return Observation(f"Say {self.word}.", anchor="start")
+
+    async def step(self, action: str) -> StepResult:
+        right = action.strip() == self.word
+        info = {"valid": True, "success": right}
+        return StepResult(Observation("", anchor="end"), float(right), True, info)
+"""
+
+
+def test_a_one_file_environment_loads_by_path_without_packaging(tmp_path, monkeypatch):
+    path = tmp_path / "parrot.py"
+    path.write_text(ONE_FILE_ENV)
+    first, [result] = play(make_env(f"{path}:Parrot", {"word": "moo"}), 0, ["moo"])
+    assert first.text == "Say moo." and result.reward == 1.0
+    monkeypatch.chdir(tmp_path)  # a path relative to the working directory, and module:Class
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert type(make_env("parrot.py:Parrot")).__name__ == type(make_env("parrot:Parrot")).__name__ == "Parrot"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nowhere.py:Parrot", "no file "),
+        ("parrot.py:Crow", "has no 'Crow'"),
+        ("parrot.py:ONE", "ONE is not an environment"),
+        ("broken.py:Parrot", "failed to load: NameError"),
+        ("no_such_module_here:Parrot", "cannot import 'no_such_module_here'"),
+    ],
+)
+def test_a_one_file_environment_that_cannot_load_says_why(tmp_path, monkeypatch, spec, message):
+    from millstream.envpool.envs import UnknownEnvironment
+
+    (tmp_path / "parrot.py").write_text(ONE_FILE_ENV + "\nONE = 1\n")
+    (tmp_path / "broken.py").write_text("undefined_name\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnknownEnvironment, match=re.escape(message)):
+        make_env(spec)
+
+
 # -- noop --------------------------------------------------------------------------------------
 
 

@@ -26,16 +26,22 @@ generation is a plain chat reply:
   starts, and the learner trains every context as its own sequence.
 
 Environments are found by name in `REGISTRY`; a third-party package adds one without touching
-millstream through the entry-point group `millstream.envs` (`name = "pkg.module:Class"`).
+millstream through the entry-point group `millstream.envs` (`name = "pkg.module:Class"`), and a
+one-file environment needs no packaging at all: `envpool.env = "my_env.py:MyEnv"` (or an
+importable `module:Class`) loads it, with the same checks as a registered one.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
+import importlib.util
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any, Protocol
 
 __all__ = [
@@ -44,6 +50,7 @@ __all__ = [
     "Env",
     "register",
     "make_env",
+    "load_env_class",
     "env_names",
     "parse_answer",
     "parse_moves",
@@ -114,10 +121,46 @@ class UnknownEnvironment(KeyError):
         return str(self.args[0])
 
 
+def load_env_class(spec: str) -> Callable[..., Env]:
+    """The class `spec` names without any packaging: `path/to/file.py:Class` (a path relative to
+    the working directory, or absolute) or `package.module:Class` (importable as it stands).
+    Registered under `spec`, so every later `make_env(spec)` reuses it."""
+    where, _, attr = spec.rpartition(":")
+    if where.endswith(".py"):
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise UnknownEnvironment(f"no file {path}")
+        module_name = "millstream_user_env_" + re.sub(r"\W", "_", str(path))
+        module_spec = importlib.util.spec_from_file_location(module_name, path)
+        assert module_spec is not None and module_spec.loader is not None
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look modules up by name
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise UnknownEnvironment(f"{path} failed to load: {type(exc).__name__}: {exc}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except ModuleNotFoundError as exc:
+            raise UnknownEnvironment(f"cannot import {where!r} ({exc})") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise UnknownEnvironment(f"{where} has no {attr!r}")
+    if not (callable(cls) and callable(getattr(cls, "reset", None)) and callable(getattr(cls, "step", None))):
+        raise UnknownEnvironment(f"{attr} is not an environment (it needs reset and step)")
+    REGISTRY[spec] = cls
+    return cls
+
+
 def make_env(name: str, args: dict[str, Any] | None = None) -> Env:
-    """Build an environment by name; unknown names and bad arguments are clear errors."""
+    """Build an environment by name (registered, an entry point, or `file.py:Class` /
+    `module:Class`); unknown names and bad arguments are clear errors."""
     if name not in REGISTRY:
         _load_entry_points()
+    if name not in REGISTRY and re.fullmatch(r"[^:]+:[A-Za-z_]\w*", name):
+        load_env_class(name)
     if name not in REGISTRY:
         known = env_names()
         close = difflib.get_close_matches(name, known, n=1)
