@@ -5,6 +5,7 @@ new observation, and continues; the branch is in the store as a fork of the epis
 turns from 2 on differ from the parent's while turns 0 and 1 are the parent's, token for token.
 """
 
+import os
 import subprocess
 
 import orjson
@@ -132,12 +133,22 @@ def test_replay_against_two_policies_shows_where_they_part(actor, recorded, tmp_
     """The recorded episode replayed greedily against the same actor twice never parts (the
     control); against an actor on other weights (a model built with another seed, started by
     the debugger as a checkpoint) it parts, at a turn and a token it names."""
+    import socket
+
     from millstream.shared.models.tiny import build_tiny_model
 
     other = build_tiny_model(tmp_path / "other", seed=1)
+    # As in a run's config, the replicas' addresses are pinned, and this one is taken: the actor
+    # the debugger starts must bind the address the debugger talks to, not the pinned one.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    pinned = f'actor.replica_addresses=["tcp://127.0.0.1:{taken.getsockname()[1]}"]'
 
     def replay(a: str, b: str) -> str:
-        return debug(actor, recorded, "--replay", "--episode", "1", "--against", a, b, script="").stdout
+        return debug(
+            actor, recorded, pinned, "--replay", "--episode", "1", "--against", a, b, script=""
+        ).stdout
 
     same = replay(actor.address, actor.address)
     assert "row 1 (evenchars seed 3): the same in all 4 turns" in same
@@ -146,6 +157,23 @@ def test_replay_against_two_policies_shows_where_they_part(actor, recorded, tmp_
     assert f"replaying 1 episodes against {other}" in parted  # an actor was started on it
     assert "row 1 (evenchars seed 3): parts at turn 0, token" in parted and "   A: " in parted
     assert "1 of 1 episodes part" in parted
+    taken.close()
+
+
+def test_a_killed_sessions_actor_folder_is_removed_by_the_next(tmp_path, monkeypatch):
+    import tempfile
+
+    from millstream.envpool.debug import actor as debug_actor
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    abandoned, live = tmp_path / f"{debug_actor._PREFIX}a", tmp_path / f"{debug_actor._PREFIX}b"
+    for folder, pid in ((abandoned, gone.pid), (live, os.getpid())):
+        folder.mkdir()
+        (folder / "owner.pid").write_text(str(pid))
+    debug_actor._remove_abandoned_folders()
+    assert not abandoned.exists() and live.exists()
 
 
 @pytest.mark.parametrize(

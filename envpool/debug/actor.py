@@ -11,6 +11,8 @@ engine lives in that child process.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -21,6 +23,8 @@ from millstream.shared.process.runtime import free_port
 from millstream.shared.process.supervisor import Supervisor
 
 __all__ = ["actor_for_checkpoint", "checkpoint_model_dir"]
+
+_PREFIX = "millstream-debug-actor-"
 
 
 def checkpoint_model_dir(path: Path) -> Path:
@@ -35,8 +39,10 @@ def checkpoint_model_dir(path: Path) -> Path:
 def actor_for_checkpoint(path: Path, cfg: Config, timeout_s: float = 600.0) -> Iterator[str]:
     """Start an actor on `path`'s weights; yields its address; stops it on exit."""
     model_dir = checkpoint_model_dir(path)
-    with tempfile.TemporaryDirectory(prefix="millstream-debug-actor-") as tmp:
+    _remove_abandoned_folders()
+    with tempfile.TemporaryDirectory(prefix=_PREFIX) as tmp:
         folder = Path(tmp)
+        (folder / "owner.pid").write_text(str(os.getpid()))
         (folder / "logs").mkdir()
         (folder / "config.toml").write_text(dump_config(cfg))
         address = f"tcp://127.0.0.1:{free_port()}"
@@ -50,6 +56,9 @@ def actor_for_checkpoint(path: Path, cfg: Config, timeout_s: float = 600.0) -> I
             [
                 *("--config", str(folder / "config.toml"), "--ready-file", str(ready)),
                 *(f"model.path={model_dir}", f"actor.address={address}", "actor.replicas=1"),
+                # A run's config pins its replicas' addresses, and a replica binds its entry
+                # there, not actor.address: pin this one's to the address the debugger talks to.
+                f'actor.replica_addresses=["{address}"]',
             ],
         )
         try:
@@ -65,3 +74,15 @@ def actor_for_checkpoint(path: Path, cfg: Config, timeout_s: float = 600.0) -> I
             yield address
         finally:
             sup.stop(grace_s=20)
+
+
+def _remove_abandoned_folders() -> None:
+    """The folders of debug sessions that were killed (SIGKILL leaves no time to clean up): their
+    owner is gone, and so is their actor (it stops when its parent dies)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+        try:
+            os.kill(int((folder / "owner.pid").read_text()), 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (OSError, ValueError):
+            continue  # not ours to judge (no owner file yet, another user's)
