@@ -18,7 +18,9 @@ from millstream.shared.store.trajstore import STORE_FILE, read_episodes
 ENV_ARGS = 'envpool.env_args={turns=4, prompt="Write anything."}'
 
 
-def debug(actor, store, *args: str, script: str) -> subprocess.CompletedProcess:
+def debug(
+    actor, store, *args: str, script: str, overrides: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [
             *MILLSTREAM,
@@ -29,6 +31,7 @@ def debug(actor, store, *args: str, script: str) -> subprocess.CompletedProcess:
             ENV_ARGS,
             "envpool.max_tokens=12",
             "envpool.max_turns=4",
+            *overrides,
             "--actor",
             actor.address,
             "--store",
@@ -146,9 +149,8 @@ def test_replay_against_two_policies_shows_where_they_part(actor, recorded, tmp_
     pinned = f'actor.replica_addresses=["tcp://127.0.0.1:{taken.getsockname()[1]}"]'
 
     def replay(a: str, b: str) -> str:
-        return debug(
-            actor, recorded, pinned, "--replay", "--episode", "1", "--against", a, b, script=""
-        ).stdout
+        args = ("--replay", "--episode", "1", "--against", a, b)
+        return debug(actor, recorded, *args, script="", overrides=(pinned,)).stdout
 
     same = replay(actor.address, actor.address)
     assert "row 1 (evenchars seed 3): the same in all 4 turns" in same
