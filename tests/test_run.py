@@ -43,6 +43,15 @@ def test_the_loop_learns_under_attack(learning_run):
     # failing on a slow run.
     assert last - first >= 0.1, f"reward {first:.3f} -> {last:.3f}"
     assert stdout.count("step ") >= 20 and "accounting ok" in stdout
+    # What a person watching sees: each role as it gets ready, then steps with a pace and an ETA.
+    for line in (
+        "millstream run: learner ready in",
+        "millstream run: envpool-0 ready in",
+        "every role is ready",
+    ):
+        assert line in stdout, stdout[:2000]
+    assert "steps/min, ETA" in [line for line in stdout.splitlines() if line.startswith("step ")][-2]
+    assert "final checkpoint saved in" in stdout and "every process stopped" in stdout
 
 
 def test_learning_run_accounts_for_every_episode(learning_run):

@@ -89,11 +89,13 @@ def _dispatch(argv: list[str]) -> None:
     sys.exit(2)
 
 
-RUN_USAGE = """usage: millstream run [CONFIG.toml] [section.key=value ...]
+RUN_USAGE = """usage: millstream run [CONFIG.toml] [section.key=value ...] [--quiet]
 
 Starts and supervises a whole run (actor, learner, envpool workers) from one config: the
 embedded defaults, then CONFIG.toml if given, then the overrides. Everything is checked before
-any role starts. `run.resume=RUN_DIR` continues a run from its latest checkpoint.
+any role starts. `run.resume=RUN_DIR` continues a run from its latest checkpoint. It says as
+each role gets ready, then prints a line per training step; `--quiet` leaves out the start-up
+lines (for logs and scripts: one line per step).
 
 Examples:
   millstream run                                    the tiny model learns `evenchars`
@@ -172,6 +174,8 @@ def run(args: list[str]) -> int:
     if any(a in ("-h", "--help") for a in args):
         print(RUN_USAGE + describe_config())
         return 0
+    quiet = "--quiet" in args
+    args = [a for a in args if a != "--quiet"]
     try:
         path = None
         if args and "=" not in args[0]:
@@ -179,7 +183,7 @@ def run(args: list[str]) -> int:
             if not (first.endswith(".toml") or "/" in first or os.path.exists(first)):
                 parse_overrides([first])  # not a file: an override without '=', say so
             path, args = first, args[1:]
-        return launch(path, args)
+        return launch(path, args, quiet=quiet)
     except ConfigError as exc:
         print(f"millstream run: {exc}", file=sys.stderr)
         return 2

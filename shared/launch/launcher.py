@@ -130,8 +130,11 @@ def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
     return plan
 
 
-def launch(cfg_path: str | None, overrides: list[str], *, out: IO[str] = sys.stdout) -> int:
-    """Run a whole job; returns the process exit code (0: finished and accounting holds)."""
+def launch(
+    cfg_path: str | None, overrides: list[str], *, out: IO[str] = sys.stdout, quiet: bool = False
+) -> int:
+    """Run a whole job; returns the process exit code (0: finished and accounting holds).
+    `quiet`: no start-up lines (shared/launch/progress.py), only the step lines and the end."""
     plan = prepare(cfg_path, overrides)
     if plan.finished:
         assert plan.resume is not None
@@ -144,7 +147,7 @@ def launch(cfg_path: str | None, overrides: list[str], *, out: IO[str] = sys.std
         )
         return 0
     _make_run_dir(plan, out)
-    return _supervise(plan.cfg, plan.run_dir, out)
+    return _supervise(plan.cfg, plan.run_dir, out, quiet)
 
 
 def _find_resume(cfg_path: str | None, overrides: list[str]) -> Resume | None:
@@ -226,7 +229,7 @@ def _make_run_dir(plan: Plan, out: IO[str]) -> None:
     (run_dir / "config.toml").write_text(dump_config(plan.cfg))
 
 
-def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
+def _supervise(cfg: Config, run_dir: Path, out: IO[str], quiet: bool = False) -> int:
     # A launcher started by a process that watches over it (a test session, a job script
     # given MILLSTREAM_PARENT_PID) stops its run, in order, when that process is gone.
     watch_parent()
@@ -246,7 +249,8 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str]) -> int:
             names = _start_roles(sup, cfg, config)
         relay_learner()
         local = cfg.launcher.kind == "local"  # on Ray, the ready files are on the roles' hosts
-        progress = StartupProgress(run_dir, [n for n in names if "-rank" not in n], out) if local else None
+        said = [n for n in names if "-rank" not in n]
+        progress = StartupProgress(run_dir, said, out) if local and not quiet else None
         code = watch(sup, stop, out, Healer(cfg, run_dir), relay_learner, progress)
     finally:
         stopping = time.monotonic()
