@@ -70,8 +70,15 @@ def test_one_awake_stops_every_engine_but_the_measured_one():
 
     from millstream.bench.overhead import OneAwake
 
-    def state(pid: int) -> str:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    def stopped(pid: int) -> bool:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+    def settles_to(want: list[bool]) -> list[bool]:
+        """Which are stopped, polled until it is `want` (signals land asynchronously) or 10 s."""
+        deadline = time.monotonic() + 10
+        while (seen := [stopped(p.pid) for p in procs.values()]) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return seen
 
     procs = {
         name: subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
@@ -80,14 +87,11 @@ def test_one_awake_stops_every_engine_but_the_measured_one():
     try:
         awake = OneAwake({name: p.pid for name, p in procs.items()}, settle_s=0.05)
         awake.only("b")
-        time.sleep(0.1)
-        assert [state(p.pid) for p in procs.values()] == ["T", "S", "T"]
+        assert settles_to([True, False, True]) == [True, False, True]
         awake.only("a")
-        time.sleep(0.1)
-        assert [state(p.pid) for p in procs.values()] == ["S", "T", "T"]
+        assert settles_to([False, True, True]) == [False, True, True]
         awake.wake_all()
-        time.sleep(0.1)
-        assert [state(p.pid) for p in procs.values()] == ["S", "S", "S"]
+        assert settles_to([False, False, False]) == [False, False, False]  # awake: running or asleep
     finally:
         for p in procs.values():
             p.kill()
