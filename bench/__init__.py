@@ -12,6 +12,7 @@ Layout (each module at the top is one benchmark, run with `python -m millstream.
     fleet.py            actor replicas: throughput by count, router overhead, sync time
     auth_cost.py        what CURVE authentication costs
     store_overhead.py   what the trajectory store costs the envpool
+    inspect_speed.py    how fast `millstream inspect` answers on a 10,000-episode store
     learning_margins.py a learner's reward rise against a non-learner's drift (test bars)
     kit/                what they are built from: rounds, /proc CPU, replicas, reports
     baselines/          what millstream is measured against: AsyncLLM alone, HTTP, the load

@@ -58,7 +58,7 @@ from millstream.shared.store.writer import StoreWriter
 from millstream.shared.wire import Codec, EpisodeFailed, PolicyVersion, PoolDone, Trajectory
 from millstream.shared.wire.keys import load_keys, secure
 
-__all__ = ["main", "parse_faults", "stress_once"]
+__all__ = ["main", "parse_faults", "run_stress", "stress_once", "stress_parser"]
 
 FAULTS = ("crash", "hang", "garbage")
 
@@ -82,7 +82,7 @@ def parse_faults(text: str) -> dict[str, float]:
     return faults
 
 
-def _parser() -> argparse.ArgumentParser:
+def stress_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="millstream stress",
         description=__doc__.split("\n\n")[0],
@@ -337,14 +337,16 @@ def stress_once(args: list[str]) -> dict:
     out = Path(tempfile.mkdtemp(prefix="millstream-stress-"))
     try:
         return run_stress(
-            _parser().parse_args([*args, "--out", str(out), "--set", f"transport.keys_dir={_SHARED_KEYS}"])
+            stress_parser().parse_args(
+                [*args, "--out", str(out), "--set", f"transport.keys_dir={_SHARED_KEYS}"]
+            )
         )
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ns = _parser().parse_args(argv)
+    ns = stress_parser().parse_args(argv)
     try:
         report = run_stress(ns)
     except (ValueError, TypeError, ConfigError, KeyError) as exc:
