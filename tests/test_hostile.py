@@ -233,6 +233,67 @@ def test_synthetic_actor_survives_a_frame_of_70000_messages(hostile_synthetic, k
     assert gen.finish_reason in ("stop", "length")
 
 
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def _curve_greeting() -> bytes:
+    """ZMTP 3.0's greeting as a client asking for CURVE: what libzmq sends first."""
+    mechanism = b"CURVE".ljust(20, b"\0")
+    return b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + mechanism + b"\0" + b"\0" * 31
+
+
+@pytest.mark.slow
+def test_a_keyless_peer_declaring_a_huge_handshake_frame_costs_the_actor_nothing(hostile_synthetic):
+    """Before any key is checked, a HELLO declaring 2 GiB: the actor closes the connection at the
+    frame's header (transport.max_frame_bytes) instead of buffering what follows (it took 1.05 GB
+    of the synthetic actor, and 524 MB of the vLLM actor, before)."""
+    import socket
+    import struct
+
+    address, proc, _ = hostile_synthetic
+    host, port = address[len("tcp://") :].rsplit(":", 1)
+    before = _rss_mb(proc.pid)
+    sent = 0
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(_curve_greeting())
+        raw.recv(64)  # the server's greeting
+        raw.sendall(b"\x06" + struct.pack(">Q", 2 << 30))  # a command frame, "long", of 2 GiB
+        chunk = b"\0" * (1 << 20)
+        try:
+            while sent < 256 << 20:
+                raw.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # closed by the actor: what should happen
+            pass
+    grown = _rss_mb(proc.pid) - before
+    assert sent < 256 << 20, "the actor took 256 MB of a frame it should have refused"
+    assert grown < 50, f"the actor grew {grown:.0f} MB"
+    assert proc.poll() is None
+    gen, _ = anyio.run(one_generation, address)
+    assert gen.finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_an_oversized_frame_from_a_peer_with_keys_is_dropped_with_its_connection(hostile_synthetic):
+    """After authentication too (the envpool's key): a 100 MB frame (it took the actor to 1.2 GB
+    before it was refused) ends that connection; the actor keeps its memory and serves."""
+    address, proc, _ = hostile_synthetic
+    before = _rss_mb(proc.pid)
+    sock = dealer(address)
+    sock.send(b"\0" * (100 << 20))
+    assert replies(sock, 2.0) == []  # nothing decoded, nothing answered: the frame never arrived
+    sock.close()
+    grown = _rss_mb(proc.pid) - before
+    assert grown < 50, f"the actor grew {grown:.0f} MB"
+    gen, _ = anyio.run(one_generation, address)
+    assert gen.finish_reason in ("stop", "length")
+
+
 @pytest.mark.slow
 def test_bad_frames_are_counted_and_logged_at_a_bounded_rate(hostile_synthetic):
     address, proc, log = hostile_synthetic

@@ -163,3 +163,50 @@ async def test_curve_admits_the_run_keys_only_and_names_the_role():
     assert router.statistics().recv_messages == 1
     for sock in outsiders + listeners:
         sock.close()
+
+
+async def test_batches_are_split_into_frames_the_peer_accepts():
+    """With a frame limit the writer sends a big batch as several frames, each within it, and
+    nothing is lost; the receiver holds the same limit (MAXMSGSIZE)."""
+    cfg = TransportConfig(coalesce_max=512, max_frame_bytes=20_000)
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=SERVER)
+    dealer = open_channel("dealer", router.address, bind=False, cfg=cfg, keys=CLIENT)
+    assert router.sock.getsockopt(zmq.MAXMSGSIZE) == 20_000
+    n = 400
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(router.run)
+        tg.start_soon(dealer.run)
+        for i in range(n):  # ~400 bytes each: one batch of 160 kB without the split
+            dealer.send_nowait(GenerateRequest(str(i), list(range(1000, 1100)), 1))
+        got: set[str] = set()
+        with anyio.fail_after(30):
+            while len(got) < n:
+                _, messages = await router.receive()
+                got |= {m.request_id for m in messages}
+        tg.cancel_scope.cancel()
+    stats = dealer.statistics()
+    assert got == {str(i) for i in range(n)} and stats.sent_frames >= 8
+    assert stats.sent_bytes / stats.sent_frames <= 20_000
+
+
+def test_a_single_message_over_the_limit_is_a_config_error():
+    from millstream.shared.config import ConfigError
+
+    cfg = TransportConfig(max_frame_bytes=1000, curve=False)
+    push = open_channel("push", "tcp://127.0.0.1:1", bind=False, cfg=cfg, keys=None)
+    try:
+        with pytest.raises(ConfigError, match=r"transport.max_frame_bytes = 1000: a GenerateRequest of"):
+            push._payloads([GenerateRequest("x", list(range(1000, 2000)), 1)])
+    finally:
+        push.sock.close(0)
+
+
+def test_the_frame_limit_is_derived_from_the_config_or_checked_against_it():
+    from millstream.shared.config import ConfigError, load_config
+
+    assert load_config(None, []).transport.max_frame_bytes == 16 << 20  # the floor
+    long = load_config(None, ["actor.max_model_len=32768", "envpool.max_turns=50"])
+    assert long.transport.max_frame_bytes == 48 * 32768 * 50 + (1 << 20)
+    assert load_config(None, ["transport.max_frame_bytes=5000000"]).transport.max_frame_bytes == 5_000_000
+    with pytest.raises(ConfigError, match="transport.max_frame_bytes = 1000: below"):
+        load_config(None, ["transport.max_frame_bytes=1000"])

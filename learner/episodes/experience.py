@@ -33,6 +33,7 @@ from millstream.shared.wire import (
     ReplicaRef,
 )
 from millstream.shared.wire.keys import RunKeys, secure
+from millstream.shared.wire.transport import limit_socket
 
 __all__ = ["Experience", "say"]
 
@@ -47,10 +48,12 @@ class Experience:
         self.codec = Codec()
         self.secure = keys is not None
         self.pull = ctx.socket(zmq.PULL)
+        limit_socket(self.pull, cfg.transport)  # any local process may connect and send
         self.pull.setsockopt(zmq.RCVHWM, cfg.transport.high_water_mark)
         secure(self.pull, keys, bind=True)
         self.pull.bind(cfg.learner.experience_address)
         self.pub = ctx.socket(zmq.PUB)
+        limit_socket(self.pub, cfg.transport)
         secure(self.pub, keys, bind=True)
         self.pub.bind(cfg.learner.version_address)
         self.last_announce = 0.0

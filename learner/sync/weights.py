@@ -82,6 +82,10 @@ class WeightSyncError(RuntimeError):
         self.failed = failed or []
 
 
+#: Largest frame the learner takes from a replica (its replies are a few hundred bytes).
+REPLY_FRAME_BYTES = 1 << 20
+
+
 class ReplicaLink:
     """The learner's DEALER socket to one replica, and a monitor that says when it dropped."""
 
@@ -95,6 +99,9 @@ class ReplicaLink:
     def _connect(self) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A replica's replies are a few hundred bytes: whatever answers at its address gets no
+        # more of this process's memory than that, with room.
+        sock.setsockopt(zmq.MAXMSGSIZE, REPLY_FRAME_BYTES)
         secure(sock, self._keys, bind=False)
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         sock.connect(self.address)

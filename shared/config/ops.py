@@ -18,6 +18,20 @@ __all__ = ["TransportConfig", "ChaosConfig", "LauncherConfig"]
 class TransportConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     send_queue: Annotated[int, _doc("Bound of each socket's outbound message queue.", ge=1)] = 65536
     coalesce_max: Annotated[int, _doc("Most messages packed into one frame.", ge=1)] = 512
+    max_frame_bytes: Annotated[
+        int,
+        _doc(
+            "Largest frame any socket of the run accepts, before or after authentication (ZeroMQ's "
+            "MAXMSGSIZE: a bigger one closes that connection, unread); senders split their batches "
+            "to fit. 0: derived from the config (the largest legitimate message, a trajectory of "
+            "actor.max_model_len tokens per turn, with room to spare; at least 16 MiB).",
+            ge=0,
+        ),
+    ] = 0
+    handshake_timeout_s: Annotated[
+        float,
+        _doc("A connection that has not finished its handshake (CURVE) by then is closed.", gt=0),
+    ] = 10.0
     high_water_mark: Annotated[int, _doc("ZeroMQ send/receive high-water mark, frames.", ge=1)] = 100_000
     io_wait_s: Annotated[
         float, _doc("Longest idle wait on a socket before re-checking (missed-edge guard).", gt=0)

@@ -34,12 +34,12 @@ import anyio
 import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from millstream.shared.config import TransportConfig
+from millstream.shared.config import ConfigError, TransportConfig
 from millstream.shared.obs.ratelog import RateLog
 from millstream.shared.wire import Codec, ErrorReply, Message, ProtocolError, ReplyCause
 from millstream.shared.wire.keys import RunKeys, secure
 
-__all__ = ["Channel", "ChannelStats", "open_channel", "KINDS"]
+__all__ = ["Channel", "ChannelStats", "open_channel", "limit_socket", "KINDS"]
 
 log = logging.getLogger(__name__)
 
@@ -249,13 +249,29 @@ class Channel:
                 count += 1
             self._in_hand = count
             for to, messages in batch.items():
-                payload = self._codec.encode(messages)
-                frames = [to, payload] if self.kind == "router" else [payload]
-                await self._send_frames(frames)
-                self._stats.sent_messages += len(messages)
-                self._stats.sent_frames += 1
-                self._stats.sent_bytes += len(payload)
+                for payload, count in self._payloads(messages):
+                    frames = [to, payload] if self.kind == "router" else [payload]
+                    await self._send_frames(frames)
+                    self._stats.sent_messages += count
+                    self._stats.sent_frames += 1
+                    self._stats.sent_bytes += len(payload)
             self._in_hand = 0
+
+    def _payloads(self, messages: list[Message]) -> list[tuple[bytes, int]]:
+        """`messages` encoded in frames the peer accepts (`transport.max_frame_bytes`): one
+        frame, or halves of the batch until each fits. A single message over the limit means the
+        limit is wrong for this config: a ConfigError (the role stops and says so)."""
+        payload = self._codec.encode(messages)
+        limit = self._cfg.max_frame_bytes
+        if not limit or len(payload) <= limit:
+            return [(payload, len(messages))]
+        if len(messages) == 1:
+            raise ConfigError(
+                f"transport.max_frame_bytes = {limit}: a {type(messages[0]).__name__} of "
+                f"{len(payload)} bytes does not fit (its peer would drop the connection); raise it"
+            )
+        half = len(messages) // 2
+        return self._payloads(messages[:half]) + self._payloads(messages[half:])
 
     async def _send_frames(self, frames: list[bytes]) -> None:
         delay = 0.0005
@@ -276,6 +292,16 @@ class Channel:
         # A send can swallow the descriptor's edge; wake the reader if frames are waiting.
         if self._read_wait is not None and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._read_wait.cancel()
+
+
+def limit_socket(sock: zmq.Socket, cfg: TransportConfig) -> None:
+    """Bound what one peer can make this socket hold: a frame over `transport.max_frame_bytes`
+    closes that connection unread (libzmq checks a frame's declared size against MAXMSGSIZE
+    before it buffers it, the CURVE handshake's own frames included, so a keyless peer
+    declaring gigabytes costs nothing), and a handshake not done in `handshake_timeout_s` ends.
+    Every socket of the run is set up here, before it binds or connects."""
+    sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes or -1)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, int(cfg.handshake_timeout_s * 1000))
 
 
 def open_channel(
@@ -303,6 +329,7 @@ def open_channel(
     if kind not in KINDS:
         raise ValueError(f"unknown socket kind {kind!r}; expected one of {sorted(KINDS)}")
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(KINDS[kind])
+    limit_socket(sock, cfg)
     sock.setsockopt(zmq.SNDHWM, cfg.high_water_mark)
     sock.setsockopt(zmq.RCVHWM, cfg.high_water_mark)
     sock.setsockopt(zmq.LINGER, 2000)
