@@ -285,9 +285,11 @@ def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> list[str
 
     names: list[str] = []
 
-    def args(name: str, *more: str) -> list[str]:  # each says when it serves (shared/launch/progress.py)
+    def args(name: str, *more: str) -> list[str]:
         names.append(name)
-        return [*config, "--ready-file", str(ready_file(cfg.run.dir, name)), *more]
+        if cfg.launcher.kind != "local":  # on Ray the run directory may not exist where it runs
+            return [*config, *more]
+        return [*config, "--ready-file", str(ready_file(cfg.run.dir, name)), *more]  # progress.py
 
     if not cfg.actor.connect:
         for index in range(cfg.actor.replicas):
