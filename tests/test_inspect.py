@@ -141,6 +141,20 @@ def test_a_failed_episode_is_found_by_its_cause_and_shows_its_scene(run_dir):
     assert "tokens had arrived: 'cut sh'" in out
 
 
+def test_reading_an_episode_imports_no_model_library(run_dir):
+    """Decoding goes through `tokenizers` (a core dependency): transformers or torch would cost a
+    look at one episode 12 s on a quiet machine, up to 86 s on a loaded one."""
+    code = (
+        "import sys\n"
+        "from millstream.shared.inspect.cli import main\n"
+        f"assert main([{str(run_dir)!r}, '--episode', '1', '--tokens']) == 0\n"
+        "print(sorted(m for m in ('transformers', 'torch', 'vllm') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_queries_by_request_id_text_reward_and_step(run_dir):
     by_request = inspect(str(run_dir), "--request", "w0-e0-1")
     assert by_request.stdout.splitlines()[0].startswith("1 episodes match: trained 1")
