@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     print(orjson.dumps({k: summary[k] for k in ("learner", "non_learner", "gap")}).decode())
     for length, row in summary["by_length"].items():
         print(
-            f"{length:3d} steps: learners' min {row['learner_min']:+.3f}, "
+            f"{length:>3} steps: learners' min {row['learner_min']:+.3f}, "
             f"non-learners' max {row['non_learner_max']:+.3f}, gap {row['gap']:+.3f}"
         )
     print(f"wrote {out}")

