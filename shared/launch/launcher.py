@@ -249,19 +249,15 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str], quiet: bool = False) ->
             names = _start_roles(sup, cfg, config)
         relay_learner()
         local = cfg.launcher.kind == "local"  # on Ray, the ready files are on the roles' hosts
-        said = [n for n in names if "-rank" not in n]
-        progress = StartupProgress(run_dir, said, out) if local and not quiet else None
+        progress = StartupProgress(run_dir, names, out) if local and not quiet else None
         code = watch(sup, stop, out, Healer(cfg, run_dir), relay_learner, progress)
     finally:
         stopping = time.monotonic()
         sup.stop(grace_s=10.0)
-        print(
-            f"millstream run: every process stopped ({time.monotonic() - stopping:.1f}s)",
-            file=out,
-            flush=True,
-        )
         for relay in relays:
             relay.join(timeout=5)  # after the stop: the learner's last lines, then end of pipe
+        took = time.monotonic() - stopping
+        print(f"millstream run: every process stopped ({took:.1f}s)", file=out, flush=True)
         for sig, handler in old.items():
             signal.signal(sig, handler)
     if code == 0:
@@ -281,7 +277,8 @@ def _supervisor(cfg: Config, run_dir: Path) -> RoleProcesses:
 
 
 def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> list[str]:
-    """Start every role; returns their names."""
+    """Start every role; returns the names of those that say when they are ready (all but a
+    data-parallel learner's follower ranks)."""
 
     names: list[str] = []
 
