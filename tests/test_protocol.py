@@ -158,3 +158,17 @@ def test_actor_answers_garbage_and_keeps_serving(actor):
             finish = reply.finish_reason
     assert 1 <= len(tokens) <= 3
     sock.close()
+
+
+def test_ids_longer_than_the_bound_do_not_decode():
+    """An id a peer makes as large as it likes would be remembered (the learner keeps every
+    episode id of the run): 2,000 refused episodes with 100 kB ids grew a learner by 369 MB.
+    Over MAX_ID_CHARS, the frame is malformed and nothing of it is kept."""
+    from millstream.shared.wire import Codec, GenerateRequest, ProtocolError
+    from millstream.shared.wire.base import MAX_ID_CHARS
+
+    codec = Codec()
+    ok = GenerateRequest("r" * MAX_ID_CHARS, [1, 2], 4)
+    assert codec.decode(codec.encode([ok])) == [ok]
+    with pytest.raises(ProtocolError, match="length <= 256"):
+        codec.decode(codec.encode([GenerateRequest("r" * 100_000, [1, 2], 4)]))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from millstream.shared.wire.base import WireMessage
+from millstream.shared.wire.base import Id, WireMessage
 from millstream.shared.wire.causes import ReplyCause
 
 __all__ = [
@@ -59,7 +59,7 @@ class ReplicaRef(msgspec.Struct, array_like=True, frozen=True):
     learner (re)attaches it. A worker whose connection to a replica dropped sends it nothing
     until a larger epoch says that the learner brought it (or its restart) to its weights."""
 
-    name: str
+    name: Id
     address: str
     epoch: int
 
@@ -71,7 +71,7 @@ class ReplicaJoin(WireMessage, tag="replica_join", frozen=True):
     episode send it a request. Sent again every few seconds until the learner attaches.
     """
 
-    name: str
+    name: Id
     address: str
     incarnation: str
 
@@ -80,7 +80,7 @@ class ReplicaLeave(WireMessage, tag="replica_leave", frozen=True):
     """A replica is draining (SIGTERM): the learner stops announcing it and forms its weight
     group without it; its live turns finish, or move to other replicas."""
 
-    name: str
+    name: Id
     incarnation: str
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import msgspec
 
-from millstream.shared.wire.base import WireMessage
+from millstream.shared.wire.base import Id, WireMessage
 from millstream.shared.wire.causes import Cause, Truncation
 
 __all__ = [
@@ -36,8 +36,8 @@ class Trajectory(WireMessage, tag="traj", gc=False, frozen=True):
     verifier) keeps its logprobs and versions but has loss_mask 0.
     """
 
-    episode_id: str
-    group_id: str
+    episode_id: Id
+    group_id: Id
     #: Episodes of one group share the environment seed (GRPO compares them with each other).
     seed: int
     env: str
@@ -73,13 +73,13 @@ class Trajectory(WireMessage, tag="traj", gc=False, frozen=True):
     #: The environment's `info["success"]` on the episode's last turn (None: it never said).
     success: bool | None = None
     #: The id of the generation request that produced each turn (a call can be found by it).
-    request_ids: list[str] = []
+    request_ids: list[Id] = []
 
 
 class FailedRequest(msgspec.Struct, array_like=True, frozen=True):
     """A generation request that ended without its final delta: what had arrived, and why."""
 
-    request_id: str
+    request_id: Id
     turn: int
     token_ids: list[int]
     logprobs: list[float]
@@ -101,7 +101,7 @@ class Scene(msgspec.Struct, array_like=True, frozen=True, gc=False):
     turn_starts: list[int]
     turn_ends: list[int]
     texts: list[str]
-    request_ids: list[str]
+    request_ids: list[Id]
     duration_s: float
     request: FailedRequest | None = None
 
@@ -109,8 +109,8 @@ class Scene(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class EpisodeFailed(WireMessage, tag="failed", frozen=True):
     """An episode ended without a trainable trajectory. Never scored as a reward."""
 
-    episode_id: str
-    group_id: str
+    episode_id: Id
+    group_id: Id
     group_size: int
     cause: Cause
     message: str
@@ -121,7 +121,7 @@ class EpisodeFailed(WireMessage, tag="failed", frozen=True):
 class PoolDone(WireMessage, tag="pool_done", frozen=True):
     """The last message of an envpool worker: its totals, for exact accounting."""
 
-    worker: str
+    worker: Id
     episodes_started: int
     episodes_finished: int
     episodes_failed: int
@@ -158,7 +158,7 @@ class GroupStarted(WireMessage, tag="group_started", frozen=True):
 
     index: int
     incarnation: str
-    group_id: str
+    group_id: Id
     group_size: int
 
 
@@ -170,7 +170,7 @@ class EvalResult(WireMessage, tag="eval_result", frozen=True):
     Evaluation episodes are never trained on and are not in the run's episode accounting; a
     failed one is counted under its cause in `failed` and left out of every mean."""
 
-    worker: str
+    worker: Id
     #: The announced policy version that started the round.
     version: int
     env: str

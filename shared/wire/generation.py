@@ -10,7 +10,7 @@ messages are `gc=False` (the garbage collector never scans them; they hold no cy
 
 from __future__ import annotations
 
-from millstream.shared.wire.base import WireMessage
+from millstream.shared.wire.base import Id, WireMessage
 from millstream.shared.wire.causes import TurnError
 
 __all__ = ["Hello", "ActorInfo", "GenerateRequest", "Abort", "TokenDelta", "GenerateError"]
@@ -43,7 +43,7 @@ class GenerateRequest(WireMessage, tag="gen", gc=False, frozen=True):
     `request_id` is chosen by the client and is unique among its live requests; replies carry it.
     """
 
-    request_id: str
+    request_id: Id
     prompt_token_ids: list[int]
     max_tokens: int
     temperature: float = 1.0
@@ -62,7 +62,7 @@ class GenerateRequest(WireMessage, tag="gen", gc=False, frozen=True):
 class Abort(WireMessage, tag="abort", gc=False, frozen=True):
     """Stop a request; the actor answers with a final `TokenDelta` whose finish_reason is "abort"."""
 
-    request_id: str
+    request_id: Id
 
 
 class TokenDelta(WireMessage, tag="delta", gc=False, frozen=True):
@@ -74,7 +74,7 @@ class TokenDelta(WireMessage, tag="delta", gc=False, frozen=True):
     sequence that spans a weight update is a series of deltas with non-decreasing versions.
     """
 
-    request_id: str
+    request_id: Id
     token_ids: list[int]
     logprobs: list[float]
     version: int
@@ -88,6 +88,6 @@ class TokenDelta(WireMessage, tag="delta", gc=False, frozen=True):
 class GenerateError(WireMessage, tag="gen_error", frozen=True):
     """A request failed inside the actor (bad prompt, engine error). Ends that request."""
 
-    request_id: str
+    request_id: Id
     cause: TurnError
     message: str

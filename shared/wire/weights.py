@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from millstream.shared.wire.base import WireMessage
+from millstream.shared.wire.base import Id, WireMessage
 
 __all__ = ["AttachLearner", "TensorSpec", "WeightUpdate", "WeightsApplied", "DigestWeights", "WeightsDigest"]
 
@@ -36,7 +36,7 @@ class AttachLearner(WireMessage, tag="attach", frozen=True):
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
     """One named tensor's place in the flat broadcast buffer (elements, not bytes)."""
 
-    name: str
+    name: Id
     shape: list[int]
     offset: int
 
