@@ -63,7 +63,7 @@ def test_the_pace_is_measured_over_recent_steps_and_a_resume_keeps_the_runs_cloc
     from millstream.learner.loop.report import PACE_WINDOW, StepReport, elapsed_before
     from millstream.shared.config import load_config
 
-    report = StepReport(load_config(None, []), metrics=None)  # type: ignore[arg-type]
+    report = StepReport(load_config(None, []), metrics=None)
     assert report.pace(1, 60.0) is None  # step 1 carries the start-up
     assert report.pace(2, 70.0) == 6.0  # 1 step in 10 s
     for step in range(3, 3 + PACE_WINDOW):  # then 30 s a step: the start-up falls out of the window
