@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import ConfigError, LearnerConfig
 from millstream.shared.process.lifecycle import session_processes
-from millstream.shared.process.runtime import check_tensor_parallel
+from millstream.shared.process.runtime import SETUP_FAILED, check_tensor_parallel
 
 
 def test_the_size_must_split_the_models_heads(tiny_model_dir, tmp_path):
@@ -63,7 +63,7 @@ def test_the_actor_refuses_a_size_that_cannot_split_before_its_engine_starts(tin
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == SETUP_FAILED  # a launcher would not restart it: it would fail again
     assert "actor.tensor_parallel_size = 3: must divide the model's 4 attention heads" in proc.stderr
     assert "vllm" not in proc.stderr.lower()  # refused before vLLM was even imported
 

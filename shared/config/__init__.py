@@ -6,7 +6,8 @@
     learning.py  the section about how the learner trains (learner)
     ops.py       the sections about how processes talk and are placed (transport, launcher)
     scoring.py   the sections about how a run is scored and watched (eval, judge, metrics)
-    meta.py      how a field carries its documentation and constraints
+    meta.py      how a field carries its documentation and constraints; ConfigError
+    limits.py    what the config implies: the largest frame a socket must accept
 
 Everything a role needs is re-exported here: `from millstream.shared.config import Config`.
 """

@@ -34,6 +34,8 @@ from typing import Any, Literal, get_args, get_origin
 
 import msgspec
 
+from millstream.shared.config.limits import frame_limit
+from millstream.shared.config.meta import ConfigError
 from millstream.shared.config.schema import (
     ActorConfig,
     ChaosConfig,
@@ -71,10 +73,6 @@ __all__ = [
     "config_keys",
     "DEFAULT_CONFIG",
 ]
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key."""
 
 
 #: The embedded default: the tiny model learning `evenchars`. `millstream run` with no file uses it.
@@ -137,35 +135,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     except msgspec.ValidationError as exc:
         raise ConfigError(_explain(exc, data)) from None
     check_config(cfg)
-    cfg.transport.max_frame_bytes = frame_limit(cfg)
+    cfg.transport.max_frame_bytes = frame_limit(cfg)  # shared/config/limits.py
     return cfg
-
-
-#: Encoded bytes a trajectory may take per token, at most: the id, the loss mask, the logprob and
-#: the version (about 20 bytes in msgpack) and the decoded text kept for inspection.
-BYTES_PER_TOKEN = 48
-#: Room for what is not per token: ids, anchors, per-turn lists, the frame's envelope.
-FRAME_SLACK_BYTES = 1 << 20
-#: The derived limit is never below this: the attack it bounds is gigabytes, not megabytes.
-MIN_FRAME_BYTES = 16 << 20
-
-
-def frame_limit(cfg: Config) -> int:
-    """`transport.max_frame_bytes`, or the limit derived from the config when it is 0; a
-    ConfigError when a given one is below what the run's own largest message may need."""
-    # An episode holds at most max_turns contexts (a new context per turn, Delethink's chunks)
-    # of at most max_model_len tokens each.
-    needed = BYTES_PER_TOKEN * cfg.actor.max_model_len * cfg.envpool.max_turns + FRAME_SLACK_BYTES
-    given = cfg.transport.max_frame_bytes
-    if given == 0:
-        return max(MIN_FRAME_BYTES, needed)
-    if given < needed:
-        raise ConfigError(
-            f"transport.max_frame_bytes = {given}: below the {needed} bytes one trajectory of this "
-            f"config may need (actor.max_model_len {cfg.actor.max_model_len} x envpool.max_turns "
-            f"{cfg.envpool.max_turns} tokens); raise it, or 0 to derive it"
-        )
-    return given
 
 
 # --- errors that name the key ------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """How a config field carries its documentation: `doc(text, **constraints)` is the
 `msgspec.Meta` every section's fields are annotated with (`millstream config` prints it), shared by
-the modules that hold the sections.
+the modules that hold the sections; and `ConfigError`, what every check of the config raises.
 """
 
 from __future__ import annotations
@@ -9,7 +9,11 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["doc"]
+__all__ = ["doc", "ConfigError"]
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key."""
 
 
 def doc(text: str, **constraints: Any) -> msgspec.Meta:
