@@ -41,10 +41,13 @@ class WorkerStats:
             self.actor_failure_streak = self.actor_failure_streak + 1 if actor_fault else 0
 
 
-def rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc), or its peak where /proc is missing."""
+def rss_bytes(pid: int | str = "self") -> int:
+    """Resident memory of a process now (Linux /proc; this one by default), or, for this
+    process, its peak where /proc is missing."""
     try:
-        with open("/proc/self/statm") as f:
+        with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
+        if pid != "self":
+            raise
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

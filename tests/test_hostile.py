@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from millstream.envpool.actors.generation import Sampling
+from millstream.envpool.stats import rss_bytes
 from millstream.learner.episodes.validate import EpisodeCheck
 from millstream.learner.replay import ReplayBuffer
 from millstream.shared.config import LearnerConfig
@@ -234,11 +235,7 @@ def test_synthetic_actor_survives_a_frame_of_70000_messages(hostile_synthetic, k
 
 
 def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError(f"no VmRSS for {pid}")
+    return rss_bytes(pid) / (1 << 20)
 
 
 def _curve_greeting() -> bytes:

@@ -9,8 +9,6 @@ the launcher prints it as one line and makes no run directory.
 
 from __future__ import annotations
 
-import errno
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +16,7 @@ from pathlib import Path
 
 from millstream.shared.config import Config, ConfigError, dump_config
 from millstream.shared.process.lifecycle import run_processes
-from millstream.shared.process.runtime import check_tensor_parallel
+from millstream.shared.process.runtime import bind_problem, check_tensor_parallel
 
 __all__ = ["check_actor", "check_bind_addresses", "check_roles", "check_run_dir", "bind_addresses"]
 
@@ -77,24 +75,9 @@ def check_bind_addresses(cfg: Config) -> None:
         host, port = address[len("tcp://") :].rsplit(":", 1)
         if port == "0":
             continue
-        problem = _bind_problem(host.strip("[]"), int(port))
+        problem = bind_problem(host.strip("[]"), int(port))
         if problem:
             raise ConfigError(f"{key} = {address!r}: {problem}; choose another port, or port 0 (a free one)")
-
-
-def _bind_problem(host: str, port: int) -> str | None:
-    """Why a listener could not bind host:port now, or None. SO_REUSEADDR as libzmq sets it, so a
-    port left in TIME_WAIT by an earlier run (which ZeroMQ can bind) is not reported."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return "another process already listens there"
-            return f"cannot bind it here ({exc.strerror})"
-    return None
 
 
 def check_roles(cfg: Config) -> None:

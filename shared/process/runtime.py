@@ -45,6 +45,7 @@ __all__ = [
     "raise_fd_limit",
     "write_ready",
     "free_port",
+    "bind_problem",
     "ENV_NAME",
     "STOPPED",
     "ACCOUNTING_FAILED",
@@ -315,6 +316,20 @@ def _ephemeral_start() -> int:
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def bind_problem(host: str, port: int) -> str | None:
+    """Why a listener could not bind host:port now, or None. SO_REUSEADDR as libzmq sets it, so a
+    port left in TIME_WAIT by an earlier run (which ZeroMQ can bind) is not reported."""
+    with socket.socket(_family(host)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "another process already listens there"
+            return f"cannot bind it here ({exc.strerror})"
+    return None
 
 
 def _bindable(host: str, port: int) -> bool:
