@@ -26,6 +26,8 @@ with a cause); it must be 0. Episodes the run never started (time ran out) are c
 from __future__ import annotations
 
 import argparse
+import atexit
+import functools
 import math
 import shutil
 import subprocess
@@ -326,9 +328,14 @@ def run_stress(ns: argparse.Namespace) -> dict:
     return report
 
 
-#: The CURVE keys of every `stress_once` run in this process: a process serves one set of keys
-#: (shared/wire/keys.py), so benchmarks that run stress many times share one folder.
-_SHARED_KEYS = Path(tempfile.mkdtemp(prefix="millstream-stress-keys-")) / "keys"
+@functools.cache
+def _shared_keys() -> Path:
+    """The CURVE keys of every `stress_once` run in this process: a process serves one set of keys
+    (shared/wire/keys.py), so benchmarks that run stress many times share one folder. Made on first
+    use, not at import (every import used to leave a folder in /tmp), and removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="millstream-stress-keys-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder / "keys"
 
 
 def stress_once(args: list[str]) -> dict:
@@ -338,7 +345,7 @@ def stress_once(args: list[str]) -> dict:
     try:
         return run_stress(
             stress_parser().parse_args(
-                [*args, "--out", str(out), "--set", f"transport.keys_dir={_SHARED_KEYS}"]
+                [*args, "--out", str(out), "--set", f"transport.keys_dir={_shared_keys()}"]
             )
         )
     finally:

@@ -387,3 +387,17 @@ def test_parse_faults_accepts_probabilities_summing_to_one():
 def test_parse_faults_sum_check_tolerates_float_rounding():
     assert 0.33 + 0.56 + 0.11 > 1  # the float rounding this test is about
     assert parse_faults(_three((0.33, 0.56, 0.11))) == {"crash": 0.33, "hang": 0.56, "garbage": 0.11}
+
+
+def test_importing_the_stress_module_leaves_no_folder_behind(tmp_path):
+    """The keys folder of `stress_once` is made on first use and removed at exit: importing the
+    module (every test process and `millstream stress` does) used to leave one in /tmp each time."""
+    script = "import millstream.bench.stress as s; print(s._shared_keys().parent)"
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    subprocess.run([sys.executable, "-c", "import millstream.bench.stress"], env=env, check=True, timeout=60)
+    assert list(tmp_path.iterdir()) == [], "importing the module made a folder"
+    made = subprocess.run(
+        [sys.executable, "-c", script], env=env, check=True, timeout=60, capture_output=True, text=True
+    ).stdout.strip()
+    assert made.startswith(str(tmp_path)), made
+    assert not Path(made).exists(), f"{made} was left behind at exit"
