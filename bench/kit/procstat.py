@@ -2,7 +2,8 @@
 
 `cpu_s(pid)` is one process's user + system seconds (bench/fleet.py, per replica);
 `tree_cpu_s(root)` sums a process and everything under it (bench/overhead.py: the engines, their
-engine cores and workers), whatever started them, by walking parent pids.
+engine cores and workers), whatever started them, by walking parent pids; `tree_rss_bytes(root)`
+is the same walk for resident memory (bench/real_model.py: each role's peak, engine included).
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cpu_s", "tree_cpu_s"]
+__all__ = ["cpu_s", "tree_cpu_s", "tree_rss_bytes"]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _stat(pid: int) -> tuple[int, float]:
@@ -43,3 +45,30 @@ def tree_cpu_s(root: int) -> float:
             p = parent.get(p, 0)
         total += cpu if p == root else 0.0
     return total
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident memory of `root` and every process under it, in bytes (0 once it has ended)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parent[int(entry)] = _stat(int(entry))[0]
+            except OSError:
+                continue
+    total = 0
+    for pid in parent:
+        p = pid
+        while p > 1 and p != root:
+            p = parent.get(p, 0)
+        if p == root:
+            total += _rss(pid)
+    return total
+
+
+def _rss(pid: int) -> int:
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * PAGE
