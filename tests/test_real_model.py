@@ -52,7 +52,7 @@ def _write_gguf(path: Path, model, tokenizer_dir: Path, chat_template: str) -> N
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(10000.0)
+    w.add_rope_freq_base(10000.0)  # LlamaConfig's default
     w.add_rope_dimension_count(cfg.hidden_size // HEADS)
     w.add_vocab_size(len(tokens))
     w.add_tokenizer_model("gpt2")
@@ -72,7 +72,9 @@ def _write_gguf(path: Path, model, tokenizer_dir: Path, chat_template: str) -> N
             array = _llama_cpp_order(array, HEADS)
         elif key.endswith("k_proj.weight"):
             array = _llama_cpp_order(array, KV_HEADS)
-        w.add_tensor(names.get_name(key, try_suffixes=(".weight", ".bias")), array)
+        name = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert name is not None, key
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -94,10 +96,9 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir):
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=256,
-        rope_theta=10000.0,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        bos_token_id=int(tokenizer.convert_tokens_to_ids("<|im_start|>")),
+        eos_token_id=int(tokenizer.convert_tokens_to_ids("<|im_end|>")),
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
