@@ -15,6 +15,7 @@ import os
 import subprocess
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import MILLSTREAM, ROOT
@@ -87,7 +88,7 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir):
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokenizer: Any = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -97,8 +98,8 @@ def tiny_gguf(tmp_path_factory, tiny_model_dir):
         num_key_value_heads=KV_HEADS,
         max_position_embeddings=256,
         tie_word_embeddings=True,
-        bos_token_id=int(tokenizer.convert_tokens_to_ids("<|im_start|>")),
-        eos_token_id=int(tokenizer.convert_tokens_to_ids("<|im_end|>")),
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|im_start|>"),
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
