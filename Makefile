@@ -47,7 +47,10 @@ run: install
 real-model: install
 	$(BIN)/millstream model smollm2
 
+# The real model first: its tests (tests/test_smollm2_template.py, the 2-step run) need it; made
+# once (a 93 MB download and a conversion of about a minute), then found at once.
 test: install
+	$(BIN)/millstream model smollm2 >/dev/null
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Everything that needs neither vLLM, DeepSpeed, a whole run nor many processes (CONTRIBUTING.md

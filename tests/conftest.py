@@ -26,7 +26,7 @@ settings.load_profile("millstream")
 
 #: Fixtures that start the real stack or a whole run (a Ray cluster, a `millstream stress` run):
 #: a test that uses one is `real`.
-REAL_FIXTURES = {"actor", "cluster", "stress_run"}
+REAL_FIXTURES = {"actor", "cluster", "stress_run", "smollm2_dir"}
 #: Engines whose import in the test process makes a test `real` (checked after each test).
 REAL_MODULES = ("vllm", "deepspeed")
 #: Per-test limits (pytest-timeout): a hang fails with a traceback instead of stalling the lane.
@@ -111,3 +111,15 @@ def synthetic(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
     )
     yield address
     stop_group(proc)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct's directory, made by `make real-model` (`make test` makes it first).
+    Missing, the test fails saying so: a skipped test is not a test."""
+    from millstream.shared.models.smollm2 import default_dir, is_made
+
+    path = default_dir()
+    if not is_made(path):
+        pytest.fail(f"SmolLM2 is not at {path}: run `make real-model` (make test runs it first)")
+    return str(path)

