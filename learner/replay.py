@@ -197,11 +197,18 @@ class ReplayBuffer:
         self._maybe_complete(failure.group_id, group)
 
     def accept(
-        self, message: Trajectory | EpisodeFailed, refusal: tuple[str, bool] | None = None
+        self,
+        message: Trajectory | EpisodeFailed,
+        refusal: tuple[str, bool] | None = None,
+        *,
+        remember: bool = True,
     ) -> str | None:
         """The learner's entry, which never raises: `add` or `fail` the message, or refuse it.
 
         `refusal` is (reason, closes_slot) when the learner's own checks already refused it.
+        `remember=False` (an episode no worker of the run started) keeps no trace of a refused
+        message's id: a peer sending endless forged episodes costs counters, not memory. Sent
+        again, it is refused and counted again, as foreign again, so the accounting still adds up.
         Returns the reason it was refused for, or None.
         """
         if message.episode_id in self._seen:
@@ -217,7 +224,7 @@ class ReplayBuffer:
                 self.fail(message)
             return None
         reason, closes = (identity, False) if identity is not None else refusal  # type: ignore[misc]
-        self._refuse(message, reason, closes)
+        self._refuse(message, reason, closes, remember)
         return reason
 
     def _identity_problem(self, message: Trajectory | EpisodeFailed) -> str | None:
@@ -234,15 +241,22 @@ class ReplayBuffer:
             return "group_identity"
         return None
 
-    def _refuse(self, message: Trajectory | EpisodeFailed, reason: str, closes_slot: bool) -> None:
-        self._seen.add(message.episode_id)
+    def _refuse(
+        self, message: Trajectory | EpisodeFailed, reason: str, closes_slot: bool, remember: bool = True
+    ) -> None:
+        """Counts a refusal; closes the member slot it names when `closes_slot` and its group is
+        still open. Its id is kept (to count a re-send as a duplicate) when `remember` or when it
+        closed a slot: a group has `group_size` slots, so forged ids that close none are never
+        kept, and those that do are bounded by the admitted groups."""
         self.received += 1
         self._count(self.dropped, DropCause.INVALID_TRAJECTORY, 1)
         self.refused[reason] = self.refused.get(reason, 0) + 1
         gid = message.group_id
-        if not closes_slot or gid in self._closed or gid in self._complete:
-            return
-        if gid not in self._pending and len(self._pending) + len(self._complete) >= self.max_groups:
+        room = gid in self._pending or len(self._pending) + len(self._complete) < self.max_groups
+        closes = closes_slot and gid not in self._closed and gid not in self._complete and room
+        if remember or closes:
+            self._seen.add(message.episode_id)
+        if not closes:
             return
         group = self._pending.setdefault(gid, Pending())
         group.failed += 1

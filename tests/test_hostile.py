@@ -166,6 +166,30 @@ def test_bookkeeping_messages_are_checked_and_never_raise():
     assert intake.foreign == 1
 
 
+def test_forged_episodes_cost_counters_not_memory():
+    """Episodes no worker started are refused and counted as foreign; the learner keeps no trace
+    of their ids (2,000 refusals with 100 kB ids once left it 369 MB larger), so a re-send is
+    counted again and the accounting still adds up. A refusal that closes a real slot is kept:
+    at most `group_size` per admitted group."""
+    from millstream.learner.episodes.intake import Intake
+    from millstream.learner.episodes.workers import WorkerLedger
+    from millstream.shared.config import load_config
+
+    cfg = load_config(None, ["train.group_size=2"])
+    buf = ReplayBuffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=4)
+    ledger = WorkerLedger(1, group_base=0, group_size=2)
+    intake = Intake(cfg, buf, ledger, EpisodeCheck(LearnerConfig(), vocab=256), lambda record: None)
+    for k in range(5000):  # never admitted, then admitted but not started with a bad reward
+        intake.handle(traj("g50", f"g50-forged-{k}"), version=0, admitted=10)
+        intake.handle(traj("g3", f"g3-forged-{k}", reward=math.nan), version=0, admitted=10)
+    intake.handle(traj("g50", "g50-forged-0"), version=0, admitted=10)  # sent again
+    assert intake.foreign == 10_001 and buf.duplicates == 0
+    assert buf.refused == {"unannounced_group": 5001, "reward_not_finite": 5000}
+    assert len(buf._seen) == 2  # the two that closed g3's two slots
+    assert buf.statistics()["received"] - intake.foreign == ledger.started_total == 0
+    accounted(buf)
+
+
 # --- the synthetic actor ---------------------------------------------------------------------------
 
 

@@ -126,7 +126,8 @@ class Intake:
         found = self.check.problem(message, version=version, admitted=admitted)
         cause = str(message.cause) if isinstance(message, EpisodeFailed) else ""
         before = self.buffer.failed.get(cause, 0)
-        reason = self.buffer.accept(message, None if found is None else (found.reason, found.closes_slot))
+        refusal = None if found is None else (found.reason, found.closes_slot)
+        reason = self.buffer.accept(message, refusal, remember=expected)
         if reason is None or (found is not None and found.closes_slot):
             self.ledger.reported(message.episode_id, message.group_id)  # its slot is closed
         if reason is not None:
