@@ -42,6 +42,7 @@ from millstream.bench.kit.stress_report import ResultWindow
 from millstream.bench.stress import stress_once
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.envs import make_env
+from millstream.envpool.stats import rss_bytes
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.process.runtime import free_port
 
@@ -84,15 +85,10 @@ def through_envpool(model: Path, concurrency: int, episodes: int) -> dict[str, f
     }
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
 async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes: int) -> dict[str, float]:
     latencies: list[float] = []
     turns = live = peak_live = 0
-    base_rss = peak_rss = _rss()
+    base_rss = peak_rss = rss_bytes()
     next_seed = iter(range(episodes))
     window = ResultWindow()
     stops = list(chat.stop_token_ids)  # as envpool's requests carry them
@@ -102,7 +98,7 @@ async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes:
         env = make_env("echo", {"turns": TURNS})
         live += 1
         if live > peak_live:
-            peak_live, peak_rss = live, max(peak_rss, _rss())
+            peak_live, peak_rss = live, max(peak_rss, rss_bytes())
         obs = await env.reset(seed)
         ids = chat.first_prompt("", obs.text)
         played = 0

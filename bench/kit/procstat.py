@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from millstream.envpool.stats import rss_bytes
+
 __all__ = ["cpu_s", "tree_cpu_s", "tree_rss_bytes"]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _stat(pid: int) -> tuple[int, float]:
@@ -68,7 +69,6 @@ def tree_rss_bytes(root: int) -> int:
 
 def _rss(pid: int) -> int:
     try:
-        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-    except (OSError, IndexError, ValueError):
+        return rss_bytes(pid)
+    except (OSError, IndexError, ValueError):  # ended meanwhile
         return 0
-    return pages * PAGE
