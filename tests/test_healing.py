@@ -35,6 +35,24 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: 
         time.sleep(0.2)
 
 
+def _wait_for_live_turns(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 60) -> None:
+    """Until a worker's last statistics record shows turns live on the actor."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        live = 0
+        for path in run_dir.glob("envpool-w*.jsonl"):
+            lines = path.read_bytes().splitlines()
+            try:
+                live += orjson.loads(lines[-1])["client"]["live"] if lines else 0
+            except orjson.JSONDecodeError:  # a line being written
+                continue
+        if live:
+            return
+        assert proc.poll() is None, "the run ended early"
+        assert time.monotonic() < deadline, "no turn was ever live on the actor"
+        time.sleep(0.02)
+
+
 @pytest.mark.real
 def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
@@ -48,10 +66,16 @@ def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, 
         "train.groups_per_batch=2",
         "envpool.workers=2",
         "run.restart_backoff_s=0.2",
+        # Turns of about 0.25 s (24 tokens at 10 ms), statistics every 0.1 s: the actor is killed
+        # while it holds turns (at 2 ms a token it was often idle between steps, and a run had
+        # nothing to retry).
+        "actor.synthetic_step_s=0.01",
+        "envpool.stats_every_s=0.1",
         until="step    3/",
     )
     worker_pid = _kill(run_dir, "envpool-0")
     _wait_for_step(run_dir, 12, proc)
+    _wait_for_live_turns(run_dir, proc)
     actor_pid = _kill(run_dir, "actor")
     _wait_for_step(run_dir, 22, proc)
     learner_pid = _kill(run_dir, "learner")

