@@ -63,7 +63,7 @@ def _run_once(
     """One `millstream run`, its memory sampled while it runs; returns its summary."""
     run_dir = work / f"{variant}-seed{seed}"
     cmd = [
-        sys.executable, "-m", "millstream", "run", str(config), "--quiet",
+        sys.executable, "-m", "millstream.shared.launch.cli", "run", str(config), "--quiet",
         f"run.dir={run_dir}", f"run.seed={seed}", *VARIANTS[variant], *extra,
     ]  # fmt: skip
     print(f"[{time.strftime('%H:%M:%S')}] {variant} seed {seed}: {' '.join(cmd[3:])}", flush=True)
