@@ -46,11 +46,12 @@ __all__ = ["VARIANTS", "ROLES", "summarize_run", "main"]
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "cpu-smollm2.toml"
 
-#: What each variant adds to the example's settings. LoRA trains a few million weights from zero
-#: instead of 134M trained ones, so it takes a learning rate about ten times the full one's.
+#: What each variant adds to the example's settings (full: its learning rate, 2e-5). LoRA trains
+#: a few million weights from zero instead of 134M trained ones, so it takes a learning rate about
+#: ten times the full one's.
 VARIANTS: dict[str, list[str]] = {
     "full": [],
-    "lora": ["learner.lora_rank=16", "learner.lora_alpha=32", "learner.lr=2e-5"],
+    "lora": ["learner.lora_rank=16", "learner.lora_alpha=32", "learner.lr=2e-4"],
 }
 
 #: The roles whose memory is sampled: their pid files in the run directory.
@@ -211,7 +212,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     ap.add_argument("--config", type=Path, default=CONFIG, help="the run's TOML config")
-    ap.add_argument("--seeds", type=int, default=3, help="runs per variant (run.seed = 0, 1, ...)")
+    ap.add_argument("--seeds", type=int, default=3, help="runs per variant")
+    ap.add_argument("--first-seed", type=int, default=0, help="run.seed of the first (then +1, +2, ...)")
     ap.add_argument("--variants", default="full,lora", help=f"comma-separated, of {sorted(VARIANTS)}")
     ap.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run"
@@ -235,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     work = Path(tempfile.mkdtemp(prefix="millstream-real-model-"))
     runs: list[dict] = []
     try:
-        for seed in range(ns.seeds):
+        for seed in range(ns.first_seed, ns.first_seed + ns.seeds):
             order = ns.variant_list if seed % 2 == 0 else ns.variant_list[::-1]
             for variant in order:
                 runs.append(_run_once(ns.config, variant, seed, ns.set, work, ns))
