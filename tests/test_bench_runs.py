@@ -122,3 +122,32 @@ def test_the_kit_finds_the_results_folder_and_the_repository():
 
     assert rounds.RESULTS == ROOT / "bench" / "results" and rounds.RESULTS.is_dir()
     assert replicas.ROOT == ROOT and (replicas.ROOT / "pyproject.toml").is_file()
+
+
+def test_real_model_summary_reads_eval_and_step_split(tmp_path):
+    """bench/real_model.py's numbers come from a run's metrics.jsonl: the eval at version 0 and
+    the last, the step split over steps after the first, rolled-back steps left out; and every
+    variant's settings pass the config check on the example."""
+    from millstream.bench import real_model
+
+    def step(n, **extra):
+        return {"step": n, "reward/mean": 0.1 * n, "perf/step_s": 10.0 * n, "train/step_time_s": 4.0,
+                "sync/total_s": 1.0, "sync/actor_paused_s": 0.5, "train/tokens": 100.0,
+                "perf/elapsed_s": 10.0 * n, "fleet/actor/tokens": 300.0 * n, **extra}  # fmt: skip
+
+    records = [
+        {"eval/version": 0, "eval/success": 0.25},
+        step(1),
+        step(2),
+        step(3, rolled_back=True),
+        step(3),
+        {"eval/version": 3, "eval/success": 0.5},
+    ]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(orjson.dumps(r) for r in records))
+    s = real_model.summarize_run(tmp_path)
+    assert (s["eval_start"], s["eval_end"], s["eval_end_version"], s["steps"]) == (0.25, 0.5, 3, 3)
+    assert s["eval_rise"] == pytest.approx(0.25)
+    assert s["step_s"] == 25.0 and s["train_s"] == 4.0 and s["wait_s"] == 20.0  # median of steps 2, 3
+    assert s["generated_tokens_per_s"] == 30.0 and s["trained_tokens_per_s"] == pytest.approx(10.0)
+    for overrides in real_model.VARIANTS.values():
+        check_config(load_config(real_model.CONFIG, overrides))
