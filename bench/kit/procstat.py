@@ -3,7 +3,7 @@
 `cpu_s(pid)` is one process's user + system seconds (bench/fleet.py, per replica);
 `tree_cpu_s(root)` sums a process and everything under it (bench/overhead.py: the engines, their
 engine cores and workers), whatever started them, by walking parent pids; `tree_rss_bytes(root)`
-is the same walk for resident memory (bench/real_model.py: each role's peak, engine included).
+is the same walk for resident memory (bench/learning/real_model.py: each role's peak, engine included).
 """
 
 from __future__ import annotations

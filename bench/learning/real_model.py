@@ -1,7 +1,7 @@
 """Does millstream make a real model better at a real task, on this machine? Measured, not assumed.
 
     make real-model                                   # once: SmolLM2-135M-Instruct (93 MB download)
-    python -m millstream.bench.real_model [--seeds 3] [--variants full,lora] [--set key=value ...]
+    python -m millstream.bench.learning.real_model [--seeds 3] [--variants full,lora] [--set key=value ...]
 
 Each run is `millstream run examples/cpu-smollm2.toml` (SmolLM2-135M-Instruct on a reasoning-gym
 task, greedy evaluation on held-out items at version 0 and every `eval.every` versions), once per
@@ -43,7 +43,7 @@ from millstream.shared.obs.metrics import read_jsonl
 
 __all__ = ["VARIANTS", "ROLES", "summarize_run", "main"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "cpu-smollm2.toml"
 
 #: What each variant adds to the example's settings (full: its learning rate, 2e-5). LoRA trains
@@ -195,14 +195,14 @@ def plot(runs: list[dict], path: Path) -> None:
     ev.set(xlabel="policy version", ylabel="held-out greedy accuracy", title="eval")
     rw.set(xlabel="step", ylabel="mean reward of the batch", title="training reward")
     ev.legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M-Instruct, millstream on this machine (bench/real_model.py)")
+    fig.suptitle("SmolLM2-135M-Instruct, millstream on this machine (bench/learning/real_model.py)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def ap_prog() -> str:
-    return "python -m millstream.bench.real_model"
+    return "python -m millstream.bench.learning.real_model"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     out = results_dir()
     report = {
         "command": " ".join(
-            ["python -m millstream.bench.real_model", *(argv if argv is not None else sys.argv[1:])]
+            ["python -m millstream.bench.learning.real_model", *(argv if argv is not None else sys.argv[1:])]
         ),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": machine(),

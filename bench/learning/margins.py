@@ -1,6 +1,6 @@
 """How far a learner's reward rises against a non-learner's drift: the margins of a learning test.
 
-    python -m millstream.bench.learning_margins --case gigpo-multiturn --runs 10 [--steps 14]
+    python -m millstream.bench.learning.margins --case gigpo-multiturn --runs 10 [--steps 14]
 
 A learning test asserts that the reward of a short run rises by at least some bar. Where that bar
 sits decides whether the test is flaky (a learner misses it) or toothless (a non-learner clears
@@ -39,7 +39,7 @@ from millstream.shared.obs.metrics import read_jsonl
 
 __all__ = ["CASES", "rise", "main"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: The learning tests' settings, by the test id they come from.
 CASES: dict[str, list[str]] = {
