@@ -106,7 +106,9 @@ def quartiles(values: list[float]) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m millstream.bench.learning.margins",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--case", choices=sorted(CASES), default="gigpo-multiturn")
     parser.add_argument("--runs", type=int, default=10, help="runs of each side (default 10)")
