@@ -25,7 +25,7 @@ import zmq
 
 from millstream.envpool.actors.client import ActorClient
 from millstream.shared.config import Config, TransportConfig
-from millstream.shared.obs.metrics import read_jsonl
+from millstream.shared.obs.metrics import read_jsonl, step_records
 from millstream.shared.process.lifecycle import ENV_PARENT
 from millstream.shared.process.runtime import free_port
 from millstream.shared.store.trajstore import STORE_FILE
@@ -330,11 +330,24 @@ def start_run(
     return proc
 
 
+def live_turns(run_dir: Path, replica: str | None = None) -> int:
+    """Turns live on the actor (or on one replica of it) at each envpool worker's last
+    statistics record (`envpool-w*.jsonl`; a line being written is skipped)."""
+    total = 0
+    for path in run_dir.glob("envpool-w*.jsonl"):
+        records = read_jsonl(path)
+        client = records[-1]["client"] if records else {}
+        total += (
+            client.get("live", 0)
+            if replica is None
+            else client.get("replicas", {}).get(replica, {}).get("live", 0)
+        )
+    return total
+
+
 def steps_of(run_dir: Path) -> list[dict]:
     """The step records of a run, without the ones a resume rolled back."""
-    return [
-        r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward/mean" in r and not r.get("rolled_back")
-    ]
+    return step_records(read_jsonl(run_dir / "metrics.jsonl"))
 
 
 def check_accounting(run_dir: Path, workers: int = 1) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from helpers import KEYS, ROOT, check_accounting, start_run, steps_of, wait_for_file
+from helpers import KEYS, ROOT, check_accounting, live_turns, start_run, steps_of, wait_for_file
 
 from millstream.shared.obs.metrics import read_jsonl
 from millstream.shared.process.lifecycle import run_processes
@@ -49,14 +49,6 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: 
         assert proc.poll() is None, "the run ended early"
         assert time.monotonic() < deadline, f"no step {step} in {timeout_s}s"
         time.sleep(0.2)
-
-
-def _live_on(run_dir: Path, name: str) -> int:
-    """Turns live on replica `name` at the workers' last statistics records."""
-    return sum(
-        read_jsonl(path)[-1]["client"]["replicas"].get(name, {}).get("live", 0)
-        for path in run_dir.glob("envpool-w*.jsonl")
-    )
 
 
 def _retries(run_dir: Path) -> dict[str, int]:
@@ -102,7 +94,7 @@ def test_a_replica_killed_midway_comes_back_at_the_current_version(tiny_model_di
     )
     _wait_for_step(run_dir, KILL_AT, proc)
     deadline = time.monotonic() + 60
-    while _live_on(run_dir, "actor-1") == 0:  # killed while it serves: its turns must move
+    while live_turns(run_dir, "actor-1") == 0:  # killed while it serves: its turns must move
         assert time.monotonic() < deadline, "actor-1 never held a live turn"
         time.sleep(0.05)
     dead = int((run_dir / "actor-1.pid").read_text())

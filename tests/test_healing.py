@@ -16,7 +16,7 @@ from pathlib import Path
 
 import orjson
 import pytest
-from helpers import check_accounting, read_episodes, start_run, steps_of
+from helpers import check_accounting, live_turns, read_episodes, start_run, steps_of
 
 from millstream.shared.process.lifecycle import run_processes
 
@@ -36,18 +36,8 @@ def _wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout_s: 
 
 
 def _wait_for_live_turns(run_dir: Path, proc: subprocess.Popen, timeout_s: float = 60) -> None:
-    """Until a worker's last statistics record shows turns live on the actor."""
     deadline = time.monotonic() + timeout_s
-    while True:
-        live = 0
-        for path in run_dir.glob("envpool-w*.jsonl"):
-            lines = path.read_bytes().splitlines()
-            try:
-                live += orjson.loads(lines[-1])["client"]["live"] if lines else 0
-            except orjson.JSONDecodeError:  # a line being written
-                continue
-        if live:
-            return
+    while not live_turns(run_dir):
         assert proc.poll() is None, "the run ended early"
         assert time.monotonic() < deadline, "no turn was ever live on the actor"
         time.sleep(0.02)

@@ -31,44 +31,42 @@ def cpu_s(pid: int) -> float:
 
 def tree_cpu_s(root: int) -> float:
     """CPU seconds used so far by `root` and every process under it."""
-    parent: dict[int, int] = {}
-    used: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parent[int(entry)], used[int(entry)] = _stat(int(entry))
-            except OSError:  # ended meanwhile
-                continue
-    total = 0.0
-    for pid, cpu in used.items():
-        p = pid
-        while p > 1 and p != root:
-            p = parent.get(p, 0)
-        total += cpu if p == root else 0.0
-    return total
+    return sum(_cpu(pid) for pid in _tree(root))
 
 
 def tree_rss_bytes(root: int) -> int:
     """Resident memory of `root` and every process under it, in bytes (0 once it has ended)."""
+    return sum(_rss(pid) for pid in _tree(root))
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and every process under it now, whatever started them, by walking parent pids."""
     parent: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 parent[int(entry)] = _stat(int(entry))[0]
-            except OSError:
+            except OSError:  # ended meanwhile
                 continue
-    total = 0
+    tree = []
     for pid in parent:
         p = pid
         while p > 1 and p != root:
             p = parent.get(p, 0)
         if p == root:
-            total += _rss(pid)
-    return total
+            tree.append(pid)
+    return tree
+
+
+def _cpu(pid: int) -> float:
+    try:
+        return _stat(pid)[1]
+    except OSError:  # ended meanwhile
+        return 0.0
 
 
 def _rss(pid: int) -> int:
     try:
         return rss_bytes(pid)
-    except (OSError, IndexError, ValueError):  # ended meanwhile
+    except OSError:  # ended meanwhile
         return 0

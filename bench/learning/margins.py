@@ -35,7 +35,7 @@ import orjson
 from millstream.bench.async_sync import start_vllm_actor
 from millstream.bench.kit.rounds import results_dir
 from millstream.shared.models.tiny import build_tiny_model
-from millstream.shared.obs.metrics import read_jsonl
+from millstream.shared.obs.metrics import read_jsonl, step_records
 
 __all__ = ["CASES", "rise", "main"]
 
@@ -65,7 +65,7 @@ CASES: dict[str, list[str]] = {
 
 def step_rewards(metrics: Path) -> list[float]:
     """The mean reward of each training step of a run, in order (rolled-back steps left out)."""
-    return [r["reward/mean"] for r in read_jsonl(metrics) if "reward/mean" in r and not r.get("rolled_back")]
+    return [r["reward/mean"] for r in step_records(read_jsonl(metrics))]
 
 
 def rise_of(rewards: list[float], n: int = 4) -> float:

@@ -39,7 +39,7 @@ import orjson
 
 from millstream.bench.kit.procstat import tree_rss_bytes
 from millstream.bench.kit.rounds import machine, results_dir
-from millstream.shared.obs.metrics import read_jsonl
+from millstream.shared.obs.metrics import read_jsonl, step_records
 
 __all__ = ["VARIANTS", "ROLES", "summarize_run", "main"]
 
@@ -53,6 +53,8 @@ VARIANTS: dict[str, list[str]] = {
     "full": [],
     "lora": ["learner.lora_rank=16", "learner.lora_alpha=32", "learner.lr=2e-4"],
 }
+
+PROG = "python -m millstream.bench.learning.real_model"
 
 #: The roles whose memory is sampled: their pid files in the run directory.
 ROLES = ("actor", "learner", "envpool-0")
@@ -108,7 +110,7 @@ def _sample_memory(run_dir: Path, peaks: dict[str, int]) -> None:
 def summarize_run(run_dir: Path) -> dict[str, Any]:
     """Eval before and after, step-time split, token rates and curves, from a run's metrics.jsonl."""
     records = read_jsonl(run_dir / "metrics.jsonl")
-    steps = [r for r in records if "reward/mean" in r and not r.get("rolled_back")]
+    steps = step_records(records)
     evals = sorted(
         ((r["eval/version"], r["eval/success"]) for r in records if "eval/version" in r), key=lambda e: e[0]
     )
@@ -201,13 +203,9 @@ def plot(runs: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def ap_prog() -> str:
-    return "python -m millstream.bench.learning.real_model"
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog=ap_prog(),
+        prog=PROG,
         description="A real model's held-out accuracy before and after training, per seed and variant.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

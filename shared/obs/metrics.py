@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["MetricsWriter", "NullMetrics", "read_jsonl", "LatencyHistogram"]
+__all__ = ["MetricsWriter", "NullMetrics", "read_jsonl", "step_records", "LatencyHistogram"]
 
 
 class MetricsWriter:
@@ -68,6 +68,12 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         except orjson.JSONDecodeError:
             continue
     return records
+
+
+def step_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The training-step records among a run's metrics records (`read_jsonl`), in order, without
+    the ones a resume rolled back: events, eval rounds and the summary left out."""
+    return [r for r in records if "reward/mean" in r and not r.get("rolled_back")]
 
 
 class LatencyHistogram:
