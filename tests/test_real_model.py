@@ -224,6 +224,5 @@ def test_two_steps_of_the_real_model_stay_on_policy(smollm2_dir, tmp_path):
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
         assert s["train/ratio_max"] == pytest.approx(1.0, abs=RATIO_TOLERANCE), s
-        assert s["train/grad_norm"] > 0, s
     summary = check_accounting(run_dir)
     assert summary["replica_weights"]["actor"]["matches"] is True
