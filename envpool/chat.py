@@ -86,6 +86,7 @@ _CLASS_DEFAULTS = {
     },
 }
 _PROBE_SYSTEM, _PROBE_USER = "\x00system-probe\x00", "\x00user-probe\x00"
+_PROBE_TOOL = "millstream_tool_probe"
 _PROBE_ASSISTANT = "\x00assistant-probe\x00"
 _PROBE_THINKING = "<think>\n\x00reasoning-probe\x00\n</think>\n\n\x00answer-probe\x00"
 
@@ -194,6 +195,7 @@ class ChatFormat:
         self.source = source
         if isinstance(templates, str):
             templates = {"default": templates}
+        writes_tags = any("<tool_call>" in text for text in templates.values())
         self._templates: dict[str, jinja2.Template] = {}
         for name, text in templates.items():
             try:
@@ -222,6 +224,11 @@ class ChatFormat:
             }
         )
         self.rerenders = self._probe_rerendering()
+        #: How the template writes tool calls: "hermes" (Hermes/Qwen `<tool_call>` blocks, the
+        #: format the agent endpoint parses and opens forced calls with), "none" (it renders no
+        #: tools at all, so the endpoint's format is the only one the model sees), or "other" (a
+        #: format of its own: the endpoint does not force calls in it).
+        self.tool_format = "hermes" if writes_tags else self._probe_tool_format()
         # The members of a group share their first prompt; rendering a template is the
         # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
         self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
@@ -260,30 +267,42 @@ class ChatFormat:
         add_generation_prompt: bool = False,
         *,
         tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """The template's text for `messages`, as transformers renders it (tokenize=False)."""
+        """The template's text for `messages`, as transformers renders it (tokenize=False).
+
+        `template_kwargs` are extra variables of the template (`enable_thinking`, ...), as
+        transformers passes `apply_chat_template`'s extra keyword arguments: over the special
+        tokens, under the conversation's own names."""
         name, template = self._pick(tools)
         try:
             return template.render(
+                **{**self.special_tokens, **(template_kwargs or {})},
                 messages=messages,
                 tools=tools,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
             )
         except Exception as exc:  # the template's own error, with its message (raise_exception)
             what = "" if isinstance(exc, jinja2.TemplateError) else f"{type(exc).__name__}: "
             raise ChatTemplateError(f"chat template {name!r} ({self.source}) raised: {what}{exc}") from None
 
     def apply(
-        self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        *,
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
         """The ids of a whole conversation: `apply_chat_template(..., tokenize=True)` exactly.
 
         Messages may carry `tool_calls` (assistant) and role "tool", in whatever form the
         model's template reads them (most read `function.arguments` as a dict).
         """
-        return self.encode(self.render(messages, add_generation_prompt, tools=tools))
+        return self.encode(
+            self.render(messages, add_generation_prompt, tools=tools, template_kwargs=template_kwargs)
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -341,6 +360,14 @@ class ChatFormat:
                 f"chat template ({self.source}) does not render an assistant's reply verbatim"
             )
         return text[at + len(_PROBE_ASSISTANT) :]
+
+    def _probe_tool_format(self) -> str:
+        tool = {"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {"type": "object"}}}
+        try:
+            text = self.render([{"role": "user", "content": _PROBE_USER}], True, tools=[tool])
+        except ChatTemplateError:
+            return "other"
+        return "other" if _PROBE_TOOL in text else "none"
 
     def _probe_rerendering(self) -> str | None:
         """Why appending ids differs from a fresh render (a sentence), or None if it never does.

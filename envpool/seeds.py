@@ -5,7 +5,7 @@ derives from the group seed, the member and the turn, so a run is reproducible a
 a group still sample differently. A retried request carries the same seed.
 """
 
-__all__ = ["group_seed", "sampling_seed"]
+__all__ = ["group_seed", "sampling_seed", "request_seed"]
 
 
 def group_seed(run_seed: int, group_number: int) -> int:
@@ -16,3 +16,10 @@ def group_seed(run_seed: int, group_number: int) -> int:
 def sampling_seed(seed: int, member: int, turn: int) -> int:
     """The sampling seed of one turn of one member of the group seeded with `seed`."""
     return (seed * 1_000_003 + member * 10_007 + turn) % (2**31 - 1)
+
+
+def request_seed(seed: int, member: int, asked: int, index: int) -> int:
+    """The sampling seed of an agent's call that names its own `seed` (`asked`), for its
+    `index`-th sample: the same request repeats its reply within an episode, as with vLLM, while
+    the members of a group (`member`) still sample differently, as GRPO needs."""
+    return (seed * 1_000_003 + member * 10_007 + 7_777_777 + asked * 131 + index) % (2**31 - 1)

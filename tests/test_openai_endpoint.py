@@ -32,11 +32,12 @@ class ScriptedClient:
     """Answers the k-th request with `replies[k]` (exact token ids) and records."""
 
     def __init__(self, replies):
-        self.replies, self.prompts, self.generations = replies, [], []
+        self.replies, self.prompts, self.generations, self.seeds = replies, [], [], []
 
-    async def generate(self, prompt_token_ids, sampling, **_):
+    async def generate(self, prompt_token_ids, sampling, seed=None, **_):
         ids = list(self.replies[len(self.prompts)][: sampling.max_tokens])
         self.prompts.append(list(prompt_token_ids))
+        self.seeds.append(seed)
         gen = Generation(ids, [-0.25] * len(ids), [7] * len(ids), "stop")
         self.generations.append(gen)
         return gen
@@ -215,7 +216,7 @@ def test_a_call_that_extends_the_context_is_appended(tiny_model_dir):
     assert_recorded_as_sampled(traj, client)
 
 
-# --- refusals: n > 1, unknown episode, wrong key, failures as causes ---------------------------
+# --- refusals: n too large, unknown episode, wrong key, failures as causes ---------------------------
 
 
 class Refused:
@@ -228,7 +229,8 @@ class Refused:
         ) as client:
             msgs = [{"role": "user", "content": "x"}]
             for name, call in {
-                "n": lambda: client.chat.completions.create(model="m", messages=msgs, n=2),
+                "n": lambda: client.chat.completions.create(model="m", messages=msgs, n=99),
+                "n_budget": lambda: client.chat.completions.create(model="m", messages=msgs, n=2),
                 "unknown": lambda: client.with_options(
                     base_url=base_url.replace("g0-e0", "nope")
                 ).models.list(),
@@ -246,14 +248,16 @@ class Refused:
         return AgentResult(0.0)
 
 
-def test_n_above_one_unknown_episode_wrong_key_and_bounds_are_refused(tiny_model_dir):
+def test_n_too_large_unknown_episode_wrong_key_and_bounds_are_refused(tiny_model_dir):
     agent = Refused()
     traj, client, _ = play_scripted(
         tiny_model_dir, agent, [[STOP]], max_turns=1, agent_max_request_bytes=65536
     )
     assert isinstance(traj, Trajectory) and len(client.prompts) == 1  # refusals never generate
     status, body = agent.errors["n"]
-    assert status == 400 and body["param"] == "n" and "n=2" in body["message"]
+    assert status == 400 and body["param"] == "n" and "99" in body["message"]
+    # n samples are n calls of the episode: two do not fit in max_turns=1.
+    assert agent.errors["n_budget"][0] == 400 and "max_turns" in agent.errors["n_budget"][1]["message"]
     assert agent.errors["unknown"][0] == 404 and agent.errors["unknown"][1]["type"] == "not_found_error"
     assert agent.errors["key"][0] == 401
     assert agent.errors["big"][0] == 413 and "agent_max_request_bytes" in agent.errors["big"][1]["message"]

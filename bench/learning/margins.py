@@ -1,6 +1,7 @@
 """How far a learner's reward rises against a non-learner's drift: the margins of a learning test.
 
     python -m millstream.bench.learning.margins --case gigpo-multiturn --runs 10 [--steps 14]
+        [--first-seed 0] [--name learning-margins-<case>]
 
 A learning test asserts that the reward of a short run rises by at least some bar. Where that bar
 sits decides whether the test is flaky (a learner misses it) or toothless (a non-learner clears
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="runs of each side (default 10)")
     parser.add_argument("--steps", type=int, default=14, help="train.steps of each run (default 14)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    parser.add_argument(
+        "--first-seed", type=int, default=0, help="run.seed of the first run (default 0): new seeds, new draws"
+    )
+    parser.add_argument("--name", help="results file name (default learning-margins-<case>)")
     ns = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="margins-"))
     model = build_tiny_model(work / "tiny", seed=0)
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(ns.runs):  # interleaved: a drift of the machine hits both sides alike
             for side, extra in (("learner", []), ("non_learner", ["learner.lr=1e-12"])):
-                run = run_once(work / f"{side}-{i}", [*base, f"run.seed={i}", *extra], ns.timeout)
+                run = run_once(work / f"{side}-{i}", [*base, f"run.seed={ns.first_seed + i}", *extra], ns.timeout)
                 rewards[side].append(run)
                 print(f"{side} run {i}: rise {rise_of(run):+.3f}", flush=True)
     finally:
@@ -142,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": CASES[ns.case],
         "steps": ns.steps,
         "runs": ns.runs,
+        "seeds": [ns.first_seed, ns.first_seed + ns.runs - 1],
         "rises": sides,
         "learner": quartiles(sides["learner"]),
         "non_learner": quartiles(sides["non_learner"]),
@@ -152,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "load": os.getloadavg()[0],
     }
-    out = results_dir() / f"learning-margins-{ns.case}.json"
+    out = results_dir() / f"{ns.name or f'learning-margins-{ns.case}'}.json"
     out.write_bytes(orjson.dumps(summary, option=orjson.OPT_INDENT_2))
     print(orjson.dumps({k: summary[k] for k in ("learner", "non_learner", "gap")}).decode())
     for length, row in summary["by_length"].items():

@@ -1,6 +1,8 @@
 """Agent environments: an agent of its own talks to an OpenAI-compatible endpoint per episode.
 
 endpoint.py   the endpoint (`/v1/chat/completions`, `/v1/completions`), recording tokens
+requests.py   what a request asks for: each field honoured, neutral only, or refused
+responses.py  what a generation becomes: stop strings, logprobs, envelopes, streams
 episode.py    one agent episode: run the agent, build the trajectory its calls recorded
-toolcalls.py  tool calls in generated text -> OpenAI `tool_calls`
+toolcalls.py  tool calls in generated text -> OpenAI `tool_calls`; forced calls
 """

@@ -5,10 +5,12 @@ An agent environment (envpool/agents/episode.py) gets, per episode,
     base_url = http://127.0.0.1:PORT/episodes/<episode_id>/v1    api_key = <random, per episode>
 
 and talks to it with the official `openai` client (or anything that speaks the API):
-`POST chat/completions` (streamed or not, `tools` and `tool_calls`, `n=1`), `POST completions`
-(a text prompt or a list of token ids), `GET models`. It is a starlette app served by hypercorn
-on the worker's trio loop, bound to loopback only; an unknown or finished episode gets a 404 and a
-wrong key a 401, each with an OpenAI-style error body.
+`POST chat/completions` (streamed or not, `tools` and `tool_calls`, `n` samples), `POST
+completions` (a text prompt or a list of token ids), `GET models`. It is a starlette app served by
+hypercorn on the worker's trio loop, bound to loopback only; an unknown or finished episode gets a
+404 and a wrong key a 401, each with an OpenAI-style error body. Every request field is honoured
+as `vllm serve` honours it or refused with a 400 that names it (envpool/agents/requests.py says
+which is which); none is silently ignored.
 
 What a call does: the messages are rendered with the model's chat template (`ChatFormat.apply`,
 the envpool owns tokenization), the ids go through the worker's normal actor path (the episode's
@@ -23,11 +25,14 @@ template adds) is appended to it; a call whose prompt does not (the template re-
 model's reply differently, or the agent edited its history) starts a new segment, which the
 learner trains as its own sequence. The model's text is never re-tokenized into the record.
 
-Sampling is the run's (`envpool.temperature`, `top_p`): a request's own temperature is ignored,
-so the behaviour logprobs match what the learner assumes. `max_tokens` may lower the budget of
-one call, never raise it above `envpool.max_tokens`. `tool_choice` naming a function forces it:
-the call opens with `<tool_call>{"name": ..., "arguments": {"<first string parameter>": "` as
-prompt tokens and what the model generates (up to a `"`) is the argument's value.
+Sampling is the run's (`envpool.temperature`, `top_p`), so the behaviour logprobs match what the
+learner assumes: a request may send those two only at the run's values. `max_tokens` may lower the
+budget of one call, never raise it above `envpool.max_tokens`. Stop strings, `seed`, `n`,
+`logprobs`, `echo` and `return_token_ids` behave as in vLLM's server (envpool/agents/responses.py
+applies stop strings to the tokens). `tool_choice` "required" or naming a function forces a call:
+the reply opens with a `<tool_call>` block as prompt tokens (envpool/agents/toolcalls.py), which
+refused for a template with a tool-call format of its own (`ChatFormat.tool_format`); "none"
+parses no call.
 
 Bounds: concurrent requests per episode (`envpool.agent_max_concurrent_requests`), request body
 size (`envpool.agent_max_request_bytes`), calls per episode (`envpool.max_turns`), the context
@@ -38,7 +43,6 @@ from __future__ import annotations
 
 import secrets
 import socket
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -55,27 +59,31 @@ from starlette.routing import Route
 
 from millstream.envpool.actors.client import TurnClient
 from millstream.envpool.actors.generation import Generation, GenerationFailed, Retry, Sampling
-from millstream.envpool.agents.toolcalls import ParsedReply, parse_tool_calls, tool_call_id
+from millstream.envpool.agents.requests import (
+    ApiError,
+    CallOptions,
+    ChatRequest,
+    RunSampling,
+    parse_chat,
+    parse_completion,
+)
+from millstream.envpool.agents.responses import (
+    MODEL_NAME,
+    Reply,
+    chat_chunks,
+    cut_at_stop,
+    envelope,
+    logprobs_of,
+    usage,
+)
+from millstream.envpool.agents.toolcalls import ForcedCall, forced_call, parse_reply
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.record import EpisodeRecord, EpisodeSpec
-from millstream.envpool.seeds import sampling_seed
+from millstream.envpool.seeds import request_seed, sampling_seed
 from millstream.shared.config import EnvPoolConfig
 from millstream.shared.wire import Truncation
 
 __all__ = ["Endpoint", "MODEL_NAME", "ApiError"]
-
-#: What `GET /v1/models` lists; requests may name any model (there is one policy).
-MODEL_NAME = "millstream-policy"
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param=None):
-        super().__init__(message)
-        self.status, self.kind, self.param = status, kind, param
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": None}}
-        return JSONResponse(body, status_code=self.status)
 
 
 @dataclass
@@ -101,6 +109,7 @@ class Endpoint:
     ) -> None:
         self.chat, self.client, self.cfg, self.max_model_len = chat, client, cfg, max_model_len
         self.sampling = Sampling.for_turns(cfg, chat.stop_token_ids)
+        self.run_sampling = RunSampling(cfg.max_tokens, cfg.temperature, cfg.top_p)
         self.retry = Retry.from_config(cfg)
         self.host = host
         self.port = 0
@@ -168,7 +177,7 @@ class Endpoint:
         try:
             self._episode(request)
         except ApiError as exc:
-            return exc.response()
+            return _error(exc)
         return JSONResponse(
             {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "millstream"}]}
         )
@@ -177,8 +186,6 @@ class Endpoint:
         try:
             ep = self._episode(request)
             body = await self._body(request)
-            if body.get("n", 1) != 1:
-                raise ApiError(400, f"n={body.get('n')!r}: only n=1 is supported", param="n")
             with anyio.fail_after(self.cfg.turn_timeout_s):
                 await ep.requests.acquire()
             try:
@@ -186,11 +193,9 @@ class Endpoint:
             finally:
                 ep.requests.release()
         except ApiError as exc:
-            return exc.response()
+            return _error(exc)
         except TimeoutError:
-            return ApiError(
-                429, "too many concurrent requests for this episode", "rate_limit_error"
-            ).response()
+            return _error(ApiError(429, "too many concurrent requests for this episode", "rate_limit_error"))
 
     def _episode(self, request: Request) -> _Episode:
         ep = self.episodes.get(request.path_params["episode"])
@@ -227,182 +232,155 @@ class Endpoint:
     # --- the two generation routes -------------------------------------------------------------
 
     async def _chat(self, ep: _Episode, body: dict[str, Any]) -> Response:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ApiError(400, "messages must be a non-empty list of objects", param="messages")
-        tools = body.get("tools") or None
+        req = parse_chat(body, self.run_sampling)
         try:
-            prompt = self.chat.apply([_plain(m) for m in messages], tools=tools, add_generation_prompt=True)
+            prompt = self.chat.apply(
+                req.messages,
+                tools=req.tools,
+                add_generation_prompt=True,
+                template_kwargs=req.template_kwargs,
+            )
         except Exception as exc:  # the template rejected the conversation (raise_exception, ...)
             raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
-        forced = _forced_call(body.get("tool_choice"), tools)
-        opening = forced[0] if forced else ""
+        forced = self._forced_call(req)
+        opening = forced.opening if forced else ""
         prompt = prompt + (self.chat.encode(opening) if opening else [])
-        gen, number = await self._generate(ep, prompt, body)
-        text = self.chat.decode(gen.token_ids)
-        reply = _forced_reply(text, forced, f"{number}") if forced else parse_tool_calls(text, f"{number}")
-        ep.record.invalid_actions += reply.malformed  # malformed tool calls
-        ep.record.add_call(prompt, gen, opening + text)
-        finish = "tool_calls" if reply.tool_calls else _finish(gen)
-        message: dict[str, Any] = {"role": "assistant", "content": reply.content or None}
-        if reply.tool_calls:
-            message["tool_calls"] = reply.tool_calls
-        usage = _usage(prompt, gen)
+        replies, number = await self._sample(ep, prompt, req.options)
+        choices = []
+        for i, reply in enumerate(replies):
+            parsed = parse_reply(
+                reply.text, req.tool_choice, forced, req.parallel_tool_calls, f"{number + i}"
+            )
+            ep.record.invalid_actions += parsed.malformed  # malformed tool calls
+            ep.record.add_call(prompt, reply.gen, opening + reply.text)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
+            if parsed.tool_calls:
+                message["tool_calls"] = parsed.tool_calls
+            choice = {
+                "index": i,
+                "message": message,
+                "finish_reason": "tool_calls" if parsed.tool_calls else reply.finish_reason,
+                "stop_reason": reply.stop_reason,
+                "logprobs": logprobs_of(self.chat, reply.gen, chat_shape=True)
+                if req.options.logprobs
+                else None,
+            }
+            if req.options.return_token_ids:
+                choice["token_ids"] = reply.gen.token_ids
+            choices.append(choice)
+        use = usage(prompt, replies)
         ident = f"chatcmpl-{ep.spec.episode_id}-{number}"
-        if body.get("stream"):
-            return _stream(_chat_chunks(ident, message, finish, usage, body))
-        choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-        return JSONResponse(_envelope(ident, "chat.completion", [choice], usage))
+        if req.options.stream:
+            return stream(chat_chunks(ident, choices, use, req.options.include_usage))
+        extra = {"prompt_token_ids": prompt} if req.options.return_token_ids else {}
+        return JSONResponse(envelope(ident, "chat.completion", choices, use, **extra))
 
     async def _completions(self, ep: _Episode, body: dict[str, Any]) -> Response:
-        prompt_in = body.get("prompt")
-        if isinstance(prompt_in, list) and prompt_in and all(isinstance(t, int) for t in prompt_in):
-            prompt = list(prompt_in)  # token ids: token in, as is
-        elif isinstance(prompt_in, str) and prompt_in:
-            prompt = self.chat.encode(prompt_in)
-        else:
-            raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")
-        gen, number = await self._generate(ep, prompt, body)
-        text = self.chat.decode(gen.token_ids)
-        ep.record.add_call(prompt, gen, text)
-        usage = _usage(prompt, gen)
+        req = parse_completion(body, self.run_sampling)
+        prompt = req.prompt if isinstance(req.prompt, list) else self.chat.encode(req.prompt)
+        replies, number = await self._sample(ep, prompt, req.options)
+        echoed = (
+            "" if not req.echo else req.prompt if isinstance(req.prompt, str) else self.chat.decode(prompt)
+        )
+        choices = []
+        for i, reply in enumerate(replies):
+            ep.record.add_call(prompt, reply.gen, reply.text)
+            choice = {
+                "index": i,
+                "text": echoed + reply.text,
+                "finish_reason": reply.finish_reason,
+                "stop_reason": reply.stop_reason,
+                "logprobs": logprobs_of(self.chat, reply.gen, chat_shape=False)
+                if req.options.logprobs
+                else None,
+            }
+            if req.options.return_token_ids:
+                choice |= {"prompt_token_ids": prompt, "token_ids": reply.gen.token_ids}
+            choices.append(choice)
+        use = usage(prompt, replies)
         ident = f"cmpl-{ep.spec.episode_id}-{number}"
-        choice = {"index": 0, "text": text, "finish_reason": _finish(gen), "logprobs": None}
-        if body.get("stream"):
-            chunk = _envelope(ident, "text_completion", [choice], None)
-            return _stream(iter([chunk]))
-        return JSONResponse(_envelope(ident, "text_completion", [choice], usage))
+        if req.options.stream:
+            chunks = [envelope(ident, "text_completion", [c], None) for c in choices]
+            if req.options.include_usage:
+                chunks.append(envelope(ident, "text_completion", [], use))
+            return stream(iter(chunks))
+        return JSONResponse(envelope(ident, "text_completion", choices, use))
 
-    async def _generate(
-        self, ep: _Episode, prompt: list[int], body: dict[str, Any]
-    ) -> tuple[Generation, int]:
+    def _forced_call(self, req: ChatRequest) -> ForcedCall | None:
+        call = forced_call(req.tool_choice, req.forced_function, req.tools)
+        if call is not None and self.chat.tool_format == "other":
+            raise ApiError(
+                400,
+                f"tool_choice={req.tool_choice!r}: a forced call opens the reply with a <tool_call> "
+                f"block (the Hermes/Qwen format), and this model's chat template ({self.chat.source}) "
+                "writes tool calls in a format of its own; send tool_choice auto",
+                param="tool_choice",
+            )
+        return call
+
+    async def _sample(self, ep: _Episode, prompt: list[int], opts: CallOptions) -> tuple[list[Reply], int]:
+        """`opts.n` replies to one prompt (concurrently), stop strings applied; and the number of
+        the first call (each reply is a call of the episode, with its own seed)."""
         cfg, record = self.cfg, ep.record
-        if record.turns + len(ep.seeds) >= cfg.max_turns:  # seeds: calls in flight
+        if record.turns + len(ep.seeds) + opts.n > cfg.max_turns:  # seeds: calls in flight
             record.truncated = Truncation.MAX_TURNS
             raise ApiError(400, f"this episode has used its {cfg.max_turns} calls (envpool.max_turns)")
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or cfg.max_tokens
-        if not isinstance(asked, int) or asked < 1:
-            raise ApiError(400, f"max_tokens must be a positive integer, got {asked!r}", param="max_tokens")
-        max_tokens = min(asked, cfg.max_tokens)
-        if len(prompt) + max_tokens > self.max_model_len():
+        if len(prompt) + opts.max_tokens > self.max_model_len():
             record.truncated = Truncation.CONTEXT_FULL
             raise ApiError(
                 400,
-                f"the prompt has {len(prompt)} tokens; with max_tokens {max_tokens} that exceeds "
+                f"the prompt has {len(prompt)} tokens; with max_tokens {opts.max_tokens} that exceeds "
                 f"the context of {self.max_model_len()}",
                 param="messages",
             )
-        number = record.turns + len(ep.seeds)
-        seed = sampling_seed(ep.spec.seed, ep.spec.member, number)
-        ep.seeds.append(seed)
+        first = record.turns + len(ep.seeds)
+        seeds = [
+            sampling_seed(ep.spec.seed, ep.spec.member, first + i)
+            if opts.seed is None
+            else request_seed(ep.spec.seed, ep.spec.member, opts.seed, i)
+            for i in range(opts.n)
+        ]
+        ep.seeds.extend(seeds)
+        sampling = msgspec.structs.replace(self.sampling, max_tokens=opts.max_tokens)
+        gens: list[Generation | GenerationFailed | None] = [None] * opts.n
+
+        async def one(i: int) -> None:
+            try:
+                gens[i] = await self.client.generate(
+                    prompt, sampling, seed=seeds[i], retry=self.retry, affinity=ep.spec.episode_id
+                )
+            except GenerationFailed as exc:
+                gens[i] = exc
+
         try:
-            sampling = msgspec.structs.replace(self.sampling, max_tokens=max_tokens)
-            gen = await self.client.generate(
-                prompt, sampling, seed=seed, retry=self.retry, affinity=ep.spec.episode_id
-            )
-        except GenerationFailed as exc:
-            ep.failure = ep.failure or exc
-            raise ApiError(503, f"the model failed: {exc}", "server_error") from None
+            async with anyio.create_task_group() as tg:
+                for i in range(opts.n):
+                    tg.start_soon(one, i)
         finally:
-            ep.seeds.remove(seed)
-        return gen, number
+            for seed in seeds:
+                ep.seeds.remove(seed)
+        failed = next((g for g in gens if isinstance(g, GenerationFailed)), None)
+        if failed is not None:
+            ep.failure = ep.failure or failed
+            raise ApiError(503, f"the model failed: {failed}", "server_error")
+        done = [g for g in gens if isinstance(g, Generation)]
+        assert len(done) == opts.n, gens  # every task ended with a generation or a failure
+        return [cut_at_stop(self.chat, g, opts.stop, opts.include_stop) for g in done], first
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return ApiError(exc.status_code, str(exc.detail), kind).response()
+    return _error(ApiError(exc.status_code, str(exc.detail), kind))
 
 
-def _plain(message: dict[str, Any]) -> dict[str, Any]:
-    """A message as templates expect it: content a string (OpenAI allows None and text parts)."""
-    content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    plain = {**message, "content": content or ""}
-    if message.get("tool_calls"):
-        plain["tool_calls"] = [_call_with_dict_arguments(c) for c in message["tool_calls"]]
-    return plain
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def _call_with_dict_arguments(call: Any) -> Any:
-    """OpenAI sends a call's `arguments` as a JSON string; chat templates (Qwen's, Hermes')
-    render them with `tojson`, as transformers documents, so they take the decoded object (a
-    string would come out quoted twice). Arguments that are not a JSON object stay as sent."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = orjson.loads(function["arguments"])
-    except orjson.JSONDecodeError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
+def stream(chunks: Iterator[dict]) -> StreamingResponse:
+    """Server-sent events, as OpenAI streams: one `data:` line per chunk, then `[DONE]`."""
 
-
-def _forced_call(choice: Any, tools: list[dict] | None) -> tuple[str, str, str | None] | None:
-    """For `tool_choice` naming a function: (opening text, function name, string argument)."""
-    if not isinstance(choice, dict) or not tools:
-        return None
-    name = str((choice.get("function") or {}).get("name"))
-    tool = next((t for t in tools if (t.get("function") or {}).get("name") == name), None)
-    if tool is None:
-        raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
-    props = (tool["function"].get("parameters") or {}).get("properties") or {}
-    arg = next((k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string"), None)
-    head = '<tool_call>\n{"name": ' + orjson.dumps(name).decode() + ', "arguments": '
-    return (head + "{" + orjson.dumps(arg).decode() + ': "', name, arg) if arg else (head, name, None)
-
-
-def _forced_reply(text: str, forced: tuple[str, str, str | None], prefix: str) -> ParsedReply:
-    opening, name, arg = forced
-    if arg is None:  # the model writes the arguments object itself
-        return parse_tool_calls(opening + text, prefix)
-    value = text.split('"', 1)[0]
-    arguments = orjson.dumps({arg: value}).decode()
-    call = {
-        "id": tool_call_id(prefix, 0),
-        "type": "function",
-        "function": {"name": name, "arguments": arguments},
-    }
-    return ParsedReply("", [call])
-
-
-def _finish(gen: Generation) -> str:
-    return "length" if gen.finish_reason == "length" else "stop"
-
-
-def _usage(prompt: list[int], gen: Generation) -> dict[str, int]:
-    n = len(gen.token_ids)
-    return {"prompt_tokens": len(prompt), "completion_tokens": n, "total_tokens": len(prompt) + n}
-
-
-def _envelope(ident: str, obj: str, choices: list, usage: dict | None) -> dict[str, Any]:
-    out = {"id": ident, "object": obj, "created": int(time.time()), "model": MODEL_NAME, "choices": choices}
-    if usage is not None:
-        out["usage"] = usage
-    return out
-
-
-def _chat_chunks(ident: str, message: dict, finish: str, usage: dict, body: dict) -> Iterator[dict]:
-    """The whole reply as a stream: the actor path returns a turn at once, so one delta each."""
-
-    def chunk(delta: dict, reason: str | None = None) -> dict:
-        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
-        return _envelope(ident, "chat.completion.chunk", [choice], None)
-
-    yield chunk({"role": "assistant", "content": ""})
-    if message["content"]:
-        yield chunk({"content": message["content"]})
-    for i, call in enumerate(message.get("tool_calls", [])):
-        yield chunk({"tool_calls": [{"index": i, **call}]})
-    yield chunk({}, finish)
-    if (body.get("stream_options") or {}).get("include_usage"):
-        yield {**_envelope(ident, "chat.completion.chunk", [], None), "usage": usage}
-
-
-def _stream(chunks: Iterator[dict]) -> StreamingResponse:
     async def events():
         for c in chunks:
             yield b"data: " + orjson.dumps(c) + b"\n\n"

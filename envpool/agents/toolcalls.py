@@ -23,7 +23,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ParsedReply", "parse_tool_calls", "tool_call_id"]
+import orjson
+
+__all__ = ["ForcedCall", "ParsedReply", "forced_call", "parse_reply", "parse_tool_calls", "tool_call_id"]
 
 _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
@@ -85,3 +87,54 @@ def parse_tool_calls(text: str, id_prefix: str = "0") -> ParsedReply:
         at = match.end()
     kept.append(text[at:])
     return ParsedReply("".join(kept).strip() if calls else "".join(kept), calls, malformed)
+
+
+@dataclass(frozen=True)
+class ForcedCall:
+    """A reply that must be a tool call (`tool_choice` "required" or naming a function) starts
+    with `opening`, given to the model as prompt tokens: the model writes the rest. For a named
+    function with a string parameter, the opening ends inside that parameter's value
+    (`argument`) and the model writes the value up to its closing quote: even a model that
+    rarely calls tools writes a usable call."""
+
+    opening: str
+    name: str | None = None
+    argument: str | None = None
+
+
+def forced_call(tool_choice: str, function: str | None, tools: list[dict] | None) -> ForcedCall | None:
+    """The opening of a forced call (Hermes/Qwen format), or None when the call is not forced."""
+    if tool_choice not in ("required", "function"):
+        return None
+    head = '<tool_call>\n{"name": '
+    if function is None:
+        return ForcedCall(head + '"')
+    tool = next(t for t in tools or () if (t.get("function") or {}).get("name") == function)
+    props = (tool["function"].get("parameters") or {}).get("properties") or {}
+    arg = next((k for k, v in props.items() if isinstance(v, dict) and v.get("type") == "string"), None)
+    head += orjson.dumps(function).decode() + ', "arguments": '
+    if arg is None:
+        return ForcedCall(head, function)
+    return ForcedCall(head + "{" + orjson.dumps(arg).decode() + ': "', function, arg)
+
+
+def parse_reply(
+    text: str, tool_choice: str, forced: ForcedCall | None, parallel: bool, prefix: str
+) -> ParsedReply:
+    """A reply's content and tool calls as the request's `tool_choice` asks: "none" parses no
+    call, a forced call is parsed with its opening, `parallel` False keeps the first call."""
+    if tool_choice == "none":
+        return ParsedReply(text)
+    if forced is None or forced.argument is None:  # the model wrote the whole call (or none)
+        parsed = parse_tool_calls((forced.opening if forced else "") + text, prefix)
+    else:  # the model wrote the value of the first string parameter, up to a quote
+        arguments = orjson.dumps({forced.argument: text.split('"', 1)[0]}).decode()
+        call = {
+            "id": tool_call_id(prefix, 0),
+            "type": "function",
+            "function": {"name": forced.name, "arguments": arguments},
+        }
+        parsed = ParsedReply("", [call])
+    if not parallel and len(parsed.tool_calls) > 1:
+        parsed.tool_calls = parsed.tool_calls[:1]  # at most one call, as OpenAI's flag means
+    return parsed
