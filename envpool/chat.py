@@ -214,7 +214,8 @@ class ChatFormat:
                 f"(it follows the reply with {after[:20]!r}): the end of a reply cannot be told apart"
             )
         self.eos_id = first[0]
-        self._eos_text: str = tokenizer.id_to_token(self.eos_id) or ""
+        #: The end-of-turn token as text (what a render shows after an assistant's reply).
+        self.eos_text: str = tokenizer.id_to_token(self.eos_id) or ""
         named = (special_tokens.get("eos_token"), "<|endoftext|>")
         self.stop_token_ids = sorted(
             {
@@ -339,12 +340,12 @@ class ChatFormat:
     ) -> list[int]:
         """Ids after a closed assistant turn: one more `role` turn and the generation prompt."""
         after = self._after_reply(role, tools, observation)
-        if not after.startswith(self._eos_text):
+        if not after.startswith(self.eos_text):
             raise ChatTemplateError(
                 f"chat template ({self.source}) ends an assistant turn before a {role!r} turn "
-                f"differently ({after[:20]!r}) than before a user turn ({self._eos_text!r})"
+                f"differently ({after[:20]!r}) than before a user turn ({self.eos_text!r})"
             )
-        return self.encode(after[len(self._eos_text) :])
+        return self.encode(after[len(self.eos_text) :])
 
     def _after_reply(self, role: str, tools: list[dict] | None, observation: str) -> str:
         """The text a full render puts after an assistant's reply that a `role` turn follows."""

@@ -78,6 +78,10 @@ def _episode_stats(trajectories: list[Trajectory], prefix: str) -> dict[str, flo
         f"{prefix}response_len/mean": statistics.fmean(lengths),
         f"{prefix}response_len/p95": float(lengths[min(n - 1, math.ceil(0.95 * n) - 1)]),
         f"{prefix}response_len/max": float(lengths[-1]),
+        # Contexts the learner trains per episode (an agent's calls that did not extend the
+        # context start new ones) and the tokens it runs through them: the cost of an episode.
+        f"{prefix}segments_mean": statistics.fmean(1 + len(t.segment_starts) for t in trajectories),
+        f"{prefix}sequence_tokens_mean": statistics.fmean(len(t.token_ids) for t in trajectories),
     }
     reported = [t.success for t in trajectories if t.success is not None]
     if reported:  # only where the environment says what success is

@@ -191,6 +191,8 @@ def test_domain_metrics_of_hand_made_episodes():
     assert m["episode/turns_mean"] == 2.0
     assert m["episode/response_len/mean"] == (2 + 10 + 10 + 4) / 4
     assert m["episode/response_len/max"] == 10.0 and m["episode/response_len/p95"] == 10.0
+    assert m["episode/segments_mean"] == 1.0  # none of them has a second context
+    assert m["episode/sequence_tokens_mean"] == (4 + 14 + 12 + 12) / 4
     assert not any(k.startswith("env/") for k in m)  # one env: no per-env copies
 
 

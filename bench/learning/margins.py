@@ -116,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=14, help="train.steps of each run (default 14)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
     parser.add_argument(
-        "--first-seed", type=int, default=0, help="run.seed of the first run (default 0): new seeds, new draws"
+        "--first-seed",
+        type=int,
+        default=0,
+        help="run.seed of the first run (default 0): new seeds, new draws",
     )
     parser.add_argument("--name", help="results file name (default learning-margins-<case>)")
     ns = parser.parse_args(argv)
@@ -135,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(ns.runs):  # interleaved: a drift of the machine hits both sides alike
             for side, extra in (("learner", []), ("non_learner", ["learner.lr=1e-12"])):
-                run = run_once(work / f"{side}-{i}", [*base, f"run.seed={ns.first_seed + i}", *extra], ns.timeout)
+                run = run_once(
+                    work / f"{side}-{i}", [*base, f"run.seed={ns.first_seed + i}", *extra], ns.timeout
+                )
                 rewards[side].append(run)
                 print(f"{side} run {i}: rise {rise_of(run):+.3f}", flush=True)
     finally:

@@ -76,6 +76,7 @@ from millstream.envpool.agents.responses import (
     logprobs_of,
     usage,
 )
+from millstream.envpool.agents.splice import Splicer
 from millstream.envpool.agents.toolcalls import ForcedCall, forced_call, parse_reply
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.record import EpisodeRecord, EpisodeSpec
@@ -92,6 +93,7 @@ class _Episode:
     api_key: str
     record: EpisodeRecord
     requests: anyio.Semaphore
+    splicer: Splicer
     failure: GenerationFailed | None = None
     seeds: list[int] = field(default_factory=list)
 
@@ -155,6 +157,7 @@ class Endpoint:
             secrets.token_urlsafe(16),
             EpisodeRecord(spec),
             anyio.Semaphore(self.cfg.agent_max_concurrent_requests),
+            Splicer(self.chat),
         )
         self.episodes[spec.episode_id] = ep
         try:
@@ -233,15 +236,15 @@ class Endpoint:
 
     async def _chat(self, ep: _Episode, body: dict[str, Any]) -> Response:
         req = parse_chat(body, self.run_sampling)
-        try:
-            prompt = self.chat.apply(
-                req.messages,
-                tools=req.tools,
-                add_generation_prompt=True,
-                template_kwargs=req.template_kwargs,
-            )
-        except Exception as exc:  # the template rejected the conversation (raise_exception, ...)
-            raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+        context = (req.tools, req.template_kwargs)
+        prompt = ep.splicer.prompt(req.messages, context) if self.cfg.agent_splice_replies else None
+        if prompt is None:
+            try:
+                prompt = self.chat.apply(req.messages, tools=req.tools, template_kwargs=req.template_kwargs)
+            except Exception as exc:  # the template rejected the conversation (raise_exception, ...)
+                raise ApiError(
+                    400, f"the chat template rejected the messages: {exc}", param="messages"
+                ) from None
         forced = self._forced_call(req)
         opening = forced.opening if forced else ""
         prompt = prompt + (self.chat.encode(opening) if opening else [])
@@ -256,6 +259,7 @@ class Endpoint:
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}
             if parsed.tool_calls:
                 message["tool_calls"] = parsed.tool_calls
+            ep.splicer.remember(req.messages, context, prompt, reply.gen.token_ids, message)
             choice = {
                 "index": i,
                 "message": message,

@@ -174,6 +174,14 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         int,
         _doc("Agent environments: requests one episode may have in flight at its endpoint.", ge=1),
     ] = 4
+    agent_splice_replies: Annotated[
+        bool,
+        _doc(
+            "Agent environments: an assistant message the endpoint produced, sent back, becomes the "
+            "tokens it was sampled as (one trained sequence per episode) instead of a fresh render "
+            "of its text (envpool/agents/splice.py); false renders every call afresh, as vllm serve.",
+        ),
+    ] = True
     agent_max_request_bytes: Annotated[
         int,
         _doc("Agent environments: largest request body the episode endpoint accepts, bytes.", ge=1024),
