@@ -24,7 +24,8 @@ class ToolLoop:
     with a tool result, as agent frameworks do."""
 
     def __init__(self, calls: int, edit: bool = False):
-        self.calls, self.edit, self.replies = calls, edit, []
+        self.calls, self.edit = calls, edit
+        self.replies: list[dict] = []
 
     async def run(self, seed, base_url, api_key):
         async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=30) as c:
