@@ -57,7 +57,16 @@ def check_envpool(cfg: Config) -> str | None:
     except (OSError, ValueError) as exc:
         return f"model.path: the envpool cannot use its tokenizer: {exc}"
     if is_agent_env(env):
-        # An agent's prompts come from the agent itself: only its extra can be checked here.
+        # An agent's prompts come from the agent itself: only its extra can be checked here,
+        # and whether its calls can stay one sequence (envpool/agents/splice.py).
+        if chat.rerenders:
+            log.warning(
+                "%s; for the agent environment %r this means every call after a reply the "
+                "template rewrites is rendered afresh and trained as a new segment "
+                "(episode/segments_mean)",
+                chat.rerenders,
+                pool.env,
+            )
         return _check_agents_extra(pool.env)
     seed = group_seed(cfg.run.seed, 0)
     try:

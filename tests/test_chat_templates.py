@@ -305,10 +305,13 @@ def test_preflight_warns_about_a_re_rendering_template(formats, caplog):
     from millstream.envpool.preflight import check_envpool
     from millstream.shared.config import load_config
 
-    cfg = load_config(None, [f"model.path={formats['thinking'][2]}", "envpool.env=evenchars"])
-    with caplog.at_level("WARNING", logger="envpool"):
-        assert check_envpool(cfg) is None
-    assert any("<think>" in r.getMessage() for r in caplog.records)
+    for env in ("evenchars", "openai_agent"):  # an agent environment is warned too
+        cfg = load_config(None, [f"model.path={formats['thinking'][2]}", f"envpool.env={env}"])
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="envpool"):
+            assert check_envpool(cfg) is None
+        assert any("<think>" in r.getMessage() for r in caplog.records), env
+    assert "new segment" in caplog.records[-1].getMessage()
 
 
 def test_openai_shaped_tool_calls_render_as_transformers_renders_decoded_arguments(formats):
