@@ -22,6 +22,8 @@ __all__ = ["MAX_TEMPERATURE", "check_request", "refusal", "unexpected"]
 
 #: vLLM refuses temperatures outside [0, 2]; checked here so the refusal names the request.
 MAX_TEMPERATURE = 2.0
+#: The most `top_logprobs` a request may ask for (vLLM's engine default `max_logprobs`).
+MAX_TOP_LOGPROBS = 20
 
 
 def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> str | None:
@@ -42,6 +44,8 @@ def check_request(req: GenerateRequest, max_model_len: int, vocab_size: int) -> 
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             return f"{what} token id {bad} outside the vocabulary [0, {vocab_size})"
+    if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+        return f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {req.top_logprobs}"
     if not 0 <= req.temperature <= MAX_TEMPERATURE or not 0 < req.top_p <= 1:
         return (
             f"bad sampling parameters temperature={req.temperature} (expected [0, "

@@ -267,7 +267,8 @@ class ActorServer:
                 raise RuntimeError(f"engine returned {len(ids)} tokens, {len(logprobs)} logprobs")
             if out.finished:
                 finish = comp.finish_reason or "stop"
-            first = pending.add(ids, logprobs, self.version)
+            top = _top_logprobs(comp.logprobs, len(ids), req.top_logprobs) if req.top_logprobs else None
+            first = pending.add(ids, logprobs, self.version, top)
             if first is not None:
                 await self.channel.send(first, to=peer)
             self.stats.tokens += len(ids)
@@ -301,3 +302,16 @@ class ActorServer:
                 channel.decode_errors,
                 channel.send_queue,
             )
+
+
+def _top_logprobs(steps: Any, n: int, k: int) -> list[list[tuple[int, float]]]:
+    """The `k` most likely (token id, logprob) of each of the last `n` steps, most likely first
+    (vLLM's per-step dict holds them with their rank, and the sampled token whatever its rank)."""
+    return [
+        [
+            (tid, lp.logprob)
+            for tid, lp in sorted(step.items(), key=lambda kv: kv[1].rank or 0)
+            if lp.rank is not None and lp.rank <= k
+        ]
+        for step in list(steps or ())[-n:]
+    ]

@@ -35,17 +35,24 @@ class Deltas:
     which the learner's staleness bound only makes stricter.
     """
 
-    __slots__ = ("request_id", "ids", "logprobs", "version", "seen", "seen_before")
+    __slots__ = ("request_id", "ids", "logprobs", "top", "version", "seen", "seen_before")
 
     def __init__(self, request_id: str, version: int) -> None:
         self.request_id = request_id
         self.ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top: list[list[tuple[int, float]]] = []
         self.version = version  # the label of the waiting tokens
         self.seen = version  # the version when the last output was read
         self.seen_before = version  # ... and the one before it
 
-    def add(self, ids: list[int], logprobs: list[float], now: int) -> TokenDelta | None:
+    def add(
+        self,
+        ids: list[int],
+        logprobs: list[float],
+        now: int,
+        top: list[list[tuple[int, float]]] | None = None,
+    ) -> TokenDelta | None:
         """Take one engine output read at version `now`; returns the waiting tokens as a
         delta when they must go first (their label differs from the new tokens')."""
         label, self.seen_before, self.seen = self.seen_before, self.seen, now
@@ -53,11 +60,13 @@ class Deltas:
         self.version = label
         self.ids += ids
         self.logprobs += logprobs
+        if top:
+            self.top += top
         return first
 
     def take(self, finish: str | None = None, load: int = -1) -> TokenDelta:
-        delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish, load)
-        self.ids, self.logprobs = [], []
+        delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish, load, self.top)
+        self.ids, self.logprobs, self.top = [], [], []
         return delta
 
 
@@ -81,7 +90,7 @@ def sampling_params(req: GenerateRequest, stream_interval: int = 1) -> Any:
         stop_token_ids=[] if req.ignore_eos else list(req.stop_token_ids),
         ignore_eos=req.ignore_eos,
         min_tokens=req.min_tokens,
-        logprobs=0,  # the sampled token's logprob only
+        logprobs=req.top_logprobs,  # 0: the sampled token's logprob only
         output_kind=RequestOutputKind.DELTA,
         stream_interval=stream_interval,
         detokenize=False,  # token in, token out: text is the envpool's business

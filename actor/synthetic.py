@@ -133,6 +133,12 @@ class SyntheticActor:
             key = (peer, message.request_id)
             if refused is None and self.draining:
                 refused = GenerateError(message.request_id, TurnError.OVERLOADED, "this replica is draining")
+            if refused is None and message.top_logprobs:
+                refused = GenerateError(
+                    message.request_id,
+                    TurnError.BAD_REQUEST,
+                    "the synthetic actor has no model to rank tokens by: top_logprobs must be 0",
+                )
             if refused is None and (key in self._queued or key in self._running):
                 refused = GenerateError(
                     message.request_id,

@@ -52,6 +52,25 @@ def test_sampled_stream_carries_exact_logprobs(actor, hf_model):
     assert again.token_ids == gen.token_ids  # the request's seed reaches vLLM
 
 
+def test_top_logprobs_are_the_models_most_likely_tokens(actor, hf_model):
+    """`top_logprobs` (the agent endpoint's field) comes from vLLM: per generated token, the k
+    most likely tokens of the model at that position, with their logprobs, most likely first."""
+
+    async def run(client, _tg):
+        sampling = Sampling(max_tokens=6, temperature=1.0, timeout_s=120, top_logprobs=3)
+        return await client.generate(list(PROMPT), sampling, seed=3)
+
+    gen = anyio.run(with_client, actor.address, run, backend="trio")
+    assert len(gen.top_logprobs) == len(gen.token_ids) >= 1
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([PROMPT + gen.token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    for i, top in enumerate(gen.top_logprobs):
+        ref = logp[len(PROMPT) - 1 + i].topk(3)
+        assert [t for t, _ in top] == ref.indices.tolist()
+        assert max(abs(v - r) for (_, v), r in zip(top, ref.values.tolist())) < 1e-3
+
+
 def test_many_concurrent_requests_and_stop_tokens(actor):
     async def run(client, _tg):
         results = {}

@@ -38,7 +38,12 @@ class ScriptedClient:
         ids = list(self.replies[len(self.prompts)][: sampling.max_tokens])
         self.prompts.append(list(prompt_token_ids))
         self.seeds.append(seed)
-        gen = Generation(ids, [-0.25] * len(ids), [7] * len(ids), "stop")
+        top = (
+            [[(t, -0.25), (t + 1, -3.0)][: sampling.top_logprobs] for t in ids]
+            if sampling.top_logprobs
+            else []
+        )
+        gen = Generation(ids, [-0.25] * len(ids), [7] * len(ids), "stop", top)
         self.generations.append(gen)
         return gen
 

@@ -54,7 +54,8 @@ def play(tiny_model_dir, script, replies, **cfg):
         ({"temperature": 0.0}, "temperature"),
         ({"top_p": 0.9}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
-        ({"top_logprobs": 2, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # top_logprobs without logprobs
         ({"n": 0}, "n"),
         ({"stop": [1, 2]}, "stop"),
         ({"seed": "7"}, "seed"),
@@ -148,9 +149,9 @@ def test_logprobs_token_ids_echo_and_n(tiny_model_dir):
 
     async def script(c):
         chat_lp = await c.chat.completions.create(
-            model="m", messages=USER, logprobs=True, extra_body={"return_token_ids": True}
+            model="m", messages=USER, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True}
         )
-        comp = await c.completions.create(model="m", prompt="xy", logprobs=0, echo=True)
+        comp = await c.completions.create(model="m", prompt="xy", logprobs=1, echo=True)
         three = await c.chat.completions.create(model="m", messages=USER, n=3)
         return chat_lp, comp, three
 
@@ -158,6 +159,14 @@ def test_logprobs_token_ids_echo_and_n(tiny_model_dir):
     chat_lp, comp, three = agent.out
     content = chat_lp.choices[0].logprobs.content
     assert [t.logprob for t in content] == [-0.25] * len(reply)
+    # The most likely tokens, as the actor ranked them (the scripted client: the sampled one,
+    # then the next id at -3.0).
+    first = content[0].top_logprobs
+    assert [(x.token, x.logprob) for x in first] == [
+        (chat.decode([reply[0]]), -0.25),
+        (chat.decode([reply[0] + 1]), -3.0),
+    ]
+    assert comp.choices[0].logprobs.top_logprobs[0] == {chat.decode([reply[0]]): -0.25}
     assert "".join(t.token for t in content).startswith("ab")
     assert chat_lp.choices[0].model_extra["token_ids"] == reply
     assert chat_lp.model_extra["prompt_token_ids"] == client.prompts[0]

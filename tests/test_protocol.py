@@ -40,6 +40,8 @@ def strategy_for(tp):
         return st.booleans()
     if origin is list:
         return st.lists(strategy_for(typing.get_args(tp)[0]), max_size=8)
+    if origin is tuple:
+        return st.tuples(*(strategy_for(a) for a in typing.get_args(tp)))
     if origin is dict:
         key, value = typing.get_args(tp)
         return st.dictionaries(strategy_for(key), strategy_for(value), max_size=4)

@@ -308,6 +308,7 @@ class ActorClient:
                         list(sampling.stop_token_ids),
                         sampling.ignore_eos,
                         sampling.min_tokens,
+                        sampling.top_logprobs,
                     )
                 )
                 while not done:
@@ -323,6 +324,8 @@ class ActorClient:
                         raise GenerationFailed(TURN_CAUSE[reply.cause], reply.message)
                     out.token_ids += reply.token_ids
                     out.logprobs += reply.logprobs
+                    if reply.top_logprobs:
+                        out.top_logprobs += reply.top_logprobs
                     out.versions += [reply.version] * len(reply.token_ids)
                     if len(out.token_ids) > sampling.max_tokens:
                         done = True
@@ -368,6 +371,8 @@ def _delta_problem(delta: TokenDelta) -> str | None:
     """What breaks the protocol in `delta`, in words, or None."""
     if len(delta.token_ids) != len(delta.logprobs):
         return f"{len(delta.token_ids)} token ids with {len(delta.logprobs)} logprobs"
+    if delta.top_logprobs and len(delta.top_logprobs) != len(delta.token_ids):
+        return f"{len(delta.token_ids)} token ids with {len(delta.top_logprobs)} top-logprob lists"
     if delta.finish_reason not in FINISH_REASONS:
         return f"unknown finish reason {str(delta.finish_reason)[:40]!r}"
     if delta.version < 0:

@@ -43,6 +43,8 @@ class Generation:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    #: Per token, the most likely (token id, logprob) pairs, when `Sampling.top_logprobs` > 0.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     #: The id the request had on the wire (a turn's record names it, to find the call later).
     request_id: str = ""
 
@@ -83,6 +85,8 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True):
     #: Benchmarks only: generate exactly `max_tokens` (`ignore_eos`) or at least `min_tokens`.
     ignore_eos: bool = False
     min_tokens: int = 0
+    #: The agent endpoint's `top_logprobs`: the most likely tokens per step, besides the sampled.
+    top_logprobs: int = 0
 
     @classmethod
     def for_turns(cls, cfg: EnvPoolConfig, stop_token_ids: Sequence[int]) -> Sampling:

@@ -345,7 +345,9 @@ class Endpoint:
             for i in range(opts.n)
         ]
         ep.seeds.extend(seeds)
-        sampling = msgspec.structs.replace(self.sampling, max_tokens=opts.max_tokens)
+        sampling = msgspec.structs.replace(
+            self.sampling, max_tokens=opts.max_tokens, top_logprobs=opts.top_logprobs
+        )
         gens: list[Generation | GenerationFailed | None] = [None] * opts.n
 
         async def one(i: int) -> None:

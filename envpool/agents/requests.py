@@ -39,6 +39,8 @@ __all__ = [
 
 #: The most stop strings one request may name (OpenAI allows 4; vLLM more).
 MAX_STOP_STRINGS = 16
+#: The most `top_logprobs` (the actor's limit, actor/admission.py).
+MAX_TOP_LOGPROBS = 20
 #: The most samples of one prompt (`n`); each also counts against `envpool.max_turns`.
 MAX_N = 16
 
@@ -72,8 +74,10 @@ class CallOptions:
     include_stop: bool = False
     #: The request's own seed: the same seed in the same episode samples the same reply.
     seed: int | None = None
-    #: Return the sampled tokens' logprobs (chat: `logprobs: true`; completions: `logprobs: 0`).
+    #: Return the sampled tokens' logprobs (chat: `logprobs: true`; completions: `logprobs: k`)
+    #: and, per token, the `top_logprobs` most likely tokens (from the actor, as vLLM does).
     logprobs: bool = False
+    top_logprobs: int = 0
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -177,13 +181,9 @@ def parse_chat(body: dict[str, Any], run: RunSampling) -> ChatRequest:
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise ApiError(400, "tools must be a list of objects", param="tools")
     choice, forced = _tool_choice(body.get("tool_choice"), tools)
-    top = body.get("top_logprobs")
-    if top not in (None, 0):
-        raise ApiError(
-            400,
-            f"top_logprobs={top!r}: the actor returns the sampled token's logprob only (send 0 or omit it)",
-            param="top_logprobs",
-        )
+    top = _count(body, "top_logprobs", MAX_TOP_LOGPROBS)
+    if top and not body.get("logprobs"):
+        raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise ApiError(400, "chat_template_kwargs must be an object", param="chat_template_kwargs")
@@ -200,7 +200,7 @@ def parse_chat(body: dict[str, Any], run: RunSampling) -> ChatRequest:
         template_kwargs=kwargs,
         options=_options(
             body,
-            _flag(body, "logprobs"),
+            (_flag(body, "logprobs"), top),
             body.get("max_completion_tokens", body.get("max_tokens")),
             run,
         ),
@@ -215,20 +215,13 @@ def parse_completion(body: dict[str, Any], run: RunSampling) -> CompletionReques
         prompt = list(prompt)  # token ids: token in, as is
     elif not (isinstance(prompt, str) and prompt):
         raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, 0) and not (isinstance(logprobs, int) and logprobs == 0):
-        raise ApiError(
-            400,
-            f"logprobs={logprobs!r}: the actor returns the sampled token's logprob only "
-            "(send 0 for it, or omit the field)",
-            param="logprobs",
-        )
+    logprobs = _count(body, "logprobs", MAX_TOP_LOGPROBS) if body.get("logprobs") is not None else None
     return CompletionRequest(
         prompt=prompt,
         echo=_flag(body, "echo"),
         options=_options(
             body,
-            logprobs == 0,
+            (logprobs is not None, logprobs or 0),
             body.get("max_tokens"),
             run,
         ),
@@ -259,7 +252,16 @@ def _same(value: Any, neutral: Any) -> bool:
     return isinstance(value, bool) == isinstance(neutral, bool) and value == neutral
 
 
-def _options(body: dict[str, Any], logprobs: bool, asked: Any, run: RunSampling) -> CallOptions:
+def _count(body: dict[str, Any], name: str, most: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= most:
+        raise ApiError(400, f"{name} must be an integer from 0 to {most}, got {value!r}", param=name)
+    return value
+
+
+def _options(body: dict[str, Any], logprobs: tuple[bool, int], asked: Any, run: RunSampling) -> CallOptions:
     for name, run_value, key in (
         ("temperature", run.temperature, "envpool.temperature"),
         ("top_p", run.top_p, "envpool.top_p"),
@@ -290,7 +292,8 @@ def _options(body: dict[str, Any], logprobs: bool, asked: Any, run: RunSampling)
         stop=_stop(body.get("stop")),
         include_stop=_flag(body, "include_stop_str_in_output"),
         seed=seed,
-        logprobs=logprobs,
+        logprobs=logprobs[0],
+        top_logprobs=logprobs[1],
         n=n,
         stream=_flag(body, "stream"),
         include_usage=bool(stream_options.get("include_usage")),

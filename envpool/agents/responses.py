@@ -58,18 +58,36 @@ def cut_at_stop(chat: ChatFormat, gen: Generation, stops: tuple[str, ...], inclu
     text = chat.decode(gen.token_ids[:lo])
     at, stop = min((text.find(s), s) for s in stops if s in text)
     kept = Generation(
-        gen.token_ids[:lo], gen.logprobs[:lo], gen.versions[:lo], "stop", request_id=gen.request_id
+        gen.token_ids[:lo],
+        gen.logprobs[:lo],
+        gen.versions[:lo],
+        "stop",
+        gen.top_logprobs[:lo],
+        request_id=gen.request_id,
     )
     return Reply(kept, text[: at + len(stop)] if include else text[:at], "stop", stop)
 
 
 def logprobs_of(chat: ChatFormat, gen: Generation, *, chat_shape: bool) -> dict[str, Any]:
-    """The sampled tokens' logprobs, in the chat or the completions shape."""
-    tokens = [chat.tokenizer.decode([t], skip_special_tokens=False) for t in gen.token_ids]
+    """The sampled tokens' logprobs (and the most likely tokens', when asked), in the chat or
+    the completions shape."""
+
+    def text(token: int) -> str:
+        return chat.tokenizer.decode([token], skip_special_tokens=False)
+
+    tokens = [text(t) for t in gen.token_ids]
+    tops = gen.top_logprobs or [[] for _ in tokens]
     if chat_shape:
         content = [
-            {"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-            for tok, lp in zip(tokens, gen.logprobs, strict=True)
+            {
+                "token": tok,
+                "logprob": lp,
+                "bytes": list(tok.encode()),
+                "top_logprobs": [
+                    {"token": text(t), "logprob": v, "bytes": list(text(t).encode())} for t, v in top
+                ],
+            }
+            for tok, lp, top in zip(tokens, gen.logprobs, tops, strict=True)
         ]
         return {"content": content}
     offsets, at = [], 0
@@ -79,7 +97,7 @@ def logprobs_of(chat: ChatFormat, gen: Generation, *, chat_shape: bool) -> dict[
     return {
         "tokens": tokens,
         "token_logprobs": list(gen.logprobs),
-        "top_logprobs": None,
+        "top_logprobs": [{text(t): v for t, v in top} for top in tops] if gen.top_logprobs else None,
         "text_offset": offsets,
     }
 

@@ -57,6 +57,9 @@ class GenerateRequest(WireMessage, tag="gen", gc=False, frozen=True):
     #: at least `min_tokens`, so every system compared makes the same amount of work.
     ignore_eos: bool = False
     min_tokens: int = 0
+    #: Also return, per generated token, the `top_logprobs` most likely tokens and their
+    #: logprobs (0: the sampled token's logprob only, the hot path's case).
+    top_logprobs: int = 0
 
 
 class Abort(WireMessage, tag="abort", gc=False, frozen=True):
@@ -83,6 +86,9 @@ class TokenDelta(WireMessage, tag="delta", gc=False, frozen=True):
     #: On the last delta: requests the replica held live as it sent it (-1: not reported).
     #: The envpool's router sends new episodes to the replica with the least of them.
     load: int = -1
+    #: With the request's `top_logprobs` > 0: per token, the most likely (token id, logprob)
+    #: pairs, most likely first; empty otherwise.
+    top_logprobs: list[list[tuple[int, float]]] = []
 
 
 class GenerateError(WireMessage, tag="gen_error", frozen=True):
