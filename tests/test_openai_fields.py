@@ -69,6 +69,13 @@ def test_a_field_the_endpoint_cannot_honour_is_a_400_naming_it(fields, named):
     assert caught.value.status == 400 and caught.value.param == named and named in str(caught.value)
 
 
+def test_greedy_runs_refuse_n_above_one_as_vllm_does():
+    greedy = RunSampling(max_tokens=8, temperature=0.0, top_p=1.0)
+    with pytest.raises(ApiError, match="n must be 1 when using greedy sampling"):
+        parse_chat({"messages": USER, "n": 2}, greedy)
+    assert parse_chat({"messages": USER, "n": 1, "temperature": 0}, greedy).options.n == 1
+
+
 def test_neutral_values_and_metadata_are_accepted():
     req = parse_chat(
         {

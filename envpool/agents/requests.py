@@ -284,6 +284,8 @@ def _options(body: dict[str, Any], logprobs: tuple[bool, int], asked: Any, run: 
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ApiError(400, f"n must be an integer from 1 to {MAX_N}, got {n!r}", param="n")
+    if n > 1 and run.temperature == 0:  # as vLLM: n greedy samples would be n copies
+        raise ApiError(400, f"n must be 1 when using greedy sampling, got {n}", param="n")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
