@@ -195,7 +195,9 @@ class ChatFormat:
         self.source = source
         if isinstance(templates, str):
             templates = {"default": templates}
-        writes_tags = any("<tool_call>" in text for text in templates.values())
+        #: Every template's source, one after another: what tool-call format they write is read
+        #: from it (envpool/agents/toolformats.py `detect`).
+        self.template_text = "\n".join(templates.values())
         self._templates: dict[str, jinja2.Template] = {}
         for name, text in templates.items():
             try:
@@ -225,11 +227,9 @@ class ChatFormat:
             }
         )
         self.rerenders = self._probe_rerendering()
-        #: How the template writes tool calls: "hermes" (Hermes/Qwen `<tool_call>` blocks, the
-        #: format the agent endpoint parses and opens forced calls with), "none" (it renders no
-        #: tools at all, so the endpoint's format is the only one the model sees), or "other" (a
-        #: format of its own: the endpoint does not force calls in it).
-        self.tool_format = "hermes" if writes_tags else self._probe_tool_format()
+        #: Does the template show the model its tools? One that does not has no tool-call format
+        #: of its own: the endpoint's (Hermes) is the only one the model ever sees.
+        self.renders_tools = self._probe_renders_tools()
         # The members of a group share their first prompt; rendering a template is the
         # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
         self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
@@ -362,13 +362,13 @@ class ChatFormat:
             )
         return text[at + len(_PROBE_ASSISTANT) :]
 
-    def _probe_tool_format(self) -> str:
+    def _probe_renders_tools(self) -> bool:
         tool = {"type": "function", "function": {"name": _PROBE_TOOL, "parameters": {"type": "object"}}}
         try:
             text = self.render([{"role": "user", "content": _PROBE_USER}], True, tools=[tool])
         except ChatTemplateError:
-            return "other"
-        return "other" if _PROBE_TOOL in text else "none"
+            return True  # it reads tools in a way the probe does not satisfy: it has a format
+        return _PROBE_TOOL in text
 
     def _probe_rerendering(self) -> str | None:
         """Why appending ids differs from a fresh render (a sentence), or None if it never does.

@@ -251,7 +251,7 @@ def test_a_forced_call_is_refused_for_a_template_with_its_own_tool_format(tiny_m
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     other = ChatFormat(chat.tokenizer, own, chat.special_tokens)
-    assert other.tool_format == "other" and chat.tool_format == "none"
+    assert other.renders_tools and not chat.renders_tools
     client = ScriptedClient([])
     from test_openai_endpoint import _play
 

@@ -78,6 +78,7 @@ from millstream.envpool.agents.responses import (
 )
 from millstream.envpool.agents.splice import Splicer
 from millstream.envpool.agents.toolcalls import ForcedCall, forced_call, parse_reply
+from millstream.envpool.agents.toolformats import FORMATS, detect
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.record import EpisodeRecord, EpisodeSpec
 from millstream.envpool.seeds import request_seed, sampling_seed
@@ -112,6 +113,12 @@ class Endpoint:
         self.chat, self.client, self.cfg, self.max_model_len = chat, client, cfg, max_model_len
         self.sampling = Sampling.for_turns(cfg, chat.stop_token_ids)
         self.run_sampling = RunSampling(cfg.max_tokens, cfg.temperature, cfg.top_p)
+        # The model's tool-call format (vLLM's parser names), from the config or its template;
+        # forced calls open a Hermes block, so only where that is the model's format or the
+        # template shows no tools at all (then no format is the model's own).
+        found = detect(chat.template_text)
+        self.tool_format = (found or "hermes") if cfg.tool_call_parser == "auto" else cfg.tool_call_parser
+        self.forces_hermes = self.tool_format == "hermes" and (found == "hermes" or not chat.renders_tools)
         self.retry = Retry.from_config(cfg)
         self.host = host
         self.port = 0
@@ -235,7 +242,7 @@ class Endpoint:
     # --- the two generation routes -------------------------------------------------------------
 
     async def _chat(self, ep: _Episode, body: dict[str, Any]) -> Response:
-        req = parse_chat(body, self.run_sampling)
+        req = parse_chat(body, self.run_sampling, arguments_as_object=self.tool_format != "deepseek_v3")
         context = (req.tools, req.template_kwargs)
         prompt = ep.splicer.prompt(req.messages, context) if self.cfg.agent_splice_replies else None
         if prompt is None:
@@ -252,7 +259,12 @@ class Endpoint:
         choices = []
         for i, reply in enumerate(replies):
             parsed = parse_reply(
-                reply.text, req.tool_choice, forced, req.parallel_tool_calls, f"{number + i}"
+                reply.text,
+                req.tool_choice,
+                forced,
+                req.parallel_tool_calls,
+                f"{number + i}",
+                FORMATS[self.tool_format],
             )
             ep.record.invalid_actions += parsed.malformed  # malformed tool calls
             ep.record.add_call(prompt, reply.gen, opening + reply.text)
@@ -312,12 +324,13 @@ class Endpoint:
 
     def _forced_call(self, req: ChatRequest) -> ForcedCall | None:
         call = forced_call(req.tool_choice, req.forced_function, req.tools)
-        if call is not None and self.chat.tool_format == "other":
+        if call is not None and not self.forces_hermes:
+            how = f"as {self.tool_format}" if self.tool_format != "hermes" else "in a format of its own"
             raise ApiError(
                 400,
                 f"tool_choice={req.tool_choice!r}: a forced call opens the reply with a <tool_call> "
-                f"block (the Hermes/Qwen format), and this model's chat template ({self.chat.source}) "
-                "writes tool calls in a format of its own; send tool_choice auto",
+                f"block (the Hermes/Qwen format), and this model's template ({self.chat.source}) "
+                f"writes tool calls {how}; send tool_choice auto",
                 param="tool_choice",
             )
         return call

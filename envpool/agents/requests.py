@@ -171,8 +171,10 @@ _CHAT_FIELDS = _SHARED_FIELDS | {
 _COMPLETION_FIELDS = _SHARED_FIELDS | {"prompt", "echo", "logprobs"}
 
 
-def parse_chat(body: dict[str, Any], run: RunSampling) -> ChatRequest:
-    """A `/chat/completions` body as a `ChatRequest`, or an `ApiError` naming what is wrong."""
+def parse_chat(body: dict[str, Any], run: RunSampling, *, arguments_as_object: bool = True) -> ChatRequest:
+    """A `/chat/completions` body as a `ChatRequest`, or an `ApiError` naming what is wrong.
+    `arguments_as_object`: the template reads a call's arguments as an object (most do), not as
+    the JSON string OpenAI sends (DeepSeek's)."""
     _check_fields(body, _CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -192,7 +194,7 @@ def parse_chat(body: dict[str, Any], run: RunSampling) -> ChatRequest:
         raise ApiError(400, f"chat_template_kwargs may not set {reserved}", param="chat_template_kwargs")
     parallel = body.get("parallel_tool_calls")
     return ChatRequest(
-        messages=[template_message(m) for m in messages],
+        messages=[template_message(m, arguments_as_object) for m in messages],
         tools=tools,
         tool_choice=choice,
         forced_function=forced,
@@ -342,7 +344,7 @@ def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str | None
     )
 
 
-def template_message(message: dict[str, Any]) -> dict[str, Any]:
+def template_message(message: dict[str, Any], arguments_as_object: bool = True) -> dict[str, Any]:
     """A message as chat templates expect it: content a string (OpenAI allows None and text
     parts), tool-call arguments an object, and OpenAI's `developer` role (its newer name for
     `system`, the instructions a model follows first) as `system`, the only one templates know."""
@@ -352,7 +354,7 @@ def template_message(message: dict[str, Any]) -> dict[str, Any]:
     plain = {**message, "content": content or ""}
     if message.get("role") == "developer":
         plain["role"] = "system"
-    if message.get("tool_calls"):
+    if message.get("tool_calls") and arguments_as_object:
         plain["tool_calls"] = [_call_with_dict_arguments(c) for c in message["tool_calls"]]
     return plain
 

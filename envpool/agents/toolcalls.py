@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,14 +120,22 @@ def forced_call(tool_choice: str, function: str | None, tools: list[dict] | None
 
 
 def parse_reply(
-    text: str, tool_choice: str, forced: ForcedCall | None, parallel: bool, prefix: str
+    text: str,
+    tool_choice: str,
+    forced: ForcedCall | None,
+    parallel: bool,
+    prefix: str,
+    parser: Callable[[str, str], ParsedReply] = parse_tool_calls,
 ) -> ParsedReply:
     """A reply's content and tool calls as the request's `tool_choice` asks: "none" parses no
-    call, a forced call is parsed with its opening, `parallel` False keeps the first call."""
+    call, a forced call is parsed with its opening (Hermes), `parallel` False keeps the first
+    call; `parser` reads the model's own format (envpool/agents/toolformats.py)."""
     if tool_choice == "none":
         return ParsedReply(text)
-    if forced is None or forced.argument is None:  # the model wrote the whole call (or none)
-        parsed = parse_tool_calls((forced.opening if forced else "") + text, prefix)
+    if forced is not None and forced.argument is None:  # the model wrote the rest of the call
+        parsed = parse_tool_calls(forced.opening + text, prefix)
+    elif forced is None:
+        parsed = parser(text, prefix)
     else:  # the model wrote the value of the first string parameter, up to a quote
         arguments = orjson.dumps({forced.argument: text.split('"', 1)[0]}).decode()
         call = {

@@ -174,6 +174,15 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         int,
         _doc("Agent environments: requests one episode may have in flight at its endpoint.", ge=1),
     ] = 4
+    tool_call_parser: Annotated[
+        Literal[
+            "auto", "hermes", "qwen3_xml", "llama3_json", "mistral", "granite", "deepseek_v3", "pythonic"
+        ],
+        _doc(
+            "Agent environments: the format the model writes tool calls in, named as vLLM's "
+            "--tool-call-parser; auto reads it from the chat template (Hermes if it shows none).",
+        ),
+    ] = "auto"
     agent_splice_replies: Annotated[
         bool,
         _doc(
