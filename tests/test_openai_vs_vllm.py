@@ -56,7 +56,7 @@ def vllm_serve(actor, tmp_path_factory):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", actor.model_dir,
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
         "--kv-cache-memory-bytes", str(128 << 20), "--no-enable-chunked-prefill",
-        "--max-num-batched-tokens", "8192", "--seed", "0", "--max-logprobs", "20",
+        "--max-num-batched-tokens", "8192", "--seed", "0", "--max-logprobs", "20", "--enforce-eager",
     ]  # fmt: skip
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING")
     with log.open("wb") as out:
