@@ -69,6 +69,13 @@ def test_a_field_the_endpoint_cannot_honour_is_a_400_naming_it(fields, named):
     assert caught.value.status == 400 and caught.value.param == named and named in str(caught.value)
 
 
+def test_a_run_may_override_the_sampling_agents_send():
+    loose = RunSampling(max_tokens=8, temperature=1.0, top_p=1.0, strict=False)
+    assert parse_chat({"messages": USER, "temperature": 0.7, "top_p": 0.9}, loose).options.n == 1
+    with pytest.raises(ApiError, match="frequency_penalty"):  # the other controls stay refused
+        parse_chat({"messages": USER, "frequency_penalty": 0.5}, loose)
+
+
 def test_greedy_runs_refuse_n_above_one_as_vllm_does():
     greedy = RunSampling(max_tokens=8, temperature=0.0, top_p=1.0)
     with pytest.raises(ApiError, match="n must be 1 when using greedy sampling"):

@@ -112,7 +112,9 @@ class Endpoint:
     ) -> None:
         self.chat, self.client, self.cfg, self.max_model_len = chat, client, cfg, max_model_len
         self.sampling = Sampling.for_turns(cfg, chat.stop_token_ids)
-        self.run_sampling = RunSampling(cfg.max_tokens, cfg.temperature, cfg.top_p)
+        self.run_sampling = RunSampling(
+            cfg.max_tokens, cfg.temperature, cfg.top_p, strict=cfg.agent_request_sampling == "refuse"
+        )
         # The model's tool-call format (vLLM's parser names), from the config or its template;
         # forced calls open a Hermes block, so only where that is the model's format or the
         # template shows no tools at all (then no format is the model's own).

@@ -63,6 +63,8 @@ class RunSampling:
     max_tokens: int
     temperature: float
     top_p: float
+    #: False: a request's own temperature/top_p are replaced by these instead of refused.
+    strict: bool = True
 
 
 @dataclass(frozen=True)
@@ -269,7 +271,11 @@ def _options(body: dict[str, Any], logprobs: tuple[bool, int], asked: Any, run: 
         ("top_p", run.top_p, "envpool.top_p"),
     ):
         value = body.get(name)
-        if value is not None and (not isinstance(value, (int, float)) or float(value) != run_value):
+        if (
+            value is not None
+            and run.strict
+            and (not isinstance(value, (int, float)) or float(value) != run_value)
+        ):
             raise ApiError(
                 400,
                 f"{name}={value!r}: this endpoint samples at the run's {key}={run_value} (the learner "

@@ -183,6 +183,14 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "--tool-call-parser; auto reads it from the chat template (Hermes if it shows none).",
         ),
     ] = "auto"
+    agent_request_sampling: Annotated[
+        Literal["refuse", "override"],
+        _doc(
+            "Agent environments: a request whose temperature or top_p differs from the run's: "
+            "refuse (400 naming the field) or override (sample at the run's values anyway, for "
+            "agent frameworks that always send their own; the learner trains the run's policy).",
+        ),
+    ] = "refuse"
     agent_splice_replies: Annotated[
         bool,
         _doc(
