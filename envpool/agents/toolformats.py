@@ -213,6 +213,7 @@ _MARKERS = (
     ("<tool_call>", "hermes"),
     ("[TOOL_CALLS]", "mistral"),
     ("<|python_tag|>", "llama3_json"),
+    ('{"name": function name, "parameters"', "llama3_json"),  # Llama 3.2 writes no python_tag
     ("<|tool_call|>", "granite"),
     ("tool▁calls▁begin", "deepseek_v3"),
     ("<|python_start|>", "pythonic"),
