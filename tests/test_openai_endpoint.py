@@ -51,8 +51,8 @@ class ScriptedClient:
 SPEC = EpisodeSpec("g0-e0", "g0", seed=11, member=0, group_size=1, env_name="test")
 
 
-async def _play(chat, client, agent, cfg):
-    endpoint = Endpoint(chat, client, cfg, lambda: 1024)
+async def _play(chat, client, agent, cfg, max_model_len=1024):
+    endpoint = Endpoint(chat, client, cfg, lambda: max_model_len)
     async with anyio.create_task_group() as tg:
         await tg.start(endpoint.serve)
         result = await run_agent_episode(SPEC, agent, endpoint, cfg)

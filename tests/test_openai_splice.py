@@ -48,7 +48,7 @@ def play(model_dir, agent, replies, **cfg):
     chat = ChatFormat.from_model_dir(model_dir)
     client = ScriptedClient(replies)
     config = EnvPoolConfig(**{"max_tokens": 200, "max_turns": 8, **cfg})
-    traj = anyio.run(_play, chat, client, agent, config, backend="trio")
+    traj = anyio.run(_play, chat, client, agent, config, 16384, backend="trio")
     assert isinstance(traj, Trajectory), traj
     return traj, client, chat
 
@@ -109,3 +109,20 @@ def test_a_template_that_rewrites_history_starts_a_new_segment(family_dirs):
     # whole render, so each call is rendered afresh, as the model will see it in deployment.
     assert len(traj.segment_starts) == 2
     assert_recorded_as_sampled(traj, client)
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "smollm3", "llama3.1"])
+def test_five_calls_are_one_sequence_with_a_real_template(tiny_model_dir, tmp_path, family):
+    """The real templates of tests/templates/real: Qwen2.5 (ChatML, Hermes calls), SmolLM3
+    (ChatML, `{% generation %}` tags), Llama 3.1 (its own JSON calls)."""
+    from test_real_templates import write_family
+
+    path = write_family(tiny_model_dir, tmp_path / family, family)
+    chat = ChatFormat.from_model_dir(path)
+    call = CALL if family != "llama3.1" else '{"name":"get_weather","parameters":{"city":"Paris"}}'
+    replies = [chat.encode(call) + [chat.eos_id]] * 4 + [chat.encode("Sunny all week.") + [chat.eos_id]]
+    traj, client, _ = play(path, ToolLoop(5), replies, max_tokens=300)
+    assert traj.num_turns == 5 and traj.segment_starts == [], family
+    assert_recorded_as_sampled(traj, client)
+    fresh, _, _ = play(path, ToolLoop(5), replies, max_tokens=300, agent_splice_replies=False)
+    assert len(fresh.segment_starts) == 4 and len(fresh.token_ids) > 2 * len(traj.token_ids)
