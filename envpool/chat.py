@@ -17,15 +17,12 @@ decode-then-encode can change them, and the learner would then train on tokens t
 produced). `next_prompt` is the text a full render places after an assistant reply, cut from a
 render of a probe conversation, so any template with a fixed turn structure works.
 
-**Templates that re-render earlier turns.** Some templates render an earlier assistant turn
-differently once the conversation goes on (Qwen3-style templates drop the `<think>...</think>`
-of replies before the last user turn; others trim whitespace). Then no append-only context can
-equal a fresh render of the whole conversation. The envpool keeps appending: every turn's
-context is exactly the tokens the model saw when it sampled, its own replies included, and that
-is what the learner trains on. A fresh render of the same conversation (what `apply` gives, and
-what a chat server would send) is then shorter than the trained context. `ChatFormat` probes
-for this when it loads (`rerenders`, a sentence, or None), preflight logs it, and nothing fails
-mid-run.
+**Templates that re-render earlier turns.** Some render earlier turns differently as the
+conversation goes on (Qwen3 and DeepSeek-R1 drop earlier `<think>` text, Mistral moves the system
+prompt to the latest user turn): no append-only context can equal a fresh render then. The
+envpool keeps appending (every turn's context is exactly the tokens the model saw, and that is
+what the learner trains on); `ChatFormat` probes for it when it loads (`rerenders`, a sentence
+naming what changes, or None), preflight logs it, and nothing fails mid-run.
 
 Rendering follows transformers (transformers/utils/chat_template_utils.py): a sandboxed jinja
 environment with `trim_blocks`/`lstrip_blocks`, loop controls, its `tojson` (no HTML escaping),
@@ -390,13 +387,23 @@ class ChatFormat:
                         {"role": "assistant", "content": reply},
                         {"role": "user", "content": _PROBE_USER},
                     ]
-                    if self.render(messages, add_generation_prompt=True) != appended:
+                    fresh = self.render(messages, add_generation_prompt=True)
+                    if fresh != appended:
                         return (
-                            f"the chat template ({self.source}) renders {what} differently once the "
-                            f"conversation goes on (turn {turn + 2}); an episode keeps the tokens the "
-                            "model saw, so its trained context differs from a fresh render"
+                            f"the chat template ({self.source}) {_rewrite(appended, fresh, what)} once "
+                            f"the conversation goes on (turn {turn + 2}); an episode keeps the tokens "
+                            "the model saw, so its trained context differs from a fresh render"
                         )
         return None
+
+
+def _rewrite(appended: str, fresh: str, what: str) -> str:
+    """What a template changes in earlier turns, in words: the system prompt moving (Mistral's put
+    it on the latest user turn), or the text of an earlier reply (where they first differ)."""
+    if _PROBE_SYSTEM in appended and appended.find(_PROBE_SYSTEM) != fresh.find(_PROBE_SYSTEM):
+        return "moves the system prompt to the latest user turn"
+    at = next((i for i, (a, b) in enumerate(zip(appended, fresh)) if a != b), min(len(appended), len(fresh)))
+    return f"renders {what} differently (appended {appended[at : at + 24]!r}, fresh {fresh[at : at + 24]!r})"
 
 
 def tokenizer_dir(cfg: Config) -> str:

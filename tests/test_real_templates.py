@@ -213,3 +213,13 @@ def test_the_tool_call_format_is_read_from_the_real_template(families, family):
         assert found is None or not chat.renders_tools, (family, found)
     else:
         assert found == expected, (family, found)
+
+
+def test_templates_that_rewrite_history_are_named_with_what_they_change(families):
+    """The warning preflight logs (`ChatFormat.rerenders`) names the real cause per family."""
+    rewriting = {f: chat.rerenders for f, (chat, _) in families.items() if chat.rerenders}
+    assert set(rewriting) == {"qwen3", "deepseek-r1", "mistral-v0.3", "mistral-nemo"}
+    for family in ("mistral-v0.3", "mistral-nemo"):  # the system prompt moves, not the reply
+        assert "moves the system prompt to the latest user turn" in rewriting[family]
+    for family in ("qwen3", "deepseek-r1"):  # the earlier reply's <think> part changes
+        assert "<think>" in rewriting[family] and "differently" in rewriting[family]
