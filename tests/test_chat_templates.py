@@ -317,7 +317,7 @@ def test_preflight_warns_about_a_re_rendering_template(formats, caplog):
 def test_openai_shaped_tool_calls_render_as_transformers_renders_decoded_arguments(formats):
     """The endpoint gets `arguments` as a JSON string (the OpenAI wire); the template must see
     the object, as with transformers' documented convention, not a string quoted twice."""
-    from millstream.envpool.agents.requests import template_message as _plain
+    from millstream.envpool.agents.messages import template_message as _plain
 
     chat, tok, _ = formats["chatml_tools"]
     call = {"id": "c0", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "x y"}'}}

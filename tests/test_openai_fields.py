@@ -2,6 +2,8 @@
 with a 400 that names it (envpool/agents/requests.py): driven by the official `openai` client
 against a scripted client that returns exact token ids (these tests are about the endpoint)."""
 
+import json
+
 import anyio
 import openai
 import pytest
@@ -165,12 +167,18 @@ def test_logprobs_token_ids_echo_and_n(tiny_model_dir):
         chat_lp = await c.chat.completions.create(
             model="m", messages=USER, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True}
         )
-        comp = await c.completions.create(model="m", prompt="xy", logprobs=1, echo=True)
+        comp = await c.completions.create(model="m", prompt="xy", logprobs=1)
+        echoed = await c.completions.create(model="m", prompt="xy", echo=True)
         three = await c.chat.completions.create(model="m", messages=USER, n=3)
-        return chat_lp, comp, three
+        try:  # echo with logprobs would need the prompt's logprobs, which are not computed
+            await c.completions.create(model="m", prompt="xy", echo=True, logprobs=0)
+        except openai.BadRequestError as exc:
+            refused = exc.body["param"]
+        return chat_lp, comp, echoed, three, refused
 
-    agent, traj, client, _ = play(tiny_model_dir, script, [reply] * 5, max_turns=5)
-    chat_lp, comp, three = agent.out
+    agent, traj, client, _ = play(tiny_model_dir, script, [reply] * 6, max_turns=6)
+    chat_lp, comp, echoed, three, refused = agent.out
+    assert refused == "echo" and echoed.choices[0].text == "xyab"
     content = chat_lp.choices[0].logprobs.content
     assert [t.logprob for t in content] == [-0.25] * len(reply)
     # The most likely tokens, as the actor ranked them (the scripted client: the sampled one,
@@ -184,11 +192,11 @@ def test_logprobs_token_ids_echo_and_n(tiny_model_dir):
     assert "".join(t.token for t in content).startswith("ab")
     assert chat_lp.choices[0].model_extra["token_ids"] == reply
     assert chat_lp.model_extra["prompt_token_ids"] == client.prompts[0]
-    assert comp.choices[0].text == "xyab" and comp.choices[0].logprobs.token_logprobs == [-0.25] * len(reply)
+    assert comp.choices[0].text == "ab" and comp.choices[0].logprobs.token_logprobs == [-0.25] * len(reply)
     assert [c.index for c in three.choices] == [0, 1, 2] and three.usage.completion_tokens == 3 * len(reply)
-    assert client.prompts[2] == client.prompts[3] == client.prompts[4]
-    assert len(set(client.seeds[2:])) == 3  # n samples, n seeds
-    assert isinstance(traj, Trajectory) and traj.num_turns == 5
+    assert client.prompts[3] == client.prompts[4] == client.prompts[5]
+    assert len(set(client.seeds[3:])) == 3  # n samples, n seeds
+    assert isinstance(traj, Trajectory) and traj.num_turns == 6
     assert_recorded_as_sampled(traj, client)
 
 
@@ -272,3 +280,46 @@ def test_a_forced_call_is_refused_for_a_template_with_its_own_tool_format(tiny_m
     status, body = agent.error
     assert status == 400 and body["param"] == "tool_choice" and "format of its own" in body["message"]
     assert client.prompts == []
+
+
+# --- odd but legal input, and degenerate model output: a 400 or a counted malformed call ---------
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"tool_choice": {"type": "function", "function": "f"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": "f"}]}, "tools"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": 5}]}, "messages"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": "x"}]}]}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages",
+        ),
+    ],
+)
+def test_malformed_tools_and_messages_are_a_400_not_a_500(fields, named):
+    with pytest.raises(ApiError) as caught:
+        parse_chat({"messages": USER, **fields}, RUN)
+    assert caught.value.status == 400 and caught.value.param == named
+
+
+def test_a_null_max_completion_tokens_leaves_max_tokens_in_force():
+    assert (
+        parse_chat({"messages": USER, "max_completion_tokens": None, "max_tokens": 5}, RUN).options.max_tokens
+        == 5
+    )
+
+
+def test_degenerate_tool_calls_are_counted_malformed_never_raised():
+    from millstream.envpool.agents.toolcalls import ForcedCall, parse_reply
+    from millstream.envpool.agents.toolformats import FORMATS
+
+    deep = '<tool_call>{"name":"f","arguments":"' + "[" * 5000 + '"}</tool_call>'
+    for fmt, text in [("hermes", deep), ("pythonic", '[f(a=b"x")]'), ("pythonic", "[f(a={1, 2})]")]:
+        reply = parse_reply(text, "auto", None, True, "0", FORMATS[fmt])
+        assert reply.tool_calls == [] and reply.malformed == 1, fmt
+    # A forced string argument is the JSON string the model wrote, unescaped, up to its quote.
+    forced = ForcedCall('<tool_call>{"name": "f", "arguments": {"text": "', "f", "text")
+    reply = parse_reply('say \\"hi\\"\\nok"}}</tool_call>', "function", forced, True, "0")
+    assert json.loads(reply.tool_calls[0]["function"]["arguments"]) == {"text": 'say "hi"\nok'}

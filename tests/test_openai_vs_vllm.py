@@ -158,9 +158,16 @@ def test_greedy_requests_agree_with_vllm_serve_field_by_field(actor, vllm_serve)
         await each(
             "completion",
             lambda: c.completions.create(
-                model=name, prompt="Rivers are", max_tokens=8, temperature=0, echo=True, logprobs=1
+                model=name, prompt="Rivers are", max_tokens=8, temperature=0, echo=True
             ),
             lambda r: (r.choices[0].text, r.choices[0].finish_reason, r.usage.model_dump(exclude_none=True)),
+        )
+        await each(
+            "completion_logprobs",
+            lambda: c.completions.create(
+                model=name, prompt="Rivers are", max_tokens=8, temperature=0, logprobs=1
+            ),
+            lambda r: r.choices[0].logprobs.token_logprobs,
         )
         await each("max_tokens_0", lambda: _chat(c, max_tokens=0), lambda r: "ok")
         return out
@@ -170,6 +177,7 @@ def test_greedy_requests_agree_with_vllm_serve_field_by_field(actor, vllm_serve)
         assert ours.get(key) == vllm.get(key), (key, ours.get(key), vllm.get(key))
     assert ours["max_tokens_0"] == vllm["max_tokens_0"] == ("error", 400)
     assert ours["n"] == ("error", 400)  # greedy: n must be 1, in both
+    assert ours["completion_logprobs"] == pytest.approx(vllm["completion_logprobs"], abs=1e-3)
     for (tok, lp, top), (vtok, vlp, vtop) in zip(ours["logprobs"], vllm["logprobs"], strict=True):
         assert tok == vtok and lp == pytest.approx(vlp, abs=1e-3), (ours["logprobs"], vllm["logprobs"])
         assert [t for t, _ in top] == [t for t, _ in vtop]

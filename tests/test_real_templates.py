@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from millstream.envpool.agents.requests import template_message
+from millstream.envpool.agents.messages import template_message
 from millstream.envpool.agents.toolformats import detect
 from millstream.envpool.chat import ChatFormat, ChatTemplateError
 
@@ -223,3 +223,36 @@ def test_templates_that_rewrite_history_are_named_with_what_they_change(families
         assert "moves the system prompt to the latest user turn" in rewriting[family]
     for family in ("qwen3", "deepseek-r1"):  # the earlier reply's <think> part changes
         assert "<think>" in rewriting[family] and "differently" in rewriting[family]
+
+
+@pytest.mark.parametrize("family", ["mistral-v0.3", "granite3"])
+def test_a_call_whose_marker_is_a_special_token_is_parsed(families, family, tiny_model_dir):
+    """`[TOOL_CALLS]` and `<|tool_call|>` are special tokens: the content a reply shows drops
+    them, so the endpoint parses the raw text (as vLLM's parsers keep special tokens there)."""
+    import anyio
+    import openai
+    from test_openai_endpoint import ScriptedClient, _play
+
+    from millstream.envpool.envs.agents.agent import AgentResult
+    from millstream.shared.config import EnvPoolConfig
+
+    chat, _ = families[family]
+    marker = "[TOOL_CALLS]" if family.startswith("mistral") else "<|tool_call|>"
+    reply = chat.encode(marker + '[{"name": "get_weather", "arguments": {"city": "Paris"}}]') + [chat.eos_id]
+    seen = {}
+
+    class Agent:
+        async def run(self, seed, base_url, api_key):
+            async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as c:
+                out = await c.chat.completions.create(model="m", messages=[USER], tools=[WEATHER])
+                seen["message"] = out.choices[0].message
+            return AgentResult(1.0)
+
+    anyio.run(
+        _play, chat, ScriptedClient([reply]), Agent(), EnvPoolConfig(max_tokens=200), 8192, backend="trio"
+    )
+    calls = seen["message"].tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ]
+    assert not seen["message"].content

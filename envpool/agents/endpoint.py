@@ -77,8 +77,8 @@ from millstream.envpool.agents.responses import (
     usage,
 )
 from millstream.envpool.agents.splice import Splicer
-from millstream.envpool.agents.toolcalls import ForcedCall, forced_call, parse_reply
-from millstream.envpool.agents.toolformats import FORMATS, detect
+from millstream.envpool.agents.toolcalls import ForcedCall, ParsedReply, forced_call, parse_reply
+from millstream.envpool.agents.toolformats import FORMATS, SPECIAL_MARKERS, detect
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.record import EpisodeRecord, EpisodeSpec
 from millstream.envpool.seeds import request_seed, sampling_seed
@@ -260,14 +260,17 @@ class Endpoint:
         replies, number = await self._sample(ep, prompt, req.options)
         choices = []
         for i, reply in enumerate(replies):
+            marked = self.tool_format in SPECIAL_MARKERS and req.tool_choice != "none"
             parsed = parse_reply(
-                reply.text,
+                reply.raw if marked else reply.text,
                 req.tool_choice,
                 forced,
                 req.parallel_tool_calls,
                 f"{number + i}",
                 FORMATS[self.tool_format],
             )
+            if marked and not parsed.tool_calls and not parsed.malformed:
+                parsed = ParsedReply(reply.text)  # no call: the text as shown, special tokens out
             ep.record.invalid_actions += parsed.malformed  # malformed tool calls
             ep.record.add_call(prompt, reply.gen, opening + reply.text)
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content or None}

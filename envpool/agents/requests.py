@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
+from millstream.envpool.agents.messages import template_message
 
 __all__ = [
     "ApiError",
@@ -34,7 +34,6 @@ __all__ = [
     "RunSampling",
     "parse_chat",
     "parse_completion",
-    "template_message",
 ]
 
 #: The most stop strings one request may name (OpenAI allows 4; vLLM more).
@@ -182,8 +181,12 @@ def parse_chat(body: dict[str, Any], run: RunSampling, *, arguments_as_object: b
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "messages must be a non-empty list of objects", param="messages")
     tools = body.get("tools") or None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ApiError(400, "tools must be a list of objects", param="tools")
+    if tools is not None and not (isinstance(tools, list) and all(_is_tool(t) for t in tools)):
+        raise ApiError(
+            400, 'tools must be a list of {"type": "function", "function": {"name": ...}}', param="tools"
+        )
+    for m in messages:
+        _check_message(m)
     choice, forced = _tool_choice(body.get("tool_choice"), tools)
     top = _count(body, "top_logprobs", MAX_TOP_LOGPROBS)
     if top and not body.get("logprobs"):
@@ -205,7 +208,7 @@ def parse_chat(body: dict[str, Any], run: RunSampling, *, arguments_as_object: b
         options=_options(
             body,
             (_flag(body, "logprobs"), top),
-            body.get("max_completion_tokens", body.get("max_tokens")),
+            _first_set(body, "max_completion_tokens", "max_tokens"),
             run,
         ),
     )
@@ -220,6 +223,8 @@ def parse_completion(body: dict[str, Any], run: RunSampling) -> CompletionReques
     elif not (isinstance(prompt, str) and prompt):
         raise ApiError(400, "prompt must be a non-empty string or list of token ids", param="prompt")
     logprobs = _count(body, "logprobs", MAX_TOP_LOGPROBS) if body.get("logprobs") is not None else None
+    if logprobs is not None and body.get("echo"):
+        raise ApiError(400, "echo with logprobs: the prompt's logprobs are not computed here", param="echo")
     return CompletionRequest(
         prompt=prompt,
         echo=_flag(body, "echo"),
@@ -337,9 +342,10 @@ def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str | None
         if choice == "required" and not tools:
             raise ApiError(400, 'tool_choice "required" needs tools', param="tool_choice")
         return choice, None
-    if isinstance(choice, dict) and isinstance((choice.get("function") or {}).get("name"), str):
+    function = choice.get("function") if isinstance(choice, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("name"), str):
         name = choice["function"]["name"]
-        if not any((t.get("function") or {}).get("name") == name for t in tools or ()):
+        if not any(t["function"]["name"] == name for t in tools or ()):
             raise ApiError(400, f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
         return "function", name
     raise ApiError(
@@ -350,32 +356,37 @@ def _tool_choice(choice: Any, tools: list[dict] | None) -> tuple[str, str | None
     )
 
 
-def template_message(message: dict[str, Any], arguments_as_object: bool = True) -> dict[str, Any]:
-    """A message as chat templates expect it: content a string (OpenAI allows None and text
-    parts), tool-call arguments an object, and OpenAI's `developer` role (its newer name for
-    `system`, the instructions a model follows first) as `system`, the only one templates know."""
+def _is_tool(tool: Any) -> bool:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        return False
+    parameters = function.get("parameters")
+    if parameters is None:
+        return True
+    return isinstance(parameters, dict) and isinstance(parameters.get("properties", {}), dict)
+
+
+def _check_message(message: dict[str, Any]) -> None:
+    """A message the template can take: text content parts only, tool calls naming a function."""
     content = message.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    plain = {**message, "content": content or ""}
-    if message.get("role") == "developer":
-        plain["role"] = "system"
-    if message.get("tool_calls") and arguments_as_object:
-        plain["tool_calls"] = [_call_with_dict_arguments(c) for c in message["tool_calls"]]
-    return plain
+    if isinstance(content, list) and any(
+        not isinstance(p, dict) or p.get("type", "text") != "text" for p in content
+    ):
+        raise ApiError(400, "only text content parts are supported (the model reads text)", param="messages")
+    calls = message.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(_names_a_function(c) for c in calls)):
+        raise ApiError(
+            400,
+            'tool_calls must be a list of {"function": {"name": ..., "arguments": ...}}',
+            param="messages",
+        )
 
 
-def _call_with_dict_arguments(call: Any) -> Any:
-    """OpenAI sends a call's `arguments` as a JSON string; chat templates (Qwen's, Hermes')
-    render them with `tojson`, as transformers documents, so they take the decoded object (a
-    string would come out quoted twice). Arguments that are not a JSON object stay as sent."""
+def _names_a_function(call: Any) -> bool:
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
-        return call
-    try:
-        arguments = orjson.loads(function["arguments"])
-    except orjson.JSONDecodeError:
-        return call
-    if not isinstance(arguments, dict):
-        return call
-    return {**call, "function": {**function, "arguments": arguments}}
+    return isinstance(function, dict) and isinstance(function.get("name"), str)
+
+
+def _first_set(body: dict[str, Any], *names: str) -> Any:
+    """The first of `names` that the body sets to something other than null (vLLM's `or`)."""
+    return next((body[n] for n in names if body.get(n) is not None), None)

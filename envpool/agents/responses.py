@@ -40,6 +40,9 @@ class Reply:
     finish_reason: str
     #: The stop string that ended it (vLLM's `stop_reason`), or None.
     stop_reason: str | None = None
+    #: The text with special tokens kept (the stop tokens left out): where a family's tool-call
+    #: marker is a special token (`[TOOL_CALLS]`, `<|tool_call|>`), only this text shows it.
+    raw: str = ""
 
 
 def cut_at_stop(chat: ChatFormat, gen: Generation, stops: tuple[str, ...], include: bool) -> Reply:
@@ -47,7 +50,7 @@ def cut_at_stop(chat: ChatFormat, gen: Generation, stops: tuple[str, ...], inclu
     text = chat.decode(gen.token_ids)
     finish = "length" if gen.finish_reason == "length" else "stop"
     if not stops or not any(s in text for s in stops):
-        return Reply(gen, text, finish)
+        return Reply(gen, text, finish, raw=_raw(chat, gen.token_ids))
     lo, hi = 1, len(gen.token_ids)  # the fewest tokens whose text holds a stop string
     while lo < hi:
         mid = (lo + hi) // 2
@@ -65,7 +68,12 @@ def cut_at_stop(chat: ChatFormat, gen: Generation, stops: tuple[str, ...], inclu
         gen.top_logprobs[:lo],
         request_id=gen.request_id,
     )
-    return Reply(kept, text[: at + len(stop)] if include else text[:at], "stop", stop)
+    shown = text[: at + len(stop)] if include else text[:at]
+    return Reply(kept, shown, "stop", stop, raw=_raw(chat, kept.token_ids))
+
+
+def _raw(chat: ChatFormat, ids: list[int]) -> str:
+    return chat.tokenizer.decode([t for t in ids if t not in chat.stop_token_ids], skip_special_tokens=False)
 
 
 def logprobs_of(chat: ChatFormat, gen: Generation, *, chat_shape: bool) -> dict[str, Any]:

@@ -132,18 +132,44 @@ def parse_reply(
     call; `parser` reads the model's own format (envpool/agents/toolformats.py)."""
     if tool_choice == "none":
         return ParsedReply(text)
+    try:
+        parsed = _parse(text, forced, prefix, parser)
+    except Exception:  # model output never fails a call: it is a malformed call, counted
+        return ParsedReply(text, [], 1)
+    if not parallel and len(parsed.tool_calls) > 1:
+        parsed.tool_calls = parsed.tool_calls[:1]  # at most one call, as OpenAI's flag means
+    return parsed
+
+
+def _parse(
+    text: str, forced: ForcedCall | None, prefix: str, parser: Callable[[str, str], ParsedReply]
+) -> ParsedReply:
     if forced is not None and forced.argument is None:  # the model wrote the rest of the call
         parsed = parse_tool_calls(forced.opening + text, prefix)
     elif forced is None:
         parsed = parser(text, prefix)
     else:  # the model wrote the value of the first string parameter, up to a quote
-        arguments = orjson.dumps({forced.argument: text.split('"', 1)[0]}).decode()
+        arguments = orjson.dumps({forced.argument: _string_value(text)}).decode()
         call = {
             "id": tool_call_id(prefix, 0),
             "type": "function",
             "function": {"name": forced.name, "arguments": arguments},
         }
         parsed = ParsedReply("", [call])
-    if not parallel and len(parsed.tool_calls) > 1:
-        parsed.tool_calls = parsed.tool_calls[:1]  # at most one call, as OpenAI's flag means
     return parsed
+
+
+def _string_value(text: str) -> str:
+    """The JSON string the model wrote after an opening quote, up to its first unescaped quote,
+    unescaped (`say \\"hi\\"` is `say "hi"`); the raw text where it is not valid JSON."""
+    escaped, end = False, len(text)
+    for i, ch in enumerate(text):
+        if ch == '"' and not escaped:
+            end = i
+            break
+        escaped = ch == "\\" and not escaped
+    try:
+        value = json.loads('"' + text[:end] + '"')
+    except ValueError:
+        return text[:end]
+    return value if isinstance(value, str) else text[:end]

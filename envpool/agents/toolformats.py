@@ -28,7 +28,11 @@ from typing import Any
 
 from millstream.envpool.agents.toolcalls import ParsedReply, parse_tool_calls
 
-__all__ = ["FORMATS", "detect", "parse", "call_id"]
+__all__ = ["FORMATS", "SPECIAL_MARKERS", "detect", "parse", "call_id"]
+
+#: Formats whose marker is a special token in the family's tokenizer, which a decode that skips
+#: special tokens (what a reply's content shows) would remove: they are parsed from the raw text.
+SPECIAL_MARKERS = frozenset({"mistral", "granite", "deepseek_v3", "llama3_json"})
 
 
 def call_id(prefix: str, index: int, fmt: str = "hermes") -> str:
