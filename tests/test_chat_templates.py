@@ -56,13 +56,22 @@ SETTINGS = settings(
 def write_model_dir(tiny_dir: str, out: Path, family: str) -> Path:
     """A tokenizer directory: the tiny tokenizer plus the family's tokens, and its template."""
     where, special, plain, changes = FAMILIES[family]
+    return write_tokenizer_dir(
+        tiny_dir, out, special, plain, changes, (TEMPLATES / f"{family}.jinja").read_text(), where
+    )
+
+
+def write_tokenizer_dir(
+    tiny_dir: str, out: Path, special: list, plain: list, changes: dict, template: str, where: str = "file"
+) -> Path:
+    """The tiny tokenizer plus `special` and `plain` added tokens, `changes` to its config, and
+    `template` as its chat template (`where`: a file beside it, a named list, or the config)."""
     out.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer.from_file(str(Path(tiny_dir) / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     tok.save(str(out / "tokenizer.json"))
     config = {**json.loads((Path(tiny_dir) / "tokenizer_config.json").read_text()), **changes}
-    template = (TEMPLATES / f"{family}.jinja").read_text()
     del config["chat_template"]
     if where == "file":
         (out / "chat_template.jinja").write_text(template)

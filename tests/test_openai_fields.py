@@ -35,6 +35,17 @@ class Script:
         return AgentResult(1.0)
 
 
+def play_format(chat, script, replies):
+    """`script` against the endpoint on a `ChatFormat` of the test's own; (agent, client)."""
+    from test_openai_endpoint import _play
+
+    from millstream.shared.config import EnvPoolConfig
+
+    agent, client = Script(script), ScriptedClient(replies)
+    anyio.run(_play, chat, client, agent, EnvPoolConfig(max_tokens=8), backend="trio")
+    return agent, client
+
+
 def play(tiny_model_dir, script, replies, **cfg):
     agent = Script(script)
     traj, client, chat = play_scripted(tiny_model_dir, agent, replies, **{"max_tokens": 8, **cfg})
@@ -236,8 +247,6 @@ def test_developer_is_system_and_template_kwargs_reach_the_template(tiny_model_d
         "{% endif %}"
     )
     thinking = ChatFormat(chat.tokenizer, template, chat.special_tokens)
-    client = ScriptedClient([[STOP]] * 2)
-    from test_openai_endpoint import _play
 
     async def script(c):
         msgs = [{"role": "developer", "content": "Be brief."}, *USER]
@@ -246,11 +255,7 @@ def test_developer_is_system_and_template_kwargs_reach_the_template(tiny_model_d
             model="m", messages=msgs, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
         )
 
-    from millstream.envpool.agents.endpoint import Endpoint  # noqa: F401  (the endpoint under test)
-    from millstream.shared.config import EnvPoolConfig
-
-    agent = Script(script)
-    anyio.run(_play, thinking, client, agent, EnvPoolConfig(max_tokens=8), backend="trio")
+    agent, client = play_format(thinking, script, [[STOP]] * 2)
     assert agent.error is None
     system = [{"role": "system", "content": "Be brief."}, *USER]
     assert client.prompts[0] == thinking.apply(system)
@@ -267,16 +272,11 @@ def test_a_forced_call_is_refused_for_a_template_with_its_own_tool_format(tiny_m
     )
     other = ChatFormat(chat.tokenizer, own, chat.special_tokens)
     assert other.renders_tools and not chat.renders_tools
-    client = ScriptedClient([])
-    from test_openai_endpoint import _play
-
-    from millstream.shared.config import EnvPoolConfig
 
     async def script(c):
         await c.chat.completions.create(model="m", messages=USER, tools=[SCORE_TOOL], tool_choice="required")
 
-    agent = Script(script)
-    anyio.run(_play, other, client, agent, EnvPoolConfig(max_tokens=8), backend="trio")
+    agent, client = play_format(other, script, [])
     status, body = agent.error
     assert status == 400 and body["param"] == "tool_choice" and "format of its own" in body["message"]
     assert client.prompts == []

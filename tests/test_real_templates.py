@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, Tokenizer
+from test_chat_templates import write_tokenizer_dir
 
 from millstream.envpool.agents.messages import template_message
 from millstream.envpool.agents.toolformats import detect
@@ -145,16 +145,7 @@ CONVERSATIONS = [
 
 def write_family(tiny_dir: str, out: Path, family: str) -> Path:
     special, plain, changes, _ = FAMILIES[family]
-    out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer.from_file(str(Path(tiny_dir) / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
-    tok.save(str(out / "tokenizer.json"))
-    config = {**json.loads((Path(tiny_dir) / "tokenizer_config.json").read_text()), **changes}
-    del config["chat_template"]
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
-    (out / "chat_template.jinja").write_text((REAL / f"{family}.jinja").read_text())
-    return out
+    return write_tokenizer_dir(tiny_dir, out, special, plain, changes, (REAL / f"{family}.jinja").read_text())
 
 
 @pytest.fixture(scope="module")

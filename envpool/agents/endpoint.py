@@ -74,6 +74,7 @@ from millstream.envpool.agents.responses import (
     cut_at_stop,
     envelope,
     logprobs_of,
+    raw_text,
     usage,
 )
 from millstream.envpool.agents.splice import Splicer
@@ -262,7 +263,7 @@ class Endpoint:
         for i, reply in enumerate(replies):
             marked = self.tool_format in SPECIAL_MARKERS and req.tool_choice != "none"
             parsed = parse_reply(
-                reply.raw if marked else reply.text,
+                raw_text(self.chat, reply.gen.token_ids) if marked else reply.text,
                 req.tool_choice,
                 forced,
                 req.parallel_tool_calls,

@@ -25,7 +25,16 @@ from typing import Any
 from millstream.envpool.actors.generation import Generation
 from millstream.envpool.chat import ChatFormat
 
-__all__ = ["MODEL_NAME", "Reply", "cut_at_stop", "envelope", "usage", "chat_chunks", "logprobs_of"]
+__all__ = [
+    "MODEL_NAME",
+    "Reply",
+    "cut_at_stop",
+    "envelope",
+    "usage",
+    "chat_chunks",
+    "logprobs_of",
+    "raw_text",
+]
 
 #: What `GET /v1/models` lists; requests may name any model (there is one policy).
 MODEL_NAME = "millstream-policy"
@@ -40,9 +49,6 @@ class Reply:
     finish_reason: str
     #: The stop string that ended it (vLLM's `stop_reason`), or None.
     stop_reason: str | None = None
-    #: The text with special tokens kept (the stop tokens left out): where a family's tool-call
-    #: marker is a special token (`[TOOL_CALLS]`, `<|tool_call|>`), only this text shows it.
-    raw: str = ""
 
 
 def cut_at_stop(chat: ChatFormat, gen: Generation, stops: tuple[str, ...], include: bool) -> Reply:
@@ -50,7 +56,7 @@ def cut_at_stop(chat: ChatFormat, gen: Generation, stops: tuple[str, ...], inclu
     text = chat.decode(gen.token_ids)
     finish = "length" if gen.finish_reason == "length" else "stop"
     if not stops or not any(s in text for s in stops):
-        return Reply(gen, text, finish, raw=_raw(chat, gen.token_ids))
+        return Reply(gen, text, finish)
     lo, hi = 1, len(gen.token_ids)  # the fewest tokens whose text holds a stop string
     while lo < hi:
         mid = (lo + hi) // 2
@@ -69,10 +75,13 @@ def cut_at_stop(chat: ChatFormat, gen: Generation, stops: tuple[str, ...], inclu
         request_id=gen.request_id,
     )
     shown = text[: at + len(stop)] if include else text[:at]
-    return Reply(kept, shown, "stop", stop, raw=_raw(chat, kept.token_ids))
+    return Reply(kept, shown, "stop", stop)
 
 
-def _raw(chat: ChatFormat, ids: list[int]) -> str:
+def raw_text(chat: ChatFormat, ids: list[int]) -> str:
+    """The text with special tokens kept (the stop tokens left out): where a family's tool-call
+    marker is a special token (`[TOOL_CALLS]`, `<|tool_call|>`), only this text shows it. Decoded
+    only for those families' replies (`toolformats.SPECIAL_MARKERS`)."""
     return chat.tokenizer.decode([t for t in ids if t not in chat.stop_token_ids], skip_special_tokens=False)
 
 
