@@ -272,7 +272,7 @@ class ActorServer:
             if first is not None:
                 await self.channel.send(first, to=peer)
             self.stats.tokens += len(ids)
-            if finish or len(pending.ids) >= self.stream_interval:
+            if finish or pending.due(self.stream_interval):
                 load = len(self._live) if finish else -1
                 await self.channel.send(pending.take(finish, load), to=peer)
         if finish is None:  # the stream ended without a final output: it was aborted

@@ -21,8 +21,11 @@ __all__ = ["Deltas", "sampling_params"]
 class Deltas:
     """Tokens of one request waiting to be streamed, all labelled with one policy version.
 
-    Tokens wait until `interval` of them are there (fewer, larger messages at scale); a
-    label change sends the waiting ones first, so each delta has one version.
+    A request's first tokens go at once (`due`): the time to first token is what a streaming
+    consumer waits on (an agent's tool call mid-reply, an early stop), and vLLM hands its first
+    output over alone too. After that tokens wait until `interval` of them are there (fewer,
+    larger messages at scale); a label change sends the waiting ones first, so each delta has
+    one version.
 
     Which version made a token is not visible in an engine output, so the label is a lower
     bound. vLLM hands a request's tokens over `stream_interval` at a time and keeps the rest
@@ -35,7 +38,7 @@ class Deltas:
     which the learner's staleness bound only makes stricter.
     """
 
-    __slots__ = ("request_id", "ids", "logprobs", "top", "version", "seen", "seen_before")
+    __slots__ = ("request_id", "ids", "logprobs", "top", "version", "seen", "seen_before", "sent")
 
     def __init__(self, request_id: str, version: int) -> None:
         self.request_id = request_id
@@ -45,6 +48,7 @@ class Deltas:
         self.version = version  # the label of the waiting tokens
         self.seen = version  # the version when the last output was read
         self.seen_before = version  # ... and the one before it
+        self.sent = 0  # deltas taken so far
 
     def add(
         self,
@@ -64,9 +68,15 @@ class Deltas:
             self.top += top
         return first
 
+    def due(self, interval: int) -> bool:
+        """Whether the waiting tokens go now: the request's first ones at once, then
+        `interval` at a time."""
+        return bool(self.ids) and (self.sent == 0 or len(self.ids) >= interval)
+
     def take(self, finish: str | None = None, load: int = -1) -> TokenDelta:
         delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish, load, self.top)
         self.ids, self.logprobs, self.top = [], [], []
+        self.sent += 1
         return delta
 
 

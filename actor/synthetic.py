@@ -80,7 +80,7 @@ class _Seq:
     stop: set[int] = field(default_factory=set)
     #: The drawn output length (lognormal lengths), 0: stop by `synthetic_stop_prob`.
     length: int = 0
-    #: Tokens produced but not yet streamed (`actor.stream_interval`).
+    #: Tokens produced but not yet streamed (the first at once, then `actor.stream_interval`).
     pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
 
@@ -234,7 +234,8 @@ class SyntheticActor:
         finish = "stop" if stops else "length" if seq.produced >= seq.req.max_tokens else None
         if finish:
             del self._running[key]
-        if finish or len(seq.pending_ids) >= self.cfg.actor.stream_interval:
+        # The first token goes at once, as the vLLM actor's does (actor/stream.py, Deltas.due).
+        if finish or seq.produced == 1 or len(seq.pending_ids) >= self.cfg.actor.stream_interval:
             await self._flush(seq, finish)
 
     async def _flush(self, seq: _Seq, finish: str | None) -> None:

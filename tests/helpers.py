@@ -268,6 +268,27 @@ async def with_client(address: str, body, *, name: str = "test"):
     return outcome["value"]
 
 
+def dealer(address: str, role: str = "envpool") -> zmq.Socket:
+    """A raw ZeroMQ peer holding the run's `role` key, for tests that speak the wire protocol
+    frame by frame (a hostile peer inside the run; a test that watches each delta)."""
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    secure(sock, keys_for(role), bind=False)
+    sock.connect(address)
+    return sock
+
+
+def raw_replies(sock: zmq.Socket, wait_s: float, done=lambda out: False) -> list:
+    """The messages that arrive on `sock` within `wait_s`, or until `done(all so far)`."""
+    codec, out = Codec(), []
+    deadline = time.monotonic() + wait_s
+    while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+        out.extend(codec.decode(sock.recv()))
+        if done(out) or time.monotonic() > deadline:
+            break
+    return out
+
+
 # --- `millstream run` as a user runs it --------------------------------------------------------
 
 

@@ -4,13 +4,14 @@ import anyio
 import msgspec
 import pytest
 import torch
-from helpers import keys_for, with_client
+from helpers import dealer, keys_for, raw_replies, with_client
 from transformers import AutoModelForCausalLM
 
 from millstream.envpool.actors.client import GenerationFailed
 from millstream.envpool.actors.generation import Sampling
 from millstream.learner.sync.weights import WeightSender, WeightSyncError
 from millstream.shared.config import LearnerConfig
+from millstream.shared.wire import Codec, GenerateRequest, TokenDelta
 
 PROMPT = [1, 367, 201, 316, 276, 223, 19, 20, 425, 2, 201, 1, 366, 201]
 
@@ -229,3 +230,32 @@ def test_delta_labels_are_never_newer_than_the_weights():
     assert (first.token_ids, first.logprobs, first.version) == ([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4], 3)
     last = pending.take("length", 0)
     assert (last.token_ids, last.logprobs, last.version, last.finish_reason) == ([5], [-0.5], 4, "length")
+
+
+def test_the_first_token_goes_at_once_then_stream_interval_at_a_time(actor):
+    """Time to first token is what a streaming consumer waits on: the first delta holds the
+    first token alone, the rest come `actor.stream_interval` (16) at a time, the last shorter."""
+    sock = dealer(actor.address)
+    try:
+        request = GenerateRequest("first-token", PROMPT, max_tokens=40, temperature=0.0, ignore_eos=True)
+        sock.send(Codec().encode([request]))
+        got = raw_replies(sock, 60.0, lambda out: any(getattr(m, "finish_reason", None) for m in out))
+    finally:
+        sock.close()
+    deltas = [m for m in got if isinstance(m, TokenDelta)]
+    assert [len(d.token_ids) for d in deltas] == [1, 16, 16, 7], got
+    assert deltas[-1].finish_reason == "length"
+
+
+def test_deltas_send_the_first_tokens_at_once():
+    from millstream.actor.stream import Deltas
+
+    pending = Deltas("r", 0)
+    assert not pending.due(16)  # nothing waiting
+    pending.add([1], [-0.1], now=0)
+    assert pending.due(16)  # the first token: at once
+    pending.take()
+    pending.add([2] * 15, [-0.2] * 15, now=0)
+    assert not pending.due(16)  # then 16 at a time
+    pending.add([3], [-0.3], now=0)
+    assert pending.due(16)

@@ -20,7 +20,18 @@ import msgspec
 import orjson
 import pytest
 import zmq
-from helpers import KEYS, ROOT, keys_for, read_episodes, start_actor, stop_group, wait_for_file, with_client
+from helpers import (
+    KEYS,
+    ROOT,
+    dealer,
+    keys_for,
+    raw_replies,
+    read_episodes,
+    start_actor,
+    stop_group,
+    wait_for_file,
+    with_client,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -203,26 +214,13 @@ def hostile_synthetic(tiny_model_dir, tmp_path_factory):
     stop_group(proc)
 
 
-def dealer(address: str, role: str = "envpool") -> zmq.Socket:
-    """A peer holding the run's `role` key: the hostile one is inside the run (a process without
-    the keys cannot even complete the handshake: tests/test_auth.py)."""
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    secure(sock, keys_for(role), bind=False)
-    sock.connect(address)
-    return sock
-
-
 def replies(sock: zmq.Socket, wait_s: float, until: ReplyCause | None = None) -> list:
     """What arrives within `wait_s`, or until an ErrorReply of cause `until` has."""
-    codec, out = Codec(), []
-    deadline = time.monotonic() + wait_s
-    while sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-        out.extend(codec.decode(sock.recv()))
-        done = until is not None and any(isinstance(m, ErrorReply) and m.cause == until for m in out)
-        if done or time.monotonic() > deadline:
-            break
-    return out
+
+    def arrived(out: list) -> bool:
+        return until is not None and any(isinstance(m, ErrorReply) and m.cause == until for m in out)
+
+    return raw_replies(sock, wait_s, arrived)
 
 
 async def one_generation(address: str, timeout_s: float = 30.0):

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from millstream.shared.config.meta import CPUS_PATTERN
 from millstream.shared.config.meta import doc as _doc
 
 __all__ = ["LearnerConfig"]
@@ -111,6 +112,17 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         int, _doc("Learner processes (DeepSpeed data parallel; the launcher starts each rank).", ge=1)
     ] = 1
     zero_stage: Annotated[int, _doc("DeepSpeed ZeRO stage.", ge=0, le=3)] = 2
+    cpus: Annotated[
+        str,
+        _doc(
+            "Cores the learner runs on (shared/process/cpus.py). auto: on a machine without a "
+            "GPU, the cores the actor does not take (all of them on one core), torch running "
+            "one thread per core; with a GPU or under Ray, unchanged. all: not pinned, torch's "
+            "own thread count. A list such as '0-3,8': those cores, split among the ranks when "
+            "there are enough.",
+            pattern=CPUS_PATTERN,
+        ),
+    ] = "auto"
     lora_rank: Annotated[
         int,
         _doc(

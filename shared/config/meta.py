@@ -1,6 +1,7 @@
 """How a config field carries its documentation: `doc(text, **constraints)` is the
 `msgspec.Meta` every section's fields are annotated with (`millstream config` prints it), shared by
-the modules that hold the sections; and `ConfigError`, what every check of the config raises.
+the modules that hold the sections; `ConfigError`, what every check of the config raises; and
+the pattern the `*.cpus` settings share.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["doc", "ConfigError"]
+__all__ = ["doc", "ConfigError", "CPUS_PATTERN"]
 
 
 class ConfigError(ValueError):
@@ -19,3 +20,8 @@ class ConfigError(ValueError):
 def doc(text: str, **constraints: Any) -> msgspec.Meta:
     """A field's one-line documentation and its range or length constraints."""
     return msgspec.Meta(description=text, **constraints)
+
+
+#: What a `*.cpus` setting may hold: auto, all, or a core list such as "0-3,8"
+#: (shared/process/cpus.py reads it).
+CPUS_PATTERN = r"^(auto|all|\d+(-\d+)?(,\d+(-\d+)?)*)$"

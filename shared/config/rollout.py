@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from millstream.shared.config.meta import CPUS_PATTERN
 from millstream.shared.config.meta import doc as _doc
 
 __all__ = ["ActorConfig", "EnvPoolConfig"]
@@ -51,6 +52,18 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         Literal["auto", "cpu", "cuda"], _doc("Where the engine runs; 'auto' picks cuda when available.")
     ] = "auto"
     max_num_seqs: Annotated[int, _doc("vLLM continuous-batching width (sequences).", ge=1)] = 64
+    cpus: Annotated[
+        str,
+        _doc(
+            "Cores the actor's engines run on (shared/process/cpus.py). auto: on a machine "
+            "without a GPU, the first half of the cores (rounded up), so that the learner's math "
+            "never waits on the engine's threads; with a GPU or under Ray, unchanged. all: not "
+            "pinned, the libraries' own thread counts. A list such as '0-3,8': those cores. "
+            "Replicas (and a judge) split them when there are enough; each engine runs one "
+            "thread per core of its slice.",
+            pattern=CPUS_PATTERN,
+        ),
+    ] = "auto"
     tensor_parallel_size: Annotated[
         int,
         _doc(
@@ -85,8 +98,9 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_interval: Annotated[
         int,
         _doc(
-            "Tokens per streamed delta (the last delta of a request may be shorter; a "
-            "policy-version change flushes early, so each delta has one version label). "
+            "Tokens per streamed delta after the first (a request's first token is sent at "
+            "once; the last delta may be shorter; a policy-version change flushes early, so "
+            "each delta has one version label). "
             "The vLLM actor asks the engine to hand tokens over this many at a time too. "
             "1 streams every token; larger values cut messages and wake-ups at scale.",
             ge=1,
@@ -163,6 +177,16 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = {}
     workers: Annotated[int, _doc("envpool worker processes sharing the actor.", ge=1)] = 1
+    cpus: Annotated[
+        str,
+        _doc(
+            "Cores the envpool workers run on (shared/process/cpus.py). auto: not pinned, one "
+            "thread (an event loop; its tokenizer needs no thread pool); with a GPU or under "
+            "Ray, unchanged. all: not pinned, the libraries' own thread counts. A list such as "
+            "'0-3,8': those cores, split among the workers when there are enough.",
+            pattern=CPUS_PATTERN,
+        ),
+    ] = "auto"
     max_concurrent_episodes: Annotated[
         int, _doc("Live episodes per worker (the gate may admit fewer).", ge=1)
     ] = 256

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from millstream.shared.config import Config, ConfigError, dump_config
+from millstream.shared.process.cpus import check_cpus
 from millstream.shared.process.lifecycle import run_processes
 from millstream.shared.process.runtime import bind_problem, check_tensor_parallel
 
@@ -37,9 +38,12 @@ def check_run_dir(run_dir: Path, resuming: bool) -> None:
 
 
 def check_actor(cfg: Config) -> None:
-    """What the actor this run starts would refuse only after its engine's processes started."""
+    """What the actor this run starts would refuse only after its engine's processes started;
+    and core lists (`*.cpus`) naming cores this machine does not offer."""
     if not cfg.actor.connect and cfg.actor.kind == "vllm":
         check_tensor_parallel(cfg.model.path, cfg.actor.tensor_parallel_size)
+    if cfg.launcher.kind == "local":  # on Ray the roles' hosts may have other cores
+        check_cpus(cfg)
 
 
 def bind_addresses(cfg: Config) -> list[tuple[str, str]]:

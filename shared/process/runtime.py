@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 import orjson
 
 from millstream.shared.config import Config, ConfigError, load_config
+from millstream.shared.process.cpus import apply_share, role_share
 from millstream.shared.process.lifecycle import reap_children, stop_on_signals, watch_parent
 
 __all__ = [
@@ -108,6 +109,7 @@ def run_role(
         sys.exit(2)
     stop_on_signals()
     watch_parent()
+    _take_cores(role, cfg, ns)
     log = logging.getLogger(role)
     code: int = 1
     try:
@@ -126,6 +128,18 @@ def run_role(
     finally:
         reap_children()
     sys.exit(code)
+
+
+def _take_cores(role: str, cfg: Config, ns: argparse.Namespace) -> None:
+    """This process's cores and thread counts (shared/process/cpus.py), before the role
+    imports torch; a `--check` run computes nothing."""
+    if getattr(ns, "check", False):
+        return
+    index = int(os.environ.get("RANK", "0")) if role == "learner" else getattr(ns, "worker_index", 0)
+    share = role_share(cfg, role, index, judge=getattr(ns, "judge", False))
+    apply_share(share)
+    if share.cores is not None:
+        logging.getLogger(role).info("on cores %s with %s threads", list(share.cores), share.threads)
 
 
 def ready_file(run_dir: str | Path, name: str) -> Path:
