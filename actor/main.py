@@ -268,7 +268,17 @@ def _join_config(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_role("actor", _run, _join_config(sys.argv[1:] if argv is None else argv), options=_options)
+    # The engine has shut down by the time the actor exits; what may be left is vLLM's Worker,
+    # whose SIGTERM handler does nothing once its death-pipe monitor saw the EngineCore go (both
+    # set the same flag), so it held every stop of the actor for the whole grace (5-6 s per stop
+    # in the logs). It has nothing to save.
+    run_role(
+        "actor",
+        _run,
+        _join_config(sys.argv[1:] if argv is None else argv),
+        options=_options,
+        reap_grace_s=1.0,
+    )
 
 
 if __name__ == "__main__":

@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         f"actor.address=tcp://127.0.0.1:{free_port()}",
         f"actor.max_num_seqs={max(levels)}",
         f"transport.keys_dir={work / 'keys'}",
+        # Both sides on every core, as AsyncLLM alone runs: the comparison is of the engine
+        # behind millstream, not of a core split (shared/process/cpus.py).
+        "actor.cpus=all",
     ]
     cfg = load_config(None, overrides)
     config_path = work / "config.toml"

@@ -53,7 +53,9 @@ def synthetic_run(tiny_model_dir: str, run_dir: Path, *overrides: str) -> subpro
 
 
 def test_kill_9_of_the_launcher_leaves_no_process_vllm_children_included(tiny_model_dir, tmp_path):
-    """The launcher starts its own vLLM actor here: EngineCore and Worker must go too."""
+    """The launcher starts its own vLLM actor here: EngineCore and Worker must go too. It dies
+    as soon as both exist, while the engine still loads: every role is up by then (the learner
+    in about 10 s, the Worker after two starts of Python with vLLM, about 25 s)."""
     run_dir = tmp_path / "run"
     proc = start_run(
         run_dir,
@@ -61,9 +63,19 @@ def test_kill_9_of_the_launcher_leaves_no_process_vllm_children_included(tiny_mo
         "train.steps=1000",
         "train.group_size=4",
         "train.groups_per_batch=2",
-        timeout_s=600,
+        until="millstream run: ",
     )
-    assert {b"VLLM::EngineCore", b"VLLM::Worker"} <= titles(run_processes(run_dir))
+    engine = {b"VLLM::EngineCore", b"VLLM::Worker"}
+    learner_log = run_dir / "logs" / "learner.log"
+
+    def learner_watches() -> bool:  # its first line comes after it started watching its parent
+        text = learner_log.read_text() if learner_log.exists() else ""
+        return "learner: on cores" in text or "weight group" in text
+
+    deadline = time.monotonic() + 300
+    while not (engine <= titles(run_processes(run_dir)) and learner_watches()):
+        assert time.monotonic() < deadline, f"{titles(run_processes(run_dir))}: no engine or learner"
+        time.sleep(0.2)
     proc.kill()
     proc.wait()
     # Each role notices its launcher is gone and stops, the actor with its engine.

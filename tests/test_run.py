@@ -14,20 +14,22 @@ import pytest
 from helpers import MILLSTREAM, Attacker, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
 from millstream.bench.learning.margins import rise
+from millstream.shared.config import load_config
 from millstream.shared.obs.metrics import read_jsonl
 from millstream.shared.process.lifecycle import run_processes
 
 #: The default run's length and learning bar: the rise of the mean reward of the last 4 steps over
 #: the first 4. Measured with `python -m millstream.bench.learning.margins --case default --runs 10`
-#: twice (10 learners, 10 non-learners at learner.lr=1e-12 each, one real vLLM-CPU actor, no
-#: attack): run.seed 0-9 at 14 steps (bench/results/2026-11-26-vm/learning-margins-default.json)
-#: and 10-19 at 16 steps (`--first-seed 10 --steps 16`, learning-margins-default-s10.json,
-#: 2026-11-26 21:25-21:58, load 2-4). At 12 steps (this test's length before) the smallest
-#: learner rose 0.071, and CI, whose machine samples other numbers than this one, drew a run that
-#: rose 0.026 there (a failure at the old bar 0.04): 20 seeds had not shown that tail. At 16
-#: steps the learners' smallest rise is 0.135 (seeds 10-19) and the non-learners' largest drift
-#: 0.010 (0.018 at 14 steps, seeds 0-9). The bar, 0.05, is 2.8x the largest drift and 0.37x the
-#: smallest learner; the slowest curves gain about 0.015 a step after step 12.
+#: (10 learners, 10 non-learners at learner.lr=1e-12 each, one real vLLM-CPU actor, no attack):
+#: - with the roles on their own cores (shared/process/cpus.py; 2026-11-27 00:50-01:01, run.seed
+#:   0-9, 16 steps, learning-margins-default.json in bench/results/2026-11-27-vm): learners
+#:   0.155 / 0.218 / 0.386 / 0.459 / 0.504 (min, q1, median, q3, max), non-learners' largest drift
+#:   0.010 (0.018 at 14 steps);
+#: - before, sharing the cores (bench/results/2026-11-26-vm, seeds 0-9 at 14 steps and 10-19 at
+#:   16): learners' smallest rise 0.135 at 16 steps, 0.071 at 12, where CI, whose machine samples
+#:   other numbers than this one, drew a run that rose 0.026 (a failure at the old bar 0.04).
+#: The bar, 0.05, is 5x the largest drift and 0.37x the smallest learner (0.135) of the 20 measured
+#: at 16 steps.
 STEPS, BAR = 16, 0.05
 
 
@@ -66,6 +68,21 @@ def test_learning_run_accounts_for_every_episode(learning_run):
     run_dir, _, _ = learning_run
     summary = check_accounting(run_dir)
     assert summary["episodes_failed"] == {} or set(summary["episodes_failed"]) == {"run_ended"}
+
+
+def test_the_learner_ran_on_its_own_cores(learning_run):
+    """On a CPU box the learner takes the cores the actor leaves (shared/process/cpus.py), with
+    one torch thread per core: its math never waits on the engine's threads."""
+    from millstream.shared.process.cpus import has_gpu, role_share
+
+    run_dir, _, _ = learning_run
+    cfg = load_config(str(run_dir / "config.toml"), [])
+    share = role_share(cfg, "learner")
+    log = (run_dir / "logs" / "learner.log").read_text()
+    if has_gpu():
+        assert share.cores is None and "on cores" not in log
+    else:
+        assert f"learner: on cores {list(share.cores)} with {share.threads} threads" in log
 
 
 def test_learning_run_writes_loadable_final_weights(learning_run, actor):

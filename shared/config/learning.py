@@ -118,8 +118,8 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "Cores the learner runs on (shared/process/cpus.py). auto: on a machine without a "
             "GPU, the cores the actor does not take (all of them on one core), torch running "
             "one thread per core; with a GPU or under Ray, unchanged. all: not pinned, torch's "
-            "own thread count. A list such as '0-3,8': those cores, split among the ranks when "
-            "there are enough.",
+            "own thread count. A list such as '0-3,8' (one core: '1', quoted): those cores, "
+            "split among the ranks when there are enough.",
             pattern=CPUS_PATTERN,
         ),
     ] = "auto"

@@ -58,9 +58,9 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "Cores the actor's engines run on (shared/process/cpus.py). auto: on a machine "
             "without a GPU, the first half of the cores (rounded up), so that the learner's math "
             "never waits on the engine's threads; with a GPU or under Ray, unchanged. all: not "
-            "pinned, the libraries' own thread counts. A list such as '0-3,8': those cores. "
-            "Replicas (and a judge) split them when there are enough; each engine runs one "
-            "thread per core of its slice.",
+            "pinned, the libraries' own thread counts. A list such as '0-3,8' (one core: '1', "
+            "quoted): those cores. Replicas (and a judge) split them when there are enough; "
+            "each engine runs one thread per core of its slice.",
             pattern=CPUS_PATTERN,
         ),
     ] = "auto"
@@ -183,7 +183,8 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "Cores the envpool workers run on (shared/process/cpus.py). auto: not pinned, one "
             "thread (an event loop; its tokenizer needs no thread pool); with a GPU or under "
             "Ray, unchanged. all: not pinned, the libraries' own thread counts. A list such as "
-            "'0-3,8': those cores, split among the workers when there are enough.",
+            "'0-3,8' (one core: '1', quoted): those cores, split among the workers when there "
+            "are enough.",
             pattern=CPUS_PATTERN,
         ),
     ] = "auto"

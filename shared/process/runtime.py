@@ -100,6 +100,7 @@ def run_role(
     *,
     check: str = "",
     options: Callable[[argparse.ArgumentParser], None] | None = None,
+    reap_grace_s: float = 5.0,
 ) -> NoReturn:
     """Parse the role's arguments, run `body(cfg, ns)`, and exit with its status (see above)."""
     try:
@@ -126,7 +127,7 @@ def run_role(
             _write_exit_cause(cfg, exc)
             code = SETUP_FAILED if fails_again(first) else 1
     finally:
-        reap_children()
+        reap_children(reap_grace_s)
     sys.exit(code)
 
 
