@@ -207,8 +207,13 @@ def test_an_unavailable_sandbox_is_refused_with_the_reason_and_the_opt_out():
 def _as_nobody(mechanism, code):
     work = tempfile.mkdtemp(prefix="pytool-")  # pytest's tmp_path is private to root
     os.chown(work, 65534, 65534)
+    # The sandbox's child script and the modules beside it that it imports, where nobody can
+    # read them: a checkout may sit in a folder private to root (a `mktemp -d` clone is 0700).
+    for source in CHILD.parent.glob("*.py"):
+        os.chmod(shutil.copy(source, work), 0o644)
+    child = os.path.join(work, CHILD.name)
     command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3"]
-    command += ["-I", "-S", str(CHILD), str(256 * 2**20), "5", str(2**20), mechanism, str(4 * 2**20)]
+    command += ["-I", "-S", child, str(256 * 2**20), "5", str(2**20), mechanism, str(4 * 2**20)]
     try:
         done = subprocess.run(command, input=code.encode(), capture_output=True, cwd=work, timeout=30)
     finally:
