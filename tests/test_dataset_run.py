@@ -37,11 +37,18 @@ def test_dataset_run_learns_and_evaluates(actor, tmp_path):
     assert "accounting ok" in proc.stdout
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 21))
-    first = statistics.fmean(r["reward/mean"] for r in steps[:5])
-    last = statistics.fmean(r["reward/mean"] for r in steps[-5:])
-    # Measured on a loaded 2-core machine: 0.00 -> 0.16 with 8 problems a step, 0.00 -> 0.17 with
-    # 12; a policy that learns nothing stays near 0.02.
-    assert last - first >= 0.08, f"reward {first:.3f} -> {last:.3f}"
+    # The rise: the mean reward of the last 12 steps less that of the first 4. A step's reward
+    # here swings with which answers its 12 problems want (one learner read 0.40, 0.17, 0.25,
+    # 0.08, 0.00, 0.33 in a row), so the last steps are averaged over more of them. Measured with
+    # `python -m millstream.bench.learning.margins --case dataset --runs 10 --steps 20` (10
+    # learners, 10 non-learners at lr 1e-12, seeds 0-9, the roles on their own cores; 2026-11-27
+    # 02:32-02:41 UTC, bench/results/2026-11-27-vm/learning-margins-dataset.json): learners
+    # 0.106 / 0.133 / 0.154 / 0.225 / 0.283 (min, q1, median, q3, max), non-learners' largest
+    # drift 0.021. The bar, 0.05, is 2.4x the drift and 0.47x the smallest learner. (The old
+    # measure, last 5 steps less the first 5 at bar 0.08, failed seed 0's learner: 0.029.)
+    rewards = [r["reward/mean"] for r in steps]
+    rise = statistics.fmean(rewards[-12:]) - statistics.fmean(rewards[:4])
+    assert rise >= 0.05, [round(x, 3) for x in rewards]
 
     evals = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "eval/version" in r]
     assert [r["eval/version"] for r in evals] == [0, 5, 10, 15, 20]
