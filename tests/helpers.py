@@ -34,8 +34,10 @@ from millstream.shared.wire import (
     AttachLearner,
     Codec,
     EpisodeFailed,
+    ErrorReply,
     PolicyVersion,
     PoolDone,
+    ReplyCause,
     Trajectory,
 )
 from millstream.shared.wire.keys import RunKeys, ensure_keys, load_keys, secure
@@ -287,6 +289,15 @@ def raw_replies(sock: zmq.Socket, wait_s: float, done=lambda out: False) -> list
         if done(out) or time.monotonic() > deadline:
             break
     return out
+
+
+def replies(sock: zmq.Socket, wait_s: float, until: ReplyCause | None = None) -> list:
+    """What arrives within `wait_s`, or until an ErrorReply of cause `until` has."""
+
+    def arrived(out: list) -> bool:
+        return until is not None and any(isinstance(m, ErrorReply) and m.cause == until for m in out)
+
+    return raw_replies(sock, wait_s, arrived)
 
 
 # --- `millstream run` as a user runs it --------------------------------------------------------

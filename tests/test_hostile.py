@@ -25,8 +25,8 @@ from helpers import (
     ROOT,
     dealer,
     keys_for,
-    raw_replies,
     read_episodes,
+    replies,
     start_actor,
     stop_group,
     wait_for_file,
@@ -212,15 +212,6 @@ def hostile_synthetic(tiny_model_dir, tmp_path_factory):
     )
     yield address, proc, log
     stop_group(proc)
-
-
-def replies(sock: zmq.Socket, wait_s: float, until: ReplyCause | None = None) -> list:
-    """What arrives within `wait_s`, or until an ErrorReply of cause `until` has."""
-
-    def arrived(out: list) -> bool:
-        return until is not None and any(isinstance(m, ErrorReply) and m.cause == until for m in out)
-
-    return raw_replies(sock, wait_s, arrived)
 
 
 async def one_generation(address: str, timeout_s: float = 30.0):

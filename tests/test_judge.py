@@ -9,10 +9,9 @@ from pathlib import Path
 
 import orjson
 import pytest
-from helpers import check_accounting, millstream_run, read_episodes, start_actor, stop_group
+from helpers import check_accounting, dealer, millstream_run, read_episodes, replies, start_actor, stop_group
 from hypothesis import given
 from hypothesis import strategies as st
-from test_hostile import dealer, replies
 
 from millstream.envpool.scoring.judge import JudgeFailed, _rescored, read_score, render_rubric
 from millstream.shared.config import ConfigError, load_config

@@ -18,15 +18,15 @@ So on a CPU box the roles get cores of their own (`actor.cpus`, `learner.cpus`, 
 A role's cores are shared out among its processes: actor replica i (and a judge, after the
 replicas) and learner rank i each get their own slice when there are enough cores, else all of
 them; the threads are the slice's cores (divided among an actor's tensor-parallel workers).
-Each role applies its share to itself at start, before torch is imported: the affinity and
-`OMP_NUM_THREADS` are inherited by the processes it starts (vLLM's engine and workers).
+Each role applies its share to itself at start, before its work starts any thread pool: the
+affinity and `OMP_NUM_THREADS` are inherited by the processes it starts (vLLM's engine and
+workers), and torch, where the role's modules imported it already, is sized directly.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -76,17 +76,10 @@ def _auto_split(available: Sequence[int]) -> dict[str, tuple[int, ...] | None]:
     return {"actor": cores[:half], "learner": cores[half:], "envpool": None}
 
 
-def _role_cores(cfg: Config, role: str, available: Sequence[int]) -> tuple[int, ...] | str | None:
-    """The role's cores, None (not pinned), or "unchanged"."""
-    spec = getattr(cfg, role).cpus
-    if spec == "all":
-        return "unchanged"
-    if spec != "auto":
-        return parse_cores(spec)
+def _splits(cfg: Config) -> bool:
+    """Whether "auto" splits the cores: a local run on a machine without a GPU."""
     gpu = cfg.actor.device == "cuda" or (cfg.actor.device == "auto" and has_gpu())
-    if gpu or cfg.launcher.kind != "local":
-        return "unchanged"
-    return _auto_split(available)[role]
+    return not gpu and cfg.launcher.kind == "local"
 
 
 def role_share(
@@ -94,14 +87,16 @@ def role_share(
 ) -> CpuShare:
     """The share of process `index` of `role` ("actor", "learner", "envpool"): actor replica or
     learner rank `index`; `judge` for the judge's engine (the actor's cores, after the replicas)."""
-    if available is None:
-        available = sorted(os.sched_getaffinity(0))
-    cores = _role_cores(cfg, role, available)
-    if cores == "unchanged":
+    spec = getattr(cfg, role).cpus
+    if spec == "all" or (spec == "auto" and not _splits(cfg)):
         return UNCHANGED
-    if cores is None:  # not pinned, one thread: the envpool's event loop
-        return CpuShare(None, 1)
-    assert isinstance(cores, tuple)
+    if spec != "auto":
+        cores = parse_cores(spec)
+    else:
+        mine = _auto_split(sorted(os.sched_getaffinity(0)) if available is None else available)[role]
+        if mine is None:  # not pinned, one thread: the envpool's event loop
+            return CpuShare(None, 1)
+        cores = mine
     processes = {"actor": cfg.actor.replicas + bool(cfg.judge.model_path), "learner": cfg.learner.ranks}
     count = processes.get(role, cfg.envpool.workers)
     slot = cfg.actor.replicas if judge else index
@@ -149,10 +144,10 @@ def check_cpus(cfg: Config, available: Sequence[int] | None = None) -> None:
 
 def _ranges(cores: Sequence[int]) -> str:
     """(0, 1, 2, 5) -> "0-2,5"."""
-    parts: list[str] = []
+    runs: list[list[int]] = []
     for core in cores:
-        if parts and re.fullmatch(rf"(\d+-)?{core - 1}", parts[-1]):
-            parts[-1] = f"{parts[-1].split('-')[0]}-{core}"
+        if runs and core == runs[-1][1] + 1:
+            runs[-1][1] = core
         else:
-            parts.append(str(core))
-    return ",".join(parts)
+            runs.append([core, core])
+    return ",".join(f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in runs)

@@ -132,8 +132,8 @@ def run_role(
 
 
 def _take_cores(role: str, cfg: Config, ns: argparse.Namespace) -> None:
-    """This process's cores and thread counts (shared/process/cpus.py), before the role
-    imports torch; a `--check` run computes nothing."""
+    """This process's cores and thread counts (shared/process/cpus.py), before the role's work
+    starts a thread pool; a `--check` run computes nothing."""
     if getattr(ns, "check", False):
         return
     index = int(os.environ.get("RANK", "0")) if role == "learner" else getattr(ns, "worker_index", 0)
