@@ -10,9 +10,10 @@ Layout:
 - `weights.py` the vLLM worker extension that receives the learner's broadcast and reloads;
 - `synthetic.py` a timing model of a batching engine on the same protocol (`actor.kind=synthetic`),
   for scale tests without vLLM; not a language model;
-- `main.py`    the process entry point (`millstream actor`): engine arguments, warm-up, serve.
+- `engine.py`  the vLLM engine: its arguments, how its processes start (fork on CPU), warm-up;
+- `main.py`    the process entry point (`millstream actor`): build, warm up, serve, drain.
 
-Importing this package does not import vLLM; `main.build_engine` does.
+Importing this package does not import vLLM; `engine.build_engine` does.
 """
 
 __all__: list[str] = []

