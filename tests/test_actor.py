@@ -1,5 +1,7 @@
 """The real vLLM actor (one per session, see conftest): streaming, logprobs, aborts, weights."""
 
+from pathlib import Path
+
 import anyio
 import msgspec
 import pytest
@@ -259,3 +261,28 @@ def test_deltas_send_the_first_tokens_at_once():
     assert not pending.due(16)  # then 16 at a time
     pending.add([3], [-0.3], now=0)
     assert pending.due(16)
+
+
+def test_the_engine_processes_are_forked_from_the_actor(actor):
+    """`actor.engine_start=auto` on CPU forks vLLM's EngineCore and Worker (actor/engine.py).
+
+    A forked child keeps its parent's address space, so libc sits at the actor's address; an
+    exec'd (spawned) child is laid out afresh by address-space randomization (on here:
+    randomize_va_space=2), so the two addresses would differ.
+    """
+    import psutil
+
+    assert Path("/proc/sys/kernel/randomize_va_space").read_text().strip() != "0"
+
+    def libc_at(pid: int) -> str:
+        with open(f"/proc/{pid}/maps") as f:
+            return next(line.split("-")[0] for line in f if "/libc.so" in line)
+
+    engine = {
+        p.pid: p.cmdline()[0]
+        for p in psutil.Process(actor.proc.pid).children(recursive=True)
+        if p.cmdline() and p.cmdline()[0].startswith("VLLM::")
+    }
+    assert sorted(engine.values()) == ["VLLM::EngineCore", "VLLM::Worker"], engine
+    for pid, title in engine.items():
+        assert libc_at(pid) == libc_at(actor.proc.pid), title
