@@ -19,7 +19,8 @@ the whole run, started one at a time, and only the measured one runs: the other 
 stopped (SIGSTOP of their process groups, `OneAwake`), because an idle vLLM CPU engine keeps
 spinning for a second after its last step and takes cores from the measured one. Ratios are of
 median tokens/s against asyncllm; each sample also records the CPU time of every process under
-the benchmark per thousand tokens (with all cores busy it only mirrors tokens/s).
+the benchmark per thousand tokens (with all cores busy it only mirrors tokens/s) and, for the two
+systems that stream, the time to each request's first token (median and 90th percentile).
 """
 
 from __future__ import annotations
@@ -139,13 +140,13 @@ def through_millstream(cfg: Config, load: Load) -> dict[str, float]:
         client = ActorClient(channel, "bench")
         n = load.output_len
 
-        async def one(index: int) -> int:
+        async def one(index: int) -> tuple[int, float | None]:
             gen = await client.generate_once(
                 prompt_ids(index, load.prompt_len, load.vocab),
                 Sampling(max_tokens=n, timeout_s=600, ignore_eos=True, min_tokens=n),
                 seed=None,
             )
-            return len(gen.token_ids)
+            return len(gen.token_ids), gen.first_token_s
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(channel.run)
@@ -171,7 +172,7 @@ def through_vllm_serve(url: str, model: str, load: Load) -> dict[str, float]:
         )
         async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as http:
 
-            async def one(index: int) -> int:
+            async def one(index: int) -> tuple[int, float | None]:
                 body = {
                     "model": model,
                     "prompt": prompt_ids(index, load.prompt_len, load.vocab),
@@ -190,7 +191,8 @@ def through_vllm_serve(url: str, model: str, load: Load) -> dict[str, float]:
                             raise
                         retried[0] += 1
                 response.raise_for_status()
-                return int(response.json()["usage"]["completion_tokens"])
+                # Not streamed (one response per request, as peers call it): no first token time.
+                return int(response.json()["usage"]["completion_tokens"]), None
 
             retried = [0]
             result = await run_load(one, load.shape, load.concurrency, load.waves, load.seconds)
@@ -369,17 +371,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: millstream/asyncllm {m:.3f}, vllm-serve/asyncllm {v:.3f}")
     print(
         "\n| shape | concurrency | asyncllm tok/s | millstream tok/s | vllm serve tok/s "
-        "| millstream / asyncllm | millstream / vllm serve | CPU ms per 1k tokens (a / m / v) |"
+        "| millstream / asyncllm | millstream / vllm serve | CPU ms per 1k tokens (a / m / v) "
+        "| first token p50 ms (a / m) |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for shape, concurrency, outcome, _ in rows:
         names = ("asyncllm", "millstream", "vllm-serve")
         a, m, v = (outcome.median(s) for s in names)
         systems = outcome.summary()["systems"]
         cpu = " / ".join(f"{systems[s]['cpu_ms_per_ktok']['median']:,.0f}" for s in names)
+        first = " / ".join(f"{outcome.median(s, 'first_token_ms_p50'):.1f}" for s in names[:2])
         print(
             f"| {shape} | {concurrency} | {a:,.0f} | {m:,.0f} | {v:,.0f} | {m / a:.3f} | {m / v:.3f} "
-            f"| {cpu} |"
+            f"| {cpu} | {first} |"
         )
     return 0
 

@@ -51,13 +51,16 @@ def test_load_counts_every_token_of_concurrent_requests(shape):
 
     from millstream.bench.baselines.overhead_load import run_load
 
-    async def one(index: int) -> int:
-        await anyio.sleep(0.001 * (index % 5))
-        return 7
+    async def one(index: int) -> tuple[int, float | None]:
+        delay = 0.001 * (index % 5)
+        await anyio.sleep(delay)
+        return 7, delay
 
     result = anyio.run(run_load, one, shape, 16, 3, 0.05)
     assert result["requests"] >= 16 * (3 if shape == "waves" else 1)
     assert result["tokens"] == 7 * result["requests"]
+    # First-token times as the systems report them: delays of 0-4 ms, a median among them.
+    assert 0 <= result["first_token_ms_p50"] <= result["first_token_ms_p90"] <= 4
 
 
 def test_one_awake_stops_every_engine_but_the_measured_one():

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+import time
 import uuid
 
 from millstream.actor.engine import build_engine
@@ -56,12 +57,16 @@ async def serve(config_path: str) -> None:
         )
         session = uuid.uuid4().hex[:8]
 
-        async def one(index: int, params=params, session=session, command=command) -> int:
+        async def one(
+            index: int, params=params, session=session, command=command
+        ) -> tuple[int, float | None]:
             prompt = {"prompt_token_ids": prompt_ids(index, command["prompt_len"], vocab)}
-            tokens = 0
+            tokens, first, sent = 0, None, time.perf_counter()
             async for out in engine.generate(prompt, params, request_id=f"{session}-{index}"):
+                if first is None and out.outputs[0].token_ids:
+                    first = time.perf_counter() - sent
                 tokens += len(out.outputs[0].token_ids)
-            return tokens
+            return tokens, first
 
         result = await run_load(
             one, command["shape"], command["concurrency"], command["waves"], command["seconds"]

@@ -322,6 +322,8 @@ class ActorClient:
                     if isinstance(reply, GenerateError):
                         done = True
                         raise GenerationFailed(TURN_CAUSE[reply.cause], reply.message)
+                    if out.first_token_s is None and reply.token_ids:
+                        out.first_token_s = anyio.current_time() - sent_at
                     out.token_ids += reply.token_ids
                     out.logprobs += reply.logprobs
                     if reply.top_logprobs:

@@ -47,6 +47,8 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     #: The id the request had on the wire (a turn's record names it, to find the call later).
     request_id: str = ""
+    #: Seconds from sending the request to its first token's arrival (None before it arrives).
+    first_token_s: float | None = None
 
 
 class GenerationFailed(Exception):
