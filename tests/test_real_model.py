@@ -204,7 +204,13 @@ def test_two_steps_of_the_real_model_stay_on_policy(smollm2_dir, tmp_path):
     actor on the real model, the DeepSpeed learner, the reasoning-gym task): the run ends with
     its accounting whole and the actor holding the learner's weights, and step 2, sampled after
     a push that moved the tied embeddings, has importance ratios of 1 (the tied head's reload bug
-    gave ratio_max 1.43 there)."""
+    gave ratio_max 1.43 there).
+
+    The entropy bonus makes step 1 move the weights whatever its rewards: without it, a step
+    whose 8 rewards are all equal (step 1's were all 0 here, 2026-11-27) has a gradient of 0,
+    the push changes nothing, and step 2 would pass even with the reload bug. The learner gets
+    both cores: at staleness 0 the actor idles while it trains, and SmolLM2's step is
+    compute-bound (25 s on one core, 14 s on two, measured here)."""
     from helpers import KEYS, WATCHED, check_accounting, require_real, steps_of
 
     require_real("runs `millstream run` on the real model")
@@ -213,7 +219,7 @@ def test_two_steps_of_the_real_model_stay_on_policy(smollm2_dir, tmp_path):
         *MILLSTREAM, "run", str(ROOT / "examples" / "cpu-smollm2.toml"), "--quiet", KEYS,
         f"run.dir={run_dir}", f"model.path={smollm2_dir}", "train.steps=2", "train.max_staleness=0",
         "train.group_size=4", "train.groups_per_batch=2", "envpool.max_tokens=48", "learner.lr=1e-5",
-        "eval.every=0", "actor.kv_cache_bytes=268435456",
+        "eval.every=0", "actor.kv_cache_bytes=268435456", "learner.entropy_coef=0.01", "learner.cpus=all",
     ]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=ROOT, capture_output=True, text=True, timeout=840, env=dict(os.environ, **WATCHED)
@@ -222,6 +228,7 @@ def test_two_steps_of_the_real_model_stay_on_policy(smollm2_dir, tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}\n{logs}"
     steps = steps_of(run_dir)
     assert [s["step"] for s in steps] == [1, 2]
+    assert steps[0]["train/grad_norm"] > 0  # step 2 sampled weights that step 1 changed
     for s in steps:
         assert s["train/ratio_max"] == pytest.approx(1.0, abs=RATIO_TOLERANCE), s
     summary = check_accounting(run_dir)
