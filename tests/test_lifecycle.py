@@ -171,3 +171,30 @@ def test_a_role_failing_as_every_restart_would_is_not_retried(tmp_path):
     decision = healer.on_exit("actor", time.monotonic(), SETUP_FAILED)
     assert not decision.restart and decision.repeats and healer.used == {}
     assert healer.on_exit("actor", time.monotonic(), 1).restart  # an ordinary crash is retried
+
+
+def test_a_role_exits_with_its_status_its_output_and_exit_handlers_but_no_teardown(tmp_path):
+    """`run_role` ends the process with `os._exit` (shared/process/runtime.py `exit_now`): its
+    status, what it printed (buffered, to a pipe), its log lines and its exit handlers survive;
+    the interpreter's teardown, which would wait for a thread a library left running (and free
+    torch module by module), does not happen."""
+    body = (
+        "import atexit, logging, threading, time\n"
+        "from millstream.shared.process.runtime import run_role\n"
+        "def left_running():\n"
+        "    time.sleep(5)\n"
+        f"    open({str(tmp_path / 'waited')!r}, 'w').close()\n"
+        "def body(cfg, ns):\n"
+        f"    atexit.register(lambda: open({str(tmp_path / 'atexit')!r}, 'w').close())\n"
+        "    threading.Thread(target=left_running).start()\n"
+        "    print('printed, not flushed', end='')\n"
+        "    logging.getLogger('actor').warning('logged')\n"
+        "    return 7\n"
+        f"run_role('actor', body, ['run.dir={tmp_path}'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", body], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stdout == "printed, not flushed"
+    assert "logged" in proc.stderr
+    assert (tmp_path / "atexit").exists()
+    assert not (tmp_path / "waited").exists()
