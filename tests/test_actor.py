@@ -270,7 +270,7 @@ def test_the_engine_processes_are_forked_from_the_actor(actor):
     exec'd (spawned) child is laid out afresh by address-space randomization (on here:
     randomize_va_space=2), so the two addresses would differ.
     """
-    import psutil
+    from millstream.shared.process.lifecycle import descendants
 
     assert Path("/proc/sys/kernel/randomize_va_space").read_text().strip() != "0"
 
@@ -278,11 +278,11 @@ def test_the_engine_processes_are_forked_from_the_actor(actor):
         with open(f"/proc/{pid}/maps") as f:
             return next(line.split("-")[0] for line in f if "/libc.so" in line)
 
-    engine = {
-        p.pid: p.cmdline()[0]
-        for p in psutil.Process(actor.proc.pid).children(recursive=True)
-        if p.cmdline() and p.cmdline()[0].startswith("VLLM::")
+    titles = {
+        pid: Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        for pid in descendants(actor.proc.pid)
     }
+    engine = {pid: title for pid, title in titles.items() if title.startswith("VLLM::")}
     assert sorted(engine.values()) == ["VLLM::EngineCore", "VLLM::Worker"], engine
     for pid, title in engine.items():
         assert libc_at(pid) == libc_at(actor.proc.pid), title
