@@ -14,23 +14,33 @@ vLLM's own choice (it forks unless CUDA is initialized, Ray holds the process or
 asked otherwise).
 
 Why forking is safe here, and where it would not be: a forked child gets only the forking
-thread and a copy of the parent's memory. The actor builds its engine before it opens any
-socket, runs no torch work before then (GNU OpenMP cannot enter a parallel region in a child
-whose parent already had one), and the EngineCore forks its Workers before any model runs. The
-one rule for whoever changes this module: nothing may compute with torch, or open a socket,
-before `build_engine`.
+thread and a copy of the parent's memory and descriptors.
+- OpenMP: the actor runs no torch work before `build_engine` (GNU OpenMP cannot enter a parallel
+  region in a child whose parent already had one), and the EngineCore forks its Workers before
+  any model runs. Nothing may compute with torch before `build_engine`.
+- Sockets: the actor binds its ROUTER socket after the engine exists, so no child holds it.
+- Signals: the actor's event loop already listens for SIGTERM through a wake-up descriptor,
+  which Python 3.11 keeps across a fork: a child's own SIGTERM would land in the actor's loop as
+  if the actor had been signalled (a stop by the launcher, which signals the whole group, was
+  seen two or three times and cut the drain short). `_children_own_their_signals` gives every
+  forked child the signal state a spawned one starts with.
+- Thread binding: vLLM binds each Worker's OpenMP threads through `OMP_PLACES`-style variables
+  that OpenMP reads when it loads, which a forked Worker did long before. So `auto` forks only
+  with `VLLM_CPU_OMP_THREADS_BIND=nobind` (millstream's default on CPU, for a shared box); with
+  any binding asked for it leaves vLLM's spawn.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 import uuid
 from typing import Any
 
 from millstream.shared.config import Config
 
-__all__ = ["build_engine", "use_cuda", "warm_up", "start_method"]
+__all__ = ["build_engine", "use_cuda", "warm_up", "start_method", "fork_cleanly"]
 
 
 def use_cuda(cfg: Config) -> bool:
@@ -44,8 +54,31 @@ def use_cuda(cfg: Config) -> bool:
 def start_method(cfg: Config, cuda: bool) -> str | None:
     """The multiprocessing start method to give vLLM, or None to leave vLLM's own choice."""
     if cfg.actor.engine_start == "auto":
-        return None if cuda else "fork"
+        bound = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind") != "nobind"
+        return None if cuda or bound else "fork"
     return cfg.actor.engine_start
+
+
+def _children_own_their_signals() -> None:
+    """After a fork: no wake-up descriptor into the parent's event loop, and SIGTERM and SIGINT
+    as a freshly started Python has them (vLLM installs its own handlers after)."""
+    try:
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread: Python has no wake-up descriptor to reset there
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+_fork_hook_registered = False
+
+
+def fork_cleanly() -> None:
+    """Make every later fork of this process start its child with its own signal state."""
+    global _fork_hook_registered
+    if not _fork_hook_registered:  # once per process: hooks cannot be unregistered
+        os.register_at_fork(after_in_child=_children_own_their_signals)
+        _fork_hook_registered = True
 
 
 def build_engine(cfg: Config, model_dir: str):
@@ -60,6 +93,8 @@ def build_engine(cfg: Config, model_dir: str):
     method = start_method(cfg, cuda)
     if method:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+    if method == "fork":
+        fork_cleanly()
     args = AsyncEngineArgs(
         model=model_dir,
         dtype=cfg.model.dtype,

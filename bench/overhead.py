@@ -380,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
         a, m, v = (outcome.median(s) for s in names)
         systems = outcome.summary()["systems"]
         cpu = " / ".join(f"{systems[s]['cpu_ms_per_ktok']['median']:,.0f}" for s in names)
-        first = " / ".join(f"{outcome.median(s, 'first_token_ms_p50'):.1f}" for s in names[:2])
+        first = " / ".join(
+            f"{systems[s]['first_token_ms_p50']['median']:.1f}" if "first_token_ms_p50" in systems[s] else "-"
+            for s in names[:2]
+        )
         print(
             f"| {shape} | {concurrency} | {a:,.0f} | {m:,.0f} | {v:,.0f} | {m / a:.3f} | {m / v:.3f} "
             f"| {cpu} | {first} |"

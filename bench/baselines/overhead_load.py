@@ -73,7 +73,11 @@ async def run_load(
         raise ValueError(f"unknown load shape {shape!r}: waves or closed")
     wall = time.perf_counter() - started
     result = {"tokens_s": tokens / wall, "tokens": tokens, "requests": requests, "wall_s": wall}
-    if len(first_tokens) >= 2:
+    if first_tokens:
         result["first_token_ms_p50"] = 1000 * statistics.median(first_tokens)
-        result["first_token_ms_p90"] = 1000 * statistics.quantiles(first_tokens, n=10, method="inclusive")[-1]
+        result["first_token_ms_p90"] = 1000 * (
+            statistics.quantiles(first_tokens, n=10, method="inclusive")[-1]
+            if len(first_tokens) > 1
+            else first_tokens[0]
+        )
     return result

@@ -134,6 +134,26 @@ class Leader:
     # --- the loop --------------------------------------------------------------------------
 
     def run(self, ready_file: str | None) -> dict:
+        """The learner's loop until `train.steps`; on a stop or a failure its records are closed
+        before the error goes on: the role exits without the interpreter's teardown
+        (shared/process/runtime.py `exit_now`), so nothing else would flush them."""
+        try:
+            return self._run(ready_file)
+        except BaseException:
+            self._close_records()
+            raise
+
+    def _close_records(self) -> None:
+        """Best effort on the way out: the store's queued rows and the files' buffered lines."""
+        for closable in (self.records, getattr(self, "metrics", None)):
+            if closable is None:
+                continue
+            try:
+                closable.close()
+            except Exception:  # the error that stopped the loop is the one to report
+                log.exception("closing %s on the way out failed", type(closable).__name__)
+
+    def _run(self, ready_file: str | None) -> dict:
         cfg, trainer = self.cfg, self.trainer
         self._start(ready_file)
         announced = self.limit()

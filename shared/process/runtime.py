@@ -137,9 +137,10 @@ def exit_now(code: int) -> NoReturn:
     A learner spent 1.75 s after its last log line freeing torch, DeepSpeed and transformers
     module by module (strace: no system call in between), and the launcher waits for that
     before it stops the other roles: every run ended two seconds late. The exit handlers still
-    run (logging flushes its files), then the process ends. Nothing is lost: the roles close
-    their stores, files and engines in their own `finally` blocks, and their own threads are
-    daemons; a thread some library leaves running is not waited for.
+    run (logging flushes its files), then the process ends. What a role writes it must close
+    itself, on every path out (the learner's loop closes its records and metrics on a stop or a
+    failure too; the actor shuts its engine down in a `finally`); the roles' own threads are
+    daemons, and a thread some library leaves running is not waited for.
     """
     import atexit
 
