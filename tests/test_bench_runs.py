@@ -60,7 +60,7 @@ def test_load_counts_every_token_of_concurrent_requests(shape):
     assert result["requests"] >= 16 * (3 if shape == "waves" else 1)
     assert result["tokens"] == 7 * result["requests"]
     # First-token times as the systems report them: delays of 0-4 ms, a median among them.
-    assert 0 <= result["first_token_ms_p50"] <= result["first_token_ms_p90"] <= 4
+    assert 0 <= result["first_token_ms_p50"] <= result["first_token_ms_p90"] <= 4 + 1e-9  # ms from s
 
 
 def test_one_awake_stops_every_engine_but_the_measured_one():
