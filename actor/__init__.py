@@ -8,6 +8,7 @@ Layout:
 - `boundary.py` the error boundary per message: served, refused or failed, never a crash;
 - `membership.py` a replica's word to its run: "take me" (`--join`) and "I am leaving";
 - `weights.py` the vLLM worker extension that receives the learner's broadcast and reloads;
+- `receive.py` the buffer an update lands in, kept and filled in a thread while the engine runs;
 - `synthetic.py` a timing model of a batching engine on the same protocol (`actor.kind=synthetic`),
   for scale tests without vLLM; not a language model;
 - `engine.py`  the vLLM engine: its arguments, how its processes start (fork on CPU), warm-up;

@@ -9,14 +9,17 @@ The learner drives three exchanges over the actor's ROUTER socket:
 
     Hello          -> ActorInfo        who are you (model, version, weight ranks, dtype)
     AttachLearner  -> ActorInfo        join my weight-broadcast group (a new one per session)
-    WeightUpdate   -> WeightsApplied   a flat buffer of weights follows by broadcast
+    WeightUpdate   -> WeightsApplied   a flat buffer of weights follows by broadcast, in pieces
     DigestWeights  -> WeightsDigest    sums over the weights the engine holds (a check)
 
 What differs between the vLLM engine and the synthetic one is only how the group is joined and
 how the broadcast is received and loaded; that is a `WeightEngine`. The order, the session
 check, the locking (attach and updates never overlap), the error replies and the version
-bookkeeping are the same and live here once. With CURVE on (the default), attaches and updates
-are taken only from a peer that authenticated with the learner's key (`Channel.peer_role`).
+bookkeeping are the same and live here once. An update has two steps: `receive` while the
+engine generates, then `load` with generation paused (the `swap` lock, which an engine's
+generation may share); `WeightsApplied` reports the two times apart. With CURVE on (the
+default), attaches and updates are taken only from a peer that authenticated with the learner's
+key (`Channel.peer_role`).
 
 Every exchange is inside the actor's error boundary (`actor/boundary.py`): replies never wait,
 a failing exchange is counted, and at most `MAX_EXCHANGES` run at once (more are refused `busy`).
@@ -67,9 +70,12 @@ class WeightEngine(Protocol):
     async def join(self, msg: AttachLearner) -> None:
         """Join the learner's broadcast group; raise on failure."""
 
+    async def receive(self, msg: WeightUpdate) -> None:
+        """Receive the broadcast of `msg`, generation going on meanwhile; raise on failure."""
+
     async def load(self, msg: WeightUpdate) -> None:
-        """Receive the broadcast of `msg` and load it, generation paused meanwhile; raise on
-        failure (generation must be running again either way)."""
+        """Load what `receive` got, generation paused meanwhile; raise on failure (generation
+        must be running again either way)."""
 
     async def digest(self) -> tuple[float, float, int]:
         """Sum, sum of magnitudes and count of the weights the engine holds."""
@@ -107,9 +113,11 @@ class LearnerLink:
         self.refused_not_learner = 0
         #: A frozen actor (the judge) refuses attaches and updates: its weights never change.
         self.frozen = False
-        #: Held by attach and updates; an actor kind may share it (the synthetic engine makes no
-        #: token while weights are being received).
+        #: Held by attaches, updates and digests: one at a time.
         self.lock = anyio.Lock()
+        #: Held while an update's weights are loaded; an actor kind may share it (the synthetic
+        #: engine makes no token meanwhile).
+        self.swap = anyio.Lock()
 
     def info(self) -> ActorInfo:
         return self._describe(self.version)
@@ -191,17 +199,26 @@ class LearnerLink:
                 await self._refuse(peer, ReplyCause.WEIGHT_UPDATE_FAILED, problem)
                 return
             try:
-                await self.engine.load(msg)
+                await self.engine.receive(msg)
+                received = time.monotonic()
+                async with self.swap:
+                    await self.engine.load(msg)
             except Exception as exc:
                 log.exception("weight update to version %d failed", msg.version)
                 await self._refuse(peer, ReplyCause.WEIGHT_UPDATE_FAILED, exc)
                 return
             self.version = msg.version
-            paused = time.monotonic() - started
+            paused = time.monotonic() - received
             self.updates += 1
             self.last_update_paused_s = paused
-            log.info("now at policy version %d (paused %.3fs)", msg.version, paused)
-            self.boundary.reply(peer, WeightsApplied(msg.version, paused, self._tokens()))
+            log.info(
+                "now at policy version %d (received in %.3fs, paused %.3fs)",
+                msg.version,
+                received - started,
+                paused,
+            )
+            reply = WeightsApplied(msg.version, paused, self._tokens(), receive_s=received - started)
+            self.boundary.reply(peer, reply)
 
     async def digest(self, peer: bytes, msg: DigestWeights) -> None:
         async with self.lock:  # never in the middle of a load

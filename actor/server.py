@@ -6,8 +6,9 @@ whose weights produced it. vLLM's `AsyncLLM` does the continuous batching: every
 asyncio task reading its own output stream, and the engine packs all live requests into each step.
 
 Weight updates happen in flight (the exchange itself is `actor/link.py`, shared with the
-synthetic actor). On a `WeightUpdate` the engine pauses the scheduler with `mode="keep"` (live
-requests stay queued, nothing is lost), the workers receive the broadcast and reload
+synthetic actor). On a `WeightUpdate` the workers receive the broadcast into a buffer they keep,
+while the engine goes on generating; then the engine pauses the scheduler with `mode="keep"`
+(live requests stay queued, nothing is lost), the workers reload from that buffer
 (`actor/weights.py`), and generation resumes. Pausing also clears the KV and prefix caches:
 live requests are recomputed with the new weights instead of continuing on KV written by the old
 ones, and a new request can never hit a cached prefix from old weights. Tokens sampled before the
@@ -68,12 +69,19 @@ class ActorStats:
 
 
 class VllmWeights:
-    """The vLLM engine's side of the learner link: its workers join the group and reload.
+    """The vLLM engine's side of the learner link: its workers join the group, receive, reload.
 
-    Pausing with `mode="keep"` leaves live requests queued; `clear_cache=True` drops the KV and
-    prefix caches, so live requests are recomputed with the new weights and no new request
-    reuses a prefix cached under the old ones (the cost: recomputing prompts in flight).
+    The receive runs in each worker's own thread while the engine generates (actor/weights.py,
+    actor/receive.py); this side polls the workers until every piece is in, backing off from
+    5 to 50 ms: each poll is one `collective_rpc`, which the engine serves between two steps.
+    Only the load pauses generation. Pausing with `mode="keep"` leaves live requests queued;
+    `clear_cache=True` drops the KV and prefix caches, so live requests are recomputed with the
+    new weights and no new request reuses a prefix cached under the old ones (the cost:
+    recomputing prompts in flight).
     """
+
+    #: First and longest wait between two polls of the workers' receive, seconds.
+    POLL_S = (0.005, 0.05)
 
     def __init__(self, engine: Any, rpc_timeout_s: float) -> None:
         self.engine = engine
@@ -103,14 +111,24 @@ class VllmWeights:
         parts = await self.engine.collective_rpc("millstream_digest", timeout=self.rpc_timeout_s)
         return next((tuple(p) for p in parts if tuple(p) != tuple(parts[0])), tuple(parts[0]))
 
+    async def receive(self, msg: WeightUpdate) -> None:
+        await self.engine.collective_rpc(
+            "millstream_fetch",
+            timeout=self.rpc_timeout_s,
+            args=(msg.session, msg.dtype, msg.numel, msg.pieces),
+        )
+        wait_s, longest_s = self.POLL_S
+        with anyio.fail_after(self.rpc_timeout_s):
+            while not all(await self.engine.collective_rpc("millstream_fetched", timeout=self.rpc_timeout_s)):
+                await anyio.sleep(wait_s)
+                wait_s = min(2 * wait_s, longest_s)
+
     async def load(self, msg: WeightUpdate) -> None:
         await self.engine.pause_generation(mode="keep", clear_cache=True)
         try:
             specs = [(t.name, list(t.shape), t.offset) for t in msg.tensors]
             await self.engine.collective_rpc(
-                "millstream_receive",
-                timeout=self.rpc_timeout_s,
-                args=(msg.session, msg.dtype, msg.numel, specs),
+                "millstream_load", timeout=self.rpc_timeout_s, args=(msg.session, specs)
             )
         finally:
             await self.engine.resume_generation()  # even a failed update must not freeze generation

@@ -24,8 +24,9 @@ The model of the engine:
 
 Weight updates are real on the wire, through the same learner link as the vLLM actor
 (`actor/link.py`): the actor joins the learner's broadcast group (`shared/wire/weightsync.py`),
-receives the flat buffer (so sync time and bytes are measured), and then adopts the version. The
-weights themselves are discarded: there is no model to load.
+receives the flat buffer while it goes on making tokens (so sync time and bytes are measured),
+and then adopts the version. The weights themselves are kept only for their digest: there is no
+model to load.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ class SyntheticActor:
                 + a.synthetic_prefill_s_per_token * prefill
             )
             self.steps += 1
-            async with self.link.lock:  # no token is produced while weights are being received
+            async with self.link.swap:  # no token is produced while weights are being swapped in
                 for key, seq in list(self._running.items()):
                     await self._decode_one(key, seq, stop_p, stop_lp, other_lp)
 
@@ -259,14 +260,19 @@ class SyntheticActor:
 
 class _DiscardingWeights:
     """The synthetic engine's side of the learner link: join the group for real, receive the
-    broadcast for real (so its time and bytes are measured), discard the weights."""
+    broadcast for real into a kept buffer (actor/receive.py, so its time and bytes are measured
+    as a real engine's are), while tokens go on being made; then load nothing."""
 
     def __init__(self, actor: SyntheticActor) -> None:
+        from millstream.actor.receive import WeightReceiver
+
         self.actor = actor
         self._group: Any = None
         self._store: Any = None
         self._timeout_s = 0.0
-        self._digest = (0.0, 0.0, 0)
+        # All this engine keeps of the weights: the buffer, for its digest (`digest`), so a test
+        # or a user can check that every replica received what the learner sent.
+        self._receiver = WeightReceiver()
 
     async def join(self, msg: AttachLearner) -> None:
         from millstream.shared.wire.weightsync import make_group, open_store
@@ -279,17 +285,13 @@ class _DiscardingWeights:
         self._group, self._store = await anyio.to_thread.run_sync(join)
         self._timeout_s = msg.timeout_s
 
+    async def receive(self, msg: WeightUpdate) -> None:
+        self._receiver.start(self._group, msg.dtype, msg.numel, msg.pieces, "cpu", self._timeout_s)
+        await anyio.to_thread.run_sync(self._receiver.wait, self._timeout_s)
+
     async def load(self, msg: WeightUpdate) -> None:
-        import torch
-
-        from millstream.shared.wire.weightsync import DTYPES, broadcast, flat_digest
-
-        flat = torch.empty(msg.numel, dtype=DTYPES[msg.dtype])
-        await anyio.to_thread.run_sync(broadcast, self._group, flat, self._timeout_s)
         await self.actor.flush_all()  # tokens made under the old version go out first
-        # All this engine keeps of the weights: their digest (`digest`), so a test or a user can
-        # check that every replica received what the learner sent.
-        self._digest = flat_digest(flat)
+        self._receiver.loaded()
 
     async def digest(self) -> tuple[float, float, int]:
-        return self._digest
+        return await anyio.to_thread.run_sync(self._receiver.digest)

@@ -3,8 +3,15 @@
 vLLM mixes this class into each of its worker processes (`worker_extension_cls`), and the actor
 server calls its methods through `AsyncLLM.collective_rpc`. The weights themselves never pass
 through that RPC (it pickles its arguments; a model's worth of tensors would be copied several
-times): the worker joins a torch.distributed group with the learner and receives one broadcast of a
-flat buffer, which it cuts into named views and hands to vLLM's `reload_weights`.
+times): the worker joins a torch.distributed group with the learner and receives the broadcast
+of a flat buffer, which it cuts into named views and hands to vLLM's `reload_weights`.
+
+An update is two calls, so that generation stops only for the second:
+
+    millstream_fetch(...)    start receiving into the worker's kept buffer, in a thread
+                             (actor/receive.py); the engine goes on generating
+    millstream_fetched()     polled by the actor until every piece is in
+    millstream_load(...)     with generation paused: load the buffer, repack tied layers
 
 Why a flat buffer: one collective of N bytes is faster than N collectives of small tensors (on
 loopback gloo a 106 MiB model took 45 ms flat against 80 ms tensor by tensor), and the learner
@@ -18,9 +25,10 @@ holding a shard of every split layer. Each worker joins the group (rank 1 + its 
 the group has 1 + TP members) and receives the *whole* flat buffer; `reload_weights` runs the
 model's own `load_weights`, whose per-layer loaders cut out this worker's shard (the same path
 that loads a checkpoint). The learner therefore sends the same unsharded tensors whatever the
-TP size, and needs no knowledge of how vLLM splits a model. The cost: every worker briefly holds
-a full copy of the weights next to its shard (on GPU: model-size free memory per GPU during an
-update, beyond `gpu_memory_utilization`'s share), and the broadcast has TP receivers, not one.
+TP size, and needs no knowledge of how vLLM splits a model. The cost: every worker keeps a full
+copy of the weights next to its shard, from its first update on (on GPU: model-size memory per
+GPU beyond `gpu_memory_utilization`'s share; the receive buffer is kept so that the next update
+can arrive while the engine generates), and the broadcast has TP receivers, not one.
 
 Nothing here imports the actor server: this module must be importable alone in vLLM's spawned
 worker processes.
@@ -54,7 +62,8 @@ from typing import Any
 
 import torch
 
-from millstream.shared.wire.weightsync import DTYPES, broadcast, flat_digest, make_group, open_store
+from millstream.actor.receive import WeightReceiver
+from millstream.shared.wire.weightsync import make_group, open_store
 
 __all__ = ["WeightSyncExtension"]
 
@@ -122,33 +131,54 @@ class WeightSyncExtension:
         """Forget the current group; dropping the last references destroys it (and its store)."""
         self._ms_group = self._ms_store = None
 
-    def millstream_receive(
-        self, session: str, dtype: str, numel: int, tensors: list[tuple[str, list[int], int]]
-    ) -> float:
-        """Receive one flat broadcast and load it as the model's weights; returns seconds."""
+    def _ms_attached(self, session: str) -> Any:
         group = getattr(self, "_ms_group", None)
         if group is None or session != self._ms_session:
             raise RuntimeError(
                 f"weight update for session {session!r}, but this worker joined "
                 f"{getattr(self, '_ms_session', None)!r}: the learner must attach first"
             )
-        started = time.monotonic()
-        device = self.device if getattr(self, "device", None) is not None else "cpu"
-        flat = torch.empty(numel, dtype=DTYPES[dtype], device=device)
-        broadcast(group, flat, self._ms_timeout)
+        return group
 
+    def _ms_receiver(self) -> WeightReceiver:
+        receiver = getattr(self, "_ms_kept", None)
+        if receiver is None:
+            receiver = self._ms_kept = WeightReceiver()
+        return receiver
+
+    def millstream_fetch(self, session: str, dtype: str, numel: int, pieces: list[int]) -> None:
+        """Start receiving the update's broadcast into this worker's kept buffer; returns at once
+        (the engine keeps generating while the pieces arrive)."""
+        group = self._ms_attached(session)
+        device = self.device if getattr(self, "device", None) is not None else "cpu"
+        self._ms_receiver().start(group, dtype, numel, pieces, device, self._ms_timeout)
+
+    def millstream_fetched(self) -> bool:
+        """Without blocking: has the whole broadcast arrived? Raises if it failed."""
+        return self._ms_receiver().done()
+
+    def millstream_load(self, session: str, tensors: list[tuple[str, list[int], int]]) -> float:
+        """Load the received buffer as the model's weights (generation is paused by the caller);
+        returns seconds."""
+        self._ms_attached(session)
+        started = time.monotonic()
+        receiver = self._ms_receiver()
+        flat = receiver.wait(self._ms_timeout)
         views = (
             (name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in tensors
         )
         self.reload_weights(weights_iterator=views)
-        _reprocess_tied_layers(self.model_runner.get_model())
-        self._ms_digest = flat_digest(flat)  # only once vLLM's reload returned
+        model = self.model_runner.get_model()
+        _reprocess_tied_layers(model)
+        if receiver.shares_memory_with(model.parameters()):  # the next receive would overwrite them
+            raise RuntimeError("the engine kept views of the receive buffer as its weights")
+        receiver.loaded()
         return time.monotonic() - started
 
     def millstream_digest(self) -> tuple[float, float, int]:
         """The digest of the weights this worker loaded last (see `flat_digest`); zeros
         before its first update."""
-        return getattr(self, "_ms_digest", (0.0, 0.0, 0))
+        return self._ms_receiver().digest()
 
 
 def _reprocess_tied_layers(model: torch.nn.Module) -> int:

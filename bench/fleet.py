@@ -21,8 +21,9 @@ All through the production code, on loopback with `transport.curve=false`:
    process. Overhead: the difference of the means; spread over `--repeats` block pairs.
 3. **Weight sync.** For each N of `--sync-replicas`, learner/sync/weights.py as the fleet uses it:
    `attach_group` (learner + N replicas, gloo), timed as group formation, then `--pushes` times
-   pack + `push_group` (as `Fleet.push`) of the tiny model's tensors (~1.7 MB) and of `--big-mb`
-   MB of random float32: what a training step waits for its weights to reach every replica.
+   `push_group` (as `Fleet.push`: packing and broadcasting overlap) of the tiny model's tensors
+   (~1.7 MB) and of `--big-mb` MB of random float32: what a training step waits for its weights
+   to reach every replica.
 
 Caveats:
 - The recorded numbers (bench/README.md) come from a shared 2-core box where others run tests:
@@ -31,8 +32,8 @@ Caveats:
   protocol, not an engine; but each replica's Python per step is real CPU.
 - gloo's broadcast (ProcessGroupGloo -> gloo::broadcast) is a binomial tree of whole-buffer
   sends: about ceil(log2(N + 1)) rounds of the buffer, not N. NCCL on GPUs pipelines a
-  ring/tree. Each synthetic replica also allocates the buffer and sums it in float64 (its weight
-  digest) in every push; `digest_s` estimates that cost, which a real engine's load replaces.
+  ring/tree. Each synthetic replica receives into a buffer it keeps and sums it (its weight
+  digest) only when asked; `digest_s` is what that sum costs once.
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ from millstream.bench.kit.rounds import compare, results_dir, write_outcome
 from millstream.envpool.actors.client import ActorClient, Generation
 from millstream.envpool.actors.generation import Retry, Sampling
 from millstream.envpool.actors.router import Router
-from millstream.learner.sync.weights import FlatWeights, ReplicaLink, attach_group, push_group
+from millstream.learner.sync.layout import FlatWeights
+from millstream.learner.sync.weights import ReplicaLink, attach_group, push_group
 from millstream.shared.config import LearnerConfig, TransportConfig
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.wire import ActorInfo, Hello, ReplicaRef
@@ -246,12 +248,11 @@ def sync_times(addresses: list[str], loads: dict[str, Any], ns: argparse.Namespa
         group = attach_group(links, infos, cfg, "gloo")
         out: dict[str, Any] = {"replicas": len(links), "form_s": time.perf_counter() - started, "push": {}}
         for name, tensors in loads.items():
-            flat = FlatWeights("float32", "gloo")
+            flat = FlatWeights("float32", "gloo", cfg.sync_bucket_mb)
             times, paused = [], []
-            for _ in range(ns.pushes):  # as Fleet.push: pack, then broadcast and wait for all
+            for _ in range(ns.pushes):  # as Fleet.push: pack and broadcast, wait for all
                 started = time.perf_counter()
-                flat.pack(tensors)
-                applied = push_group(group, flat, next(VERSIONS), cfg)
+                applied = push_group(group, flat, tensors, next(VERSIONS), cfg)
                 times.append(time.perf_counter() - started)
                 paused.append(max(a.paused_s for a in applied))
             out["push"][name] = {
@@ -259,7 +260,7 @@ def sync_times(addresses: list[str], loads: dict[str, Any], ns: argparse.Namespa
                 "median_s": statistics.median(times),
                 "min_max_s": [min(times), max(times)],
                 "paused_median_s": statistics.median(paused),
-                "digest_s": digest_s(flat.flat),
+                "digest_s": digest_s(torch.cat([t.reshape(-1) for _, t in tensors])),
                 "all_s": times,
             }
         del group

@@ -5,25 +5,28 @@
 For every size (MB of float32, in 16 tensors), two systems alternate push by push
 (bench/kit/rounds.py), each with one receiving process on this machine:
 - `millstream`: learner/sync/weights.py as the learner's fleet uses it (bench/fleet.py section 3):
-  `FlatWeights.pack` of the tensors, then `push_group` to one synthetic actor replica
-  (`python -m millstream.actor actor.kind=synthetic`), which receives the broadcast into a fresh
-  buffer, streams its pending tokens, takes its weight digest (a float64 sum) and answers
-  `WeightsApplied`. Timed: pack to the last `WeightsApplied`, what a training step waits for.
-  `paused_s` is the replica's own `WeightsApplied.paused_s`: how long its engine produced no
-  token (the link holds the engine's lock from the update's arrival to its reply).
+  `push_group` of the tensors (each tensor of 1 MiB or more broadcast from where it lies, smaller
+  ones packed into pieces, each piece broadcast as soon as it is ready) to one synthetic actor
+  replica (`python -m millstream.actor actor.kind=synthetic`), which receives into the buffer it
+  keeps while it goes on making tokens, then swaps (streams its pending tokens, adopts the
+  version) and answers `WeightsApplied`.
+  Timed: the first pack to the last `WeightsApplied`, what a training step waits for.
+  `receive_s` and `paused_s` are the replica's own: the receive with tokens still being made,
+  and the swap with none.
 - `gloo`: `torch.distributed.ProcessGroupGloo.broadcast` of one preallocated buffer of the same
   bytes to one receiving process that holds a preallocated buffer too: the floor of any sync
   over gloo on this machine. Timed: the broadcast call until it completes on the sender.
 
 Metric: `mb_per_s` (MB = 2**20 bytes moved per second of the timed span); the ratio is
-millstream's over gloo's. `digest_s` (the float64 sum of the buffer, timed here) is the part
-of the synthetic replica's time that a real engine's weight load replaces.
+millstream's over gloo's.
 
-Memory: a 1000 MB push holds the tensors and the flat buffer here (2 GB), the buffer and its
-float64 copy in the replica (3 GB) and the raw receiver's buffer (1 GB), about 6 GB at peak.
-The full size stops at 1000 MB by default: 2000 MB would need about 12 GB of a machine whose
-24 GiB are shared with other jobs (`--sizes ...,2000` if it has room). Results:
-bench/results/<date>-<host>/weight-sync[-quick].json, one JSON + PNG per size beside it.
+A real engine's side (vLLM's reload of a real model, generation under way) is
+bench/engine_push.py.
+
+Memory: a 1000 MB push holds the tensors and the raw sender's copy here (2 GB), the kept buffer in
+the replica (1 GB) and the raw receiver's buffer (1 GB), about 4 GB at peak. 2000 MB needs about
+8 GB (`--sizes ...,2000` where there is room). Results: bench/results/<date>-<host>/
+weight-sync[-quick].json, one JSON + PNG per size beside it.
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import orjson
 import torch
 import torch.distributed as dist
 
-from millstream.bench.kit.replicas import digest_s, replicas
+from millstream.bench.kit.replicas import replicas
 from millstream.bench.kit.rounds import Outcome, compare, machine, results_dir, write_outcome
-from millstream.learner.sync.weights import FlatWeights, ReplicaLink, attach_group, push_group
+from millstream.learner.sync.layout import FlatWeights
+from millstream.learner.sync.weights import ReplicaLink, attach_group, push_group
 from millstream.shared.config import LearnerConfig
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.process.runtime import free_port
@@ -114,44 +119,39 @@ class RawGloo:
 
 def measure_size(mb: float, raw: RawGloo, group: Any, cfg: LearnerConfig, rounds: int) -> Outcome:
     tensors = random_tensors(mb)
-    flat = FlatWeights("float32", "gloo")
-    flat.pack(tensors)
-    raw_buffer = flat.flat.clone() if flat.flat is not None else torch.empty(0)
-    nbytes = flat.nbytes
+    flat = FlatWeights("float32", "gloo", cfg.sync_bucket_mb)
+    raw_buffer = torch.cat([t.reshape(-1) for _, t in tensors])
+    nbytes = raw_buffer.numel() * raw_buffer.element_size()
     versions = iter(range(1, 10**6))
     raw.push(raw_buffer)  # warm-up of both paths: first-touch of the buffers, connections
-    push_group(group, flat, next(versions), cfg)
+    push_group(group, flat, tensors, next(versions), cfg)
 
     def ours() -> dict[str, float]:
         started = time.perf_counter()
-        flat.pack(tensors)
-        packed = time.perf_counter()
-        applied = push_group(group, flat, next(versions), cfg)
+        applied = push_group(group, flat, tensors, next(versions), cfg)
         took = time.perf_counter() - started
+        receive = max(a.receive_s for a in applied)
         paused = max(a.paused_s for a in applied)
-        return {"mb_per_s": nbytes / MB / took, "s": took, "pack_s": packed - started, "paused_s": paused}
+        return {"mb_per_s": nbytes / MB / took, "s": took, "receive_s": receive, "paused_s": paused}
 
     def gloo() -> dict[str, float]:
         took = raw.push(raw_buffer)
         return {"mb_per_s": nbytes / MB / took, "s": took}
 
     systems: dict[str, Callable[[], dict[str, float]]] = {"gloo": gloo, "millstream": ours}
-    outcome = compare(systems, rounds=rounds, metric="mb_per_s", settings={"mb": mb, "bytes": nbytes})
-    outcome.settings["digest_s"] = digest_s(flat.flat)
-    return outcome
+    settings = {"mb": mb, "bytes": nbytes, "bucket_mb": cfg.sync_bucket_mb}
+    return compare(systems, rounds=rounds, metric="mb_per_s", settings=settings)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| MB | gloo s (MB/s) | millstream s (MB/s) | ratio | of which pack s | replica paused s "
-        "| of which digest s |",
-        "|---|---|---|---|---|---|---|",
+        "| MB | gloo s (MB/s) | millstream s (MB/s) | ratio | replica receiving s | replica paused s |",
+        "|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['mb']:g} | {r['gloo_s']:.3f} ({r['gloo_mb_s']:.0f}) | {r['ours_s']:.3f} "
-            f"({r['ours_mb_s']:.0f}) | {r['ratio']:.2f} | {r['pack_s']:.3f} | {r['paused_s']:.3f} | "
-            f"{r['digest_s']:.3f} |"
+            f"({r['ours_mb_s']:.0f}) | {r['ratio']:.2f} | {r['receive_s']:.3f} | {r['paused_s']:.3f} |"
         )
     return "\n".join(lines)
 
@@ -163,6 +163,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="10 and 100 MB, 3 rounds")
     p.add_argument("--sizes", default=None, help="MB, comma-separated (full: 10,100,500,1000)")
     p.add_argument("--rounds", type=int, default=None, help="pushes per system and size (full: 5)")
+    p.add_argument("--bucket-mb", type=float, default=None, help="learner.sync_bucket_mb (its default)")
     p.add_argument("--out", default=None, help="results folder (bench/results/<date>-<host>/)")
     ns = p.parse_args(argv)
     ns.sizes = [float(x) for x in (ns.sizes or ("10,100" if ns.quick else "10,100,500,1000")).split(",")]
@@ -173,7 +174,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> Path:
     ns = parse(argv)
     folder, suffix = Path(ns.out) if ns.out else results_dir(), "-quick" if ns.quick else ""
+    folder.mkdir(parents=True, exist_ok=True)
     cfg = LearnerConfig(sync_backend="gloo", sync_timeout_s=300)
+    if ns.bucket_mb is not None:
+        cfg = msgspec.structs.replace(cfg, sync_bucket_mb=ns.bucket_mb)
     work = Path(tempfile.mkdtemp(prefix="millstream-weight-sync-"))
     rows: list[dict[str, Any]] = []
     raw = RawGloo()
@@ -197,8 +201,7 @@ def main(argv: list[str] | None = None) -> Path:
                             "ours_mb_s": s["millstream"]["mb_per_s"]["median"],
                             "ratio": outcome.ratios()["millstream"],
                             "paused_s": s["millstream"]["paused_s"]["median"],
-                            "pack_s": s["millstream"]["pack_s"]["median"],
-                            "digest_s": outcome.settings["digest_s"],
+                            "receive_s": s["millstream"]["receive_s"]["median"],
                         }
                     )
                     print(table(rows[-1:]).splitlines()[-1], flush=True)

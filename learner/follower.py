@@ -24,7 +24,7 @@ def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
         if kind == "train":
             trainer.train_step(team.shard(payload), cfg.learner, generation_budget=generation_budget)
         elif kind == "weights":
-            for _ in trainer.named_weights():
+            for _ in trainer.named_weights(copy=False):  # the gathers are what count
                 pass
         elif kind == "save":
             save_checkpoint(

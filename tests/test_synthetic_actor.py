@@ -5,6 +5,8 @@ like the launcher does.
 """
 
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import anyio
@@ -13,6 +15,7 @@ import torch
 from helpers import (
     MILLSTREAM,
     check_accounting,
+    dealer,
     keys_for,
     start_synthetic_actor,
     steps_of,
@@ -24,6 +27,7 @@ from millstream.envpool.actors.client import GenerationFailed
 from millstream.envpool.actors.generation import Sampling
 from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import LearnerConfig
+from millstream.shared.wire import Codec, GenerateRequest, TokenDelta
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,6 +133,49 @@ def test_weight_sync_is_real_on_the_wire(synthetic, tiny_model_dir):
         assert run_client(synthetic, versions) == {3}
     finally:
         sender.close()
+
+
+def test_tokens_keep_coming_while_weights_are_received(tiny_model_dir, tmp_path):
+    """The actor receives an update while it generates and stops only to swap it in: deltas
+    arrive through the middle of the receive (with the engine held for the whole receive, as
+    before actor/receive.py, none did)."""
+    address, proc = start_synthetic_actor(tiny_model_dir, tmp_path, "actor.synthetic_step_s=0.002")
+    cfg = LearnerConfig(sync_timeout_s=60)
+    sender = WeightSender(address, cfg, dtype="float32", keys=keys_for("learner"))
+    weights = [(f"w{i}", torch.randn(2**20)) for i in range(64)]  # 256 MiB
+    arrivals: list[float] = []
+    stop = threading.Event()
+
+    def stream() -> None:
+        sock, codec = dealer(address), Codec()
+        requests = (GenerateRequest(f"r{n}", [1, 5, 9], 400, ignore_eos=True) for n in range(10**6))
+        for _ in range(8):
+            sock.send(codec.encode([next(requests)]))
+        while not stop.is_set():
+            for message in codec.decode(sock.recv()) if sock.poll(50) else []:
+                if isinstance(message, TokenDelta):
+                    arrivals.append(time.monotonic())
+                    if message.finish_reason:
+                        sock.send(codec.encode([next(requests)]))
+        sock.close(linger=0)
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    try:
+        sender.attach()
+        sender.push(weights, 1)  # the first push allocates the kept buffer
+        streaming.start()
+        time.sleep(0.5)
+        began = time.monotonic()
+        metrics = sender.push(weights, 2)
+    finally:
+        stop.set()
+        streaming.join(timeout=10)
+        sender.close()
+        stop_group(proc)
+    receive_s = metrics["sync/actor_receive_s"]
+    middle = [t for t in arrivals if began + 0.2 * receive_s <= t <= began + 0.8 * receive_s]
+    assert receive_s > 0.02 and metrics["sync/actor_paused_s"] < receive_s, metrics
+    assert middle, (metrics, len(arrivals))
 
 
 @pytest.mark.real  # the DeepSpeed learner

@@ -72,7 +72,7 @@ def close_run(
         "decode_errors": decode_errors,
         "checkpoint": str(checkpoint),
         "final_weights": str(checkpoint / "hf"),
-        "replica_weights": replica_weights(fleet.digests(), fleet.flat.flat),
+        "replica_weights": replica_weights(fleet.digests(), fleet.flat.digest()),
         **evals.summary(version),
     }
     if not summary["accounting_ok"]:

@@ -316,7 +316,7 @@ class Leader:
 
     def _weights(self) -> Iterable[tuple[str, Any]]:
         self.team.command("weights")  # every rank walks the weights (ZeRO-3 gathers them)
-        return self.trainer.named_weights()
+        return self.trainer.named_weights(copy=False)  # sent before the next step changes them
 
     def _save(self) -> Path:
         # Where the run's records stand at this checkpoint: a resume from it marks every record

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
+from millstream.learner.sync.layout import FlatWeights
 from millstream.learner.sync.weights import (
-    FlatWeights,
     ReplicaLink,
     WeightGroup,
     WeightSyncError,
@@ -54,7 +54,7 @@ from millstream.shared.wire import (
 )
 from millstream.shared.wire.keys import RunKeys
 from millstream.shared.wire.replicas import JOIN_EVERY_S, replica_addresses, replica_name
-from millstream.shared.wire.weightsync import flat_digest, pick_backend
+from millstream.shared.wire.weightsync import pick_backend
 
 __all__ = ["Fleet", "Member"]
 
@@ -100,7 +100,7 @@ class Fleet:
     def __init__(self, cfg: Config, keys: RunKeys | None, run_dir: Path) -> None:
         self.cfg, self.keys = cfg, keys
         self.backend = pick_backend(cfg.learner.sync_backend)
-        self.flat = FlatWeights(cfg.model.dtype, self.backend)
+        self.flat = FlatWeights(cfg.model.dtype, self.backend, cfg.learner.sync_bucket_mb)
         self.group: WeightGroup | None = None
         #: The members of `group`, in its rank order.
         self.in_group: list[Member] = []
@@ -148,9 +148,8 @@ class Fleet:
         if self.group is None:
             return {}
         started = time.monotonic()
-        self.flat.pack(weights())
         try:
-            applied = push_group(self.group, self.flat, version, self.cfg.learner)
+            applied = push_group(self.group, self.flat, weights(), version, self.cfg.learner)
         except WeightSyncError as exc:
             log.warning("weight push of version %d failed (%s): re-forming the group", version, exc)
             self._break()
@@ -161,9 +160,11 @@ class Fleet:
         return self.last_push
 
     def _sync_metrics(self, started: float, applied: list[WeightsApplied]) -> dict[str, float]:
-        """A push's metrics: its time, the longest pause of a replica, bytes, replicas reached."""
+        """A push's metrics: its time, the longest receive (generation going on) and pause of a
+        replica, bytes, replicas reached."""
         return {
             "sync/total_s": time.monotonic() - started,
+            "sync/actor_receive_s": max(a.receive_s for a in applied),
             "sync/actor_paused_s": max(a.paused_s for a in applied),
             "sync/bytes": float(self.flat.nbytes),
             "sync/replicas": float(len(applied)),
@@ -293,8 +294,7 @@ class Fleet:
         started = time.monotonic()
         try:
             self.group = attach_group([m.link for m in members], infos, self.cfg.learner, self.backend)  # type: ignore[arg-type]
-            self.flat.pack(weights())
-            applied = push_group(self.group, self.flat, version, self.cfg.learner)
+            applied = push_group(self.group, self.flat, weights(), version, self.cfg.learner)
         except WeightSyncError as exc:
             if strict:
                 raise
@@ -387,13 +387,15 @@ class Fleet:
             member.link.close()
 
 
-def replica_weights(digests: dict[str, WeightsDigest | str], flat: torch.Tensor | None) -> dict[str, Any]:
-    """Each replica's digest against the weights the learner last sent (`flat`, in the
-    actor's dtype): `matches` is True when what every worker of the replica loaded last is what
-    the learner sent last, to float rounding."""
-    if flat is None:
+def replica_weights(
+    digests: dict[str, WeightsDigest | str], sent: tuple[float, float, int] | None
+) -> dict[str, Any]:
+    """Each replica's digest against the digest of the weights the learner last sent (`sent`,
+    `FlatWeights.digest`): `matches` is True when what every worker of the replica loaded last
+    is what the learner sent last, to float rounding."""
+    if sent is None:
         return {}
-    total, abs_total, numel = flat_digest(flat.detach())
+    total, abs_total, numel = sent
     out: dict[str, Any] = {"learner": {"total": total, "abs_total": abs_total, "numel": numel}}
     for name, digest in digests.items():
         if isinstance(digest, str):

@@ -2,7 +2,7 @@
 
     links = [ReplicaLink(address, keys) for address in replica_addresses]
     group = attach_group(links, infos, cfg, backend)      # one broadcast group, all replicas
-    metrics = push_group(group, flat.pack(weights), version, cfg)
+    applied = push_group(group, flat, weights, version, cfg)   # packs bucket k+1 while k is sent
     sender = WeightSender(address, cfg, dtype=..., keys=...)   # the same for a single replica
 
 Every replica of the run is in ONE group (learner rank 0, then each replica's workers at their
@@ -18,6 +18,12 @@ Every wait is bounded (`learner.sync_timeout_s`); a missing or failed replica is
 naming what was expected, never a hang.
 
 The flat buffer is allocated once (the model's shapes do not change) and reused for every push.
+A push is pipelined and copies as little as it can: large tensors are broadcast from where they
+lie, small ones are packed into the buffer a piece at a time (`learner.sync_bucket_mb` at most),
+each piece's broadcast starting as soon as it is ready, so packing overlaps the wire
+(`FlatWeights`). The replicas receive while they generate and pause only to load
+(actor/link.py). The end of a run compares every replica's digest with the digest of the last
+push (`replica_weights`).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from millstream.learner.sync.layout import FlatWeights, LayoutChanged
 from millstream.shared.config import LearnerConfig
 from millstream.shared.wire import (
     ActorInfo,
@@ -41,26 +48,23 @@ from millstream.shared.wire import (
     ErrorReply,
     Hello,
     Message,
-    TensorSpec,
     WeightsApplied,
     WeightUpdate,
 )
 from millstream.shared.wire.keys import RunKeys, secure
 from millstream.shared.wire.weightsync import (
-    DTYPES,
-    broadcast,
-    flat_layout,
+    finish,
     make_group,
     mark_session,
     open_store,
     pick_backend,
+    start_broadcast,
 )
 
 __all__ = [
     "WeightSender",
     "WeightSyncError",
     "ReplicaLink",
-    "FlatWeights",
     "WeightGroup",
     "attach_group",
     "push_group",
@@ -193,32 +197,6 @@ class ReplicaLink:
         self._sock.close(linger=0)
 
 
-class FlatWeights:
-    """The model's weights packed into one flat buffer, allocated on the first pack."""
-
-    def __init__(self, dtype: str, backend: str) -> None:
-        self.dtype = dtype
-        self.device = "cuda" if backend == "nccl" else "cpu"
-        self.flat: torch.Tensor | None = None
-        self.layout: list[TensorSpec] = []
-
-    def pack(self, named_weights: Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor:
-        weights = list(named_weights)
-        if self.flat is None:
-            layout, numel = flat_layout((name, tuple(t.shape)) for name, t in weights)
-            self.layout = [TensorSpec(name, shape, offset) for name, shape, offset in layout]
-            self.flat = torch.empty(numel, dtype=DTYPES[self.dtype], device=self.device)
-        if [(n, list(t.shape)) for n, t in weights] != [(s.name, s.shape) for s in self.layout]:
-            raise WeightSyncError("the model's tensors changed between pushes")
-        for (_, tensor), spec in zip(weights, self.layout):
-            self.flat[spec.offset : spec.offset + tensor.numel()].copy_(tensor.reshape(-1))
-        return self.flat
-
-    @property
-    def nbytes(self) -> int:
-        return 0 if self.flat is None else self.flat.numel() * self.flat.element_size()
-
-
 @dataclass
 class WeightGroup:
     """One formed broadcast group: its session, store and process group, and its members."""
@@ -267,16 +245,29 @@ def attach_group(
 
 
 def push_group(
-    group: WeightGroup, flat: FlatWeights, version: int, cfg: LearnerConfig
+    group: WeightGroup,
+    flat: FlatWeights,
+    named_weights: Iterable[tuple[str, torch.Tensor]],
+    version: int,
+    cfg: LearnerConfig,
 ) -> list[WeightsApplied]:
-    """Broadcast the packed weights as `version` to every member; their `WeightsApplied`, in
-    order. Raises WeightSyncError naming the members that failed (the group is then broken)."""
-    assert flat.flat is not None, "pack before pushing"
-    update = WeightUpdate(group.session, version, flat.dtype, flat.flat.numel(), flat.layout)
+    """Broadcast `named_weights` as `version` to every member, piece by piece (`FlatWeights`);
+    their `WeightsApplied`, in order. Raises WeightSyncError naming the members
+    that failed (the group is then broken)."""
+    weights = list(named_weights)
+    try:
+        flat.lay_out(weights)  # the layout goes out before the first byte
+    except LayoutChanged as exc:
+        raise WeightSyncError(str(exc)) from exc
+    assert flat.flat is not None
+    update = WeightUpdate(group.session, version, flat.dtype, flat.flat.numel(), flat.layout, flat.pieces)
     for link in group.links:
         link.send(update, cfg.sync_timeout_s)
+    works: list[Any] = []
     try:
-        broadcast(group.group, flat.flat, cfg.sync_timeout_s)
+        for piece in flat.sources(weights):  # packs piece k+1 while piece k is on the wire
+            works.append(start_broadcast(group.group, piece, cfg.sync_timeout_s))
+        finish(works, cfg.sync_timeout_s)
     except RuntimeError as exc:
         # A member died. The others' receives end once this side drops the group (the caller
         # does), and which of them still lives is for a Hello to tell (learner/sync/fleet.py).
@@ -333,7 +324,7 @@ class WeightSender:
         self.backend = pick_backend(cfg.sync_backend)
         self.session = f"learner-{uuid.uuid4().hex[:12]}"
         self.link = ReplicaLink(actor_address, keys)
-        self.flat = FlatWeights(dtype, self.backend)
+        self.flat = FlatWeights(dtype, self.backend, cfg.sync_bucket_mb)
         self.group: WeightGroup | None = None
         self.info: ActorInfo | None = None
         self.last_push_s = 0.0
@@ -360,14 +351,12 @@ class WeightSender:
         if self.group is None:
             raise WeightSyncError("push() before attach()")
         started = time.monotonic()
-        self.flat.pack(named_weights)
-        packed = time.monotonic()
-        (applied,) = push_group(self.group, self.flat, version, self.cfg)
+        (applied,) = push_group(self.group, self.flat, named_weights, version, self.cfg)
         done = time.monotonic()
         self.last_push_s = done - started
         return {
-            "sync/pack_s": packed - started,
             "sync/total_s": done - started,
+            "sync/actor_receive_s": applied.receive_s,
             "sync/actor_paused_s": applied.paused_s,
             "sync/bytes": float(self.flat.nbytes),
         }

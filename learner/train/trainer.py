@@ -315,17 +315,24 @@ class Trainer:
 
     # ---------------------------------------------------------------- weights out
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def named_weights(self, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, whole, with its Hugging Face name, in module order.
 
-        Yields detached copies on CPU, so a consumer may keep them across later steps. Under
-        ZeRO-3 each parameter is gathered in turn (memory stays one tensor above the shard):
-        every rank must iterate this generator to the end, since gathering is collective.
+        Yields detached copies on CPU, so a consumer may keep them across later steps. With
+        `copy=False` it yields the parameters themselves (detached, where they live), valid only
+        until the next step: the weight push sends them before training goes on, and a copy of
+        the model per push would cost its time and memory for nothing. Where the parameters are
+        not whole tensors of their own (ZeRO-3 shards, LoRA's merged weights) it copies anyway.
+        Under ZeRO-3 each parameter is gathered in turn (memory stays one tensor above the
+        shard): every rank must iterate this generator to the end, since gathering is collective.
         """
         if self.lora:  # base + scale * B @ A under the base names (learner/train/lora.py)
             yield from lora.merged_weights(self.engine.module, self._gather_many if self._zero3 else None)
             return
         for name, param in self.engine.module.named_parameters():
+            if not copy and not self._zero3:
+                yield name, param.detach()
+                continue
             with self._gathered(param) if self._zero3 else nullcontext():
                 yield name, param.detach().to("cpu", copy=True)
 

@@ -153,6 +153,15 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ] = "auto"
     sync_host: Annotated[str, _doc("Host of the broadcast group's TCPStore (the learner).")] = "127.0.0.1"
     sync_timeout_s: Annotated[float, _doc("Timeout of weight-group set-up and each broadcast.", gt=0)] = 300.0
+    sync_bucket_mb: Annotated[
+        float,
+        _doc(
+            "Largest piece a weight push packs small tensors into, MiB (tensors of 1 MiB or more "
+            "are sent from where they lie, a piece each). The learner packs the next piece while "
+            "this one is on the wire; 8-128 MiB measured alike on gloo (bench/README, weight sync).",
+            gt=0,
+        ),
+    ] = 32.0
     idle_timeout_s: Annotated[
         float, _doc("Fail if no experience arrives for this long (something upstream died).", gt=0)
     ] = 600.0

@@ -66,7 +66,7 @@ __all__ = ["PROTOCOL_VERSION", "ProtocolError", "Message", "Packet", "Codec"]
 
 #: Bumped on any incompatible change of a message. A peer with another version is refused with a
 #: clear error instead of misreading fields.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class ProtocolError(ValueError):

@@ -42,10 +42,12 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
 
 
 class WeightUpdate(WireMessage, tag="weights", frozen=True):
-    """Weights of `version` follow as one broadcast of a flat `dtype` buffer of `numel` elements.
+    """Weights of `version` follow by broadcast: a flat `dtype` buffer of `numel` elements, sent
+    as consecutive pieces that end at the offsets `pieces` (empty: one broadcast of it all).
 
-    The actor pauses generation (requests keep their state), receives the broadcast in its
-    workers, reloads the weights, resumes, and answers `WeightsApplied`.
+    The actor's workers receive the broadcast into a buffer they keep while generation goes on;
+    then the actor pauses generation (requests keep their state), loads the weights, resumes,
+    and answers `WeightsApplied`.
     """
 
     session: str
@@ -53,16 +55,19 @@ class WeightUpdate(WireMessage, tag="weights", frozen=True):
     dtype: str
     numel: int
     tensors: list[TensorSpec]
+    pieces: list[int] = msgspec.field(default_factory=list)
 
 
 class WeightsApplied(WireMessage, tag="weights_applied", frozen=True):
     """The actor now generates with `version`."""
 
     version: int
-    #: Time generation was paused for the update, seconds.
+    #: Time generation was paused for the update (the load, not the receive), seconds.
     paused_s: float
     #: Tokens this replica generated since it started (the learner reports each one's share).
     tokens: int = 0
+    #: Time from the update's arrival to the last byte received, generation running, seconds.
+    receive_s: float = 0.0
 
 
 class DigestWeights(WireMessage, tag="digest", frozen=True):

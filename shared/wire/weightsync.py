@@ -10,8 +10,12 @@ The learner hosts the store on a free port (`open_store(port=0)`), tells the act
 `AttachLearner`, and both call `make_group`. Every collective is bounded by a timeout: a peer that
 died shows up as an error within `timeout_s`, not a 30-minute NCCL hang.
 
-Weights travel as one flat buffer per update (`flat_layout` gives each tensor's offset). One
-large collective beats many small ones; the layout itself goes in the `WeightUpdate` message.
+Weights travel as one flat buffer per update (`flat_layout` gives each tensor's offset), sent as
+consecutive pieces, each one collective: a large tensor is a piece of its own, broadcast straight
+from the learner's parameter (no copy), and runs of small ones are packed into the flat buffer and
+sent as a few large pieces (one large collective beats many small ones). The receivers take every
+piece into its slice of their own flat buffer (`broadcast_pieces`); the piece ends and the layout
+go in the `WeightUpdate` message.
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ __all__ = [
     "listen_on",
     "make_group",
     "broadcast",
+    "start_broadcast",
+    "broadcast_pieces",
+    "piece_ranges",
     "flat_layout",
     "pick_backend",
     "mark_session",
     "await_session",
     "flat_digest",
+    "finish",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -136,13 +144,46 @@ def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float
     raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
-def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
-    """Broadcast `tensor` from rank 0 of `group`, waiting at most `timeout_s`."""
+def start_broadcast(group, tensor: torch.Tensor, timeout_s: float):
+    """Start broadcasting `tensor` from rank 0 of `group`; returns the work to `finish`.
+
+    Collectives started on one group run in the order they were started (gloo and NCCL both
+    keep it), so several may be in flight: the learner starts piece k and packs piece k+1."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
     opts.timeout = timedelta(seconds=timeout_s)
-    group.broadcast([tensor], opts).wait(timedelta(seconds=timeout_s))
+    return group.broadcast([tensor], opts)
+
+
+def finish(works: Iterable, timeout_s: float) -> None:
+    """Wait for every started collective, within one shared deadline of `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    for work in works:
+        work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+
+
+def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
+    """Broadcast `tensor` from rank 0 of `group`, waiting at most `timeout_s`."""
+    finish([start_broadcast(group, tensor, timeout_s)], timeout_s)
+
+
+def piece_ranges(numel: int, ends: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) element ranges of consecutive pieces ending at `ends` (empty: one piece,
+    the whole buffer). Raises ValueError unless they cover exactly `numel` elements in order."""
+    if not ends:
+        return [(0, numel)] if numel else []
+    starts = [0, *ends[:-1]]
+    if ends[-1] != numel or any(end <= start for start, end in zip(starts, ends)):
+        raise ValueError(f"weight pieces {ends[:4]}... do not cover {numel} elements in order")
+    return list(zip(starts, ends))
+
+
+def broadcast_pieces(group, flat: torch.Tensor, ends: list[int], timeout_s: float) -> None:
+    """A receiver's side of a push: every piece into its slice of `flat`, all started at once."""
+    ranges = piece_ranges(flat.numel(), ends)
+    works = [start_broadcast(group, flat[start:end], timeout_s) for start, end in ranges]
+    finish(works, timeout_s)
 
 
 def flat_layout(

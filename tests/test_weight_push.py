@@ -1,0 +1,132 @@
+"""A weight push's pieces (learner/sync/weights.py `FlatWeights`) and the receiving side's kept
+buffer (actor/receive.py `WeightReceiver`), over a real gloo group of two in this process."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from millstream.actor.receive import WeightReceiver
+from millstream.learner.sync.layout import DIRECT_MIN_BYTES, FlatWeights, LayoutChanged
+from millstream.shared.wire.weightsync import (
+    finish,
+    flat_digest,
+    make_group,
+    open_store,
+    piece_ranges,
+    start_broadcast,
+)
+
+BIG = DIRECT_MIN_BYTES // 4  # float32 elements of a tensor sent from where it lies
+
+
+def model(scale: float = 1.0) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"embed": (BIG,), "norm1": (7,), "bias1": (5, 3), "proj": (2, BIG), "norm2": (11,)}
+    return [(name, scale * torch.randn(shape, generator=gen)) for name, shape in shapes.items()]
+
+
+def test_large_tensors_are_sent_from_where_they_lie_and_small_ones_packed():
+    weights = model()
+    flat = FlatWeights("float32", "gloo", bucket_mb=32)
+    flat.lay_out(weights)
+    sizes = [t.numel() for _, t in weights]
+    # embed alone, norm1 + bias1 packed, proj alone, norm2 packed
+    assert flat.pieces == [BIG, BIG + 22, BIG + 22 + 2 * BIG, sum(sizes)]
+    pieces = list(flat.sources(weights))
+    assert pieces[0].data_ptr() == weights[0][1].data_ptr()  # no copy
+    assert pieces[2].data_ptr() == weights[3][1].data_ptr()
+    assert torch.equal(pieces[1], torch.cat([weights[1][1].reshape(-1), weights[2][1].reshape(-1)]))
+    assert torch.equal(torch.cat(pieces), torch.cat([t.reshape(-1) for _, t in weights]))
+    expected = flat_digest(torch.cat([t.reshape(-1) for _, t in weights]))
+    assert flat.digest() == pytest.approx(expected, rel=1e-12)
+
+
+def test_small_tensors_are_packed_into_pieces_of_about_the_bucket_size():
+    weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(100)]
+    flat = FlatWeights("float32", "gloo", bucket_mb=8000 * 4 / 2**20)  # 8,000 elements
+    flat.lay_out(weights)
+    ranges = piece_ranges(100_000, flat.pieces)
+    assert [end - start for start, end in ranges] == [8000] * 12 + [4000]
+    assert torch.equal(torch.cat(list(flat.sources(weights))), torch.cat([t for _, t in weights]))
+
+
+def test_a_tensor_of_another_dtype_is_cast_into_the_buffer():
+    weights = [("embed", torch.randn(2 * BIG, dtype=torch.float32))]
+    flat = FlatWeights("bfloat16", "gloo")
+    flat.lay_out(weights)
+    (piece,) = flat.sources(weights)
+    assert piece.dtype == torch.bfloat16 and torch.equal(piece, weights[0][1].to(torch.bfloat16))
+
+
+def test_a_push_of_other_shapes_is_refused():
+    flat = FlatWeights("float32", "gloo")
+    flat.lay_out(model())
+    with pytest.raises(LayoutChanged, match="changed between pushes"):
+        flat.lay_out(model()[:-1])
+
+
+@pytest.mark.parametrize("ends", [[5, 3, 10], [5, 9], [0, 10]])
+def test_pieces_that_do_not_cover_the_buffer_in_order_are_refused(ends):
+    with pytest.raises(ValueError, match="do not cover 10 elements"):
+        piece_ranges(10, ends)
+
+
+def gloo_pair(timeout_s: float = 20.0):
+    """The two members of a gloo group, formed in this process (rank 0, rank 1)."""
+    store = open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=timeout_s)
+
+    def member(rank: int):
+        own = (
+            store
+            if rank == 0
+            else open_store("127.0.0.1", store.port, 2, is_master=False, timeout_s=timeout_s)
+        )
+        return make_group(own, rank, 2, "gloo", timeout_s, "test"), own
+
+    with ThreadPoolExecutor(2) as pool:
+        (sender, _), (receiver, kept) = pool.map(member, [0, 1])
+    return sender, receiver, (store, kept)
+
+
+def push(group, flat: FlatWeights, weights) -> None:
+    flat.lay_out(weights)
+    finish([start_broadcast(group, piece, 20) for piece in flat.sources(weights)], 20)
+
+
+def test_the_receiver_keeps_one_buffer_and_sums_it_only_when_asked():
+    sender, receiver_group, _stores = gloo_pair()
+    flat, receiver = FlatWeights("float32", "gloo"), WeightReceiver()
+    assert receiver.digest() == (0.0, 0.0, 0)  # before any update
+    buffers = []
+    for scale in (1.0, 2.0):
+        weights = model(scale)
+        flat.lay_out(weights)
+        numel = sum(t.numel() for _, t in weights)
+        receiver.start(receiver_group, "float32", numel, flat.pieces, "cpu", 20)
+        push(sender, flat, weights)
+        buffers.append(receiver.wait(20))
+        assert torch.equal(buffers[-1], torch.cat([t.reshape(-1) for _, t in weights]))
+        with pytest.raises(RuntimeError, match="not loaded"):
+            receiver.digest()  # received, not yet loaded: not what the engine holds
+        receiver.loaded()
+        assert receiver.digest() == pytest.approx(flat.digest(), rel=1e-12)
+    assert buffers[0].data_ptr() == buffers[1].data_ptr()  # the same memory, not a fresh buffer
+    assert receiver.shares_memory_with([buffers[1][10:20]])
+    assert not receiver.shares_memory_with([buffers[1].clone()])
+
+
+def test_a_receive_that_never_completes_is_an_error_and_leaves_no_digest():
+    _sender, receiver_group, _stores = gloo_pair()
+    receiver = WeightReceiver()
+    receiver.start(receiver_group, "float32", 100, [], "cpu", timeout_s=1.0)  # nobody sends
+    with pytest.raises(RuntimeError, match="weight broadcast failed"):
+        receiver.wait(10)
+    with pytest.raises(RuntimeError, match="weight broadcast failed"):
+        receiver.done()
+    with pytest.raises(RuntimeError, match="not loaded"):
+        receiver.digest()
+    assert not any(t.name == "millstream-weight-receive" for t in threading.enumerate())
