@@ -8,7 +8,7 @@ import pytest
 from helpers import ROOT
 
 from millstream.bench import all as runner
-from millstream.bench import async_sync, weight_sync
+from millstream.bench import async_sync, engine_push, weight_sync
 from millstream.shared.config import check_config, load_config
 
 
@@ -21,6 +21,25 @@ def test_weight_sync_pushes_through_millstream_and_raw_gloo(tmp_path):
     assert per_size["settings"]["bytes"] == 16 * (2**20 // 64) * 4  # 1 MB of float32 in 16 tensors
     assert set(per_size["samples"]) == {"gloo", "millstream"}
     assert (tmp_path / "weight-sync-1MB.png").stat().st_size > 0
+
+
+@pytest.mark.real
+def test_engine_push_pushes_a_models_weights_to_a_generating_vllm_actor(tiny_model_dir, tmp_path):
+    argv = ["--model", str(tiny_model_dir), "--pushes", "2", "--streams", "2", "--gap-s", "0.5"]
+    path = engine_push.main([*argv, "--out", str(tmp_path)])
+    result = orjson.loads(path.read_bytes())
+    assert len(result["pushes"]) == 2 and result["bytes"] > 0
+    for push in result["pushes"]:
+        assert (
+            push["sync/total_s"] > 0 and push["sync/actor_receive_s"] > 0 and push["sync/actor_paused_s"] > 0
+        )
+    assert result["summary"]["tokens_per_s_before"]["max"] > 0  # the streams were served
+
+
+def test_engine_push_names_a_missing_model_before_it_starts(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        engine_push.parse(["--model", str(tmp_path)])
+    assert "no config.json there" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("stack", sorted(async_sync.STACKS))
