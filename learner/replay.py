@@ -17,8 +17,11 @@ Every episode is accounted for exactly once. Counters are of episodes:
     received == trained + sum(dropped.values()) + sum(failed.values()) + buffered
 
 holds after every call. Failures are counted in `failed[cause]` when they arrive (they never hold
-a trajectory), so `buffered` counts trajectories only. Duplicates (an episode_id seen before) are
-counted separately and are not part of `received`.
+a trajectory), so `buffered` counts trajectories only. Duplicates (an episode id its group has
+already counted) are counted separately and are not part of `received`. Ids are kept per group
+while the group can still be sent to (learner/seen.py): a group with all slots in that left the
+buffer is *finished*, only its number kept; a later message naming it is refused by `accept`
+(`group_finished`), counted as an overflow by `add`/`fail`. Memory follows the groups in flight.
 
 `dropped_groups` counts GROUPS that left untrained (stale, too small, drained), each counted once
 even if it held no trajectory: the learner announces it so the envpool's admission gate, which
@@ -46,7 +49,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from millstream.shared.wire import Cause, DropCause, EpisodeFailed, Trajectory, group_number
+from millstream.learner.seen import SeenEpisodes, number_of
+from millstream.shared.wire import Cause, DropCause, EpisodeFailed, Trajectory
 
 __all__ = ["Group", "Pending", "ReplayBuffer", "BufferFull"]
 
@@ -56,14 +60,6 @@ _OVERFLOW = DropCause.GROUP_OVERFLOW
 
 # Where an arriving episode goes (see ReplayBuffer._admit).
 _OPEN, _LATE, _DUPLICATE = 0, 1, 2
-
-
-def _number(gid: str) -> int:
-    """A group's number; -1 for an id that is not one (it never counts as this session's)."""
-    try:
-        return group_number(gid)
-    except ValueError:
-        return -1
 
 
 class BufferFull(RuntimeError):
@@ -138,11 +134,11 @@ class ReplayBuffer:
         self._pending: dict[str, Pending] = {}
         # Insertion order is completion order, which is the FIFO order of take_batch.
         self._complete: OrderedDict[str, Group] = OrderedDict()
-        # Groups that left the buffer -> cause under which late members are dropped. Kept for the
-        # whole run (one short entry per group) so a late member can never reopen a group.
+        # Groups that left the buffer -> cause under which late members are dropped, until every
+        # slot is in (`_settle`); then `_seen` keeps it as finished: nothing can reopen it.
         self._closed: dict[str, DropCause] = {}
-        # Every episode id seen, to ignore re-sent episodes (one entry per episode of the run).
-        self._seen: set[str] = set()
+        # The episode ids counted, per group, while the group can still be sent to (learner/seen.py).
+        self._seen = SeenEpisodes()
 
         self.received = 0
         self.trained = 0
@@ -169,6 +165,7 @@ class ReplayBuffer:
             return
         if status == _LATE:
             self._dropped([traj], self._closed.get(traj.group_id, _OVERFLOW))
+            self._settle(traj.group_id)
             return
         group = self._pending[traj.group_id]
         oldest = _oldest_version(traj)
@@ -191,6 +188,7 @@ class ReplayBuffer:
             return
         self._count(self.failed, failure.cause, 1)
         if status == _LATE:
+            self._settle(failure.group_id)
             return
         group = self._pending[failure.group_id]
         group.failed += 1
@@ -211,12 +209,14 @@ class ReplayBuffer:
         again, it is refused and counted again, as foreign again, so the accounting still adds up.
         Returns the reason it was refused for, or None.
         """
-        if message.episode_id in self._seen:
+        if self._seen.has(message.group_id, message.episode_id):
             self.duplicates += 1
             return None
         # The learner's identity refusals first: a message of no admitted group is not asked
         # about any group.
         identity = refusal[0] if refusal is not None and not refusal[1] else self._identity_problem(message)
+        if identity is None and refusal is None and self._seen.finished(message.group_id):
+            identity = "group_finished"  # every slot in and gone: a re-send, or not the run's
         if identity is None and refusal is None:
             if isinstance(message, Trajectory):
                 self.add(message)
@@ -253,9 +253,11 @@ class ReplayBuffer:
         self.refused[reason] = self.refused.get(reason, 0) + 1
         gid = message.group_id
         room = gid in self._pending or len(self._pending) + len(self._complete) < self.max_groups
-        closes = closes_slot and gid not in self._closed and gid not in self._complete and room
+        closed = gid in self._closed or gid in self._complete or self._seen.finished(gid)
+        closes = closes_slot and not closed and room
         if remember or closes:
-            self._seen.add(message.episode_id)
+            self._seen.add(gid, message.episode_id)
+            self._settle(gid)  # a late member of a group that left the buffer may finish it
         if not closes:
             return
         group = self._pending.setdefault(gid, Pending())
@@ -269,7 +271,7 @@ class ReplayBuffer:
         buffer. Raises before counting anything, so the accounting stays exact, on a group-size
         mismatch or when opening the group would exceed `max_groups`.
         """
-        if episode_id in self._seen:
+        if self._seen.has(group_id, episode_id):
             self.duplicates += 1
             return _DUPLICATE
         if group_size != self.group_size:
@@ -277,7 +279,8 @@ class ReplayBuffer:
                 f"episode {episode_id!r} says group_size={group_size}, the buffer uses "
                 f"{self.group_size}: envpool and learner disagree on train.group_size"
             )
-        late = group_id in self._closed or group_id in self._complete
+        # A finished group's ids are forgotten: a re-send of one of them counts as an overflow.
+        late = group_id in self._closed or group_id in self._complete or self._seen.finished(group_id)
         if not late and group_id not in self._pending:
             if len(self._pending) + len(self._complete) >= self.max_groups:
                 raise BufferFull(
@@ -286,7 +289,7 @@ class ReplayBuffer:
                     "admission gate should have prevented this"
                 )
             self._pending[group_id] = Pending()
-        self._seen.add(episode_id)
+        self._seen.add(group_id, episode_id)
         self.received += 1
         return _LATE if late else _OPEN
 
@@ -319,6 +322,8 @@ class ReplayBuffer:
         if len(self._complete) < count:
             return None
         batch = [self._complete.popitem(last=False)[1] for _ in range(count)]
+        for taken in batch:
+            self._settle(taken.group_id)
         n = sum(len(g.trajectories) for g in batch)
         self.trained += n
         self.buffered -= n
@@ -348,11 +353,21 @@ class ReplayBuffer:
 
     def _drop_group(self, gid: str, trajectories: list[Trajectory], cause: DropCause) -> None:
         self.dropped_groups += 1
-        if _number(gid) >= self.floor:
+        if number_of(gid) >= self.floor:
             self.dropped_from_floor += 1
         if trajectories:
             self._dropped(trajectories, cause)
             self.buffered -= len(trajectories)
+        self._settle(gid)
+
+    def _settle(self, gid: str) -> None:
+        """Forget a group that left the buffer once all its slots are in (no message for it can be
+        new then): its number stays. An id that is no number is kept (nothing else would)."""
+        held = gid in self._pending or gid in self._complete or number_of(gid) < 0
+        if held or self._seen.count(gid) < self.group_size:
+            return
+        self._seen.finish(gid)
+        self._closed.pop(gid, None)
 
     def _dropped(self, trajectories: list[Trajectory], cause: DropCause) -> None:
         """Count dropped trajectories under `cause` and tell `on_drop` (the learner records them)."""
@@ -377,14 +392,9 @@ class ReplayBuffer:
         """The highest `shared.wire.group_number` of any group this buffer has seen
         (buffered, trained or dropped; restored ones included), or None if none: a resumed
         learner numbers new groups after it. Ids that are not `g<number>` are ignored."""
-        highest = None
-        for gid in (*self._closed, *self._pending, *self._complete):
-            try:
-                number = group_number(gid)
-            except ValueError:
-                continue
-            highest = number if highest is None else max(highest, number)
-        return highest
+        numbers = [number_of(gid) for gid in (*self._closed, *self._pending, *self._complete)]
+        finished = self._seen.highest_finished()
+        return max([n for n in numbers if n >= 0] + ([] if finished is None else [finished]), default=None)
 
     # --- reporting -------------------------------------------------------------------------
 

@@ -180,8 +180,8 @@ def test_bookkeeping_messages_are_checked_and_never_raise():
 def test_forged_episodes_cost_counters_not_memory():
     """Episodes no worker started are refused and counted as foreign; the learner keeps no trace
     of their ids (2,000 refusals with 100 kB ids once left it 369 MB larger), so a re-send is
-    counted again and the accounting still adds up. A refusal that closes a real slot is kept:
-    at most `group_size` per admitted group."""
+    counted again and the accounting still adds up. A refusal that closes a real slot is kept
+    until its group finished: at most `group_size` per group in flight."""
     from millstream.learner.episodes.intake import Intake
     from millstream.learner.episodes.workers import WorkerLedger
     from millstream.shared.config import load_config
@@ -196,7 +196,8 @@ def test_forged_episodes_cost_counters_not_memory():
     intake.handle(traj("g50", "g50-forged-0"), version=0, admitted=10)  # sent again
     assert intake.foreign == 10_001 and buf.duplicates == 0
     assert buf.refused == {"unannounced_group": 5001, "reward_not_finite": 5000}
-    assert len(buf._seen) == 2  # the two that closed g3's two slots
+    # The two that closed g3's two slots were kept until g3 finished, then forgotten with it.
+    assert len(buf._seen) == 0 and buf._seen.finished("g3") and buf._closed == {}
     assert buf.statistics()["received"] - intake.foreign == ledger.started_total == 0
     accounted(buf)
 

@@ -280,7 +280,7 @@ def test_accounting_invariant_holds_at_every_step(
         max_groups=max_groups,
         min_group_size=min_group_size,
     )
-    sent: list[str] = []
+    sent: list[tuple[str, str]] = []
     arrivals: dict[str, int] = {}  # distinct episodes accepted per group (a small model)
     returned_ids: set[str] = set()
     returned = version = 0
@@ -288,16 +288,16 @@ def test_accounting_invariant_holds_at_every_step(
         kind = op[0]
         try:
             if kind in ("add", "fail"):
-                # Re-send the last episode id now and then, to exercise duplicates.
-                ep = sent[-1] if op[3] and sent else f"e{len(sent)}"
-                gid = f"g{version - op[1]}"
+                # Re-send the last episode now and then, to exercise duplicates (an id names its
+                # group, as the run's `<gid>-e<m>` do: a re-send comes with the same group).
+                gid, ep = sent[-1] if op[3] and sent else (f"g{version - op[1]}", f"e{len(sent)}")
                 if kind == "add":
                     buf.add(traj(gid, max(0, version - op[2]), group_size=group_size, episode=ep))
                 else:
                     buf.fail(failure(gid, cause=op[2], group_size=group_size, episode=ep))
-                if ep not in sent:
+                if (gid, ep) not in sent:
                     arrivals[gid] = arrivals.get(gid, 0) + 1
-                sent.append(ep)
+                sent.append((gid, ep))
             elif kind == "take":
                 version += op[1]
                 batch = buf.take_batch(version)
@@ -380,13 +380,13 @@ def test_state_round_trips_through_msgpack_and_drops_partial_groups():
     for key in ("received", "trained", "failed", "duplicates", "staleness"):
         assert after[key] == before[key], key
     # FIFO order kept; restored trajectories are real Trajectory structs, equal to the originals.
+    fresh.add(traj("g3", 4, group_size=2, episode="g3-last"))  # re-sent while g3 is buffered
     batch = fresh.take_batch(4, count=2)
     assert [g.group_id for g in batch] == ["g3", "g2b"]
     assert batch[0].trajectories == state["complete"][0]["trajectories"]
     assert isinstance(batch[0].trajectories[0], Trajectory)
     # Seen ids and closed groups came back: a re-sent episode is a duplicate, a late member of
     # the dropped partial group is dropped under the resume cause, a trained group stays closed.
-    fresh.add(traj("g7", 4, group_size=2, episode="g3-last"))
     fresh.add(traj("g7", 4, group_size=2))
     fresh.fail(failure("g8", group_size=2))
     fresh.fail(failure("g1", group_size=2))
@@ -497,3 +497,67 @@ def test_drops_of_groups_below_the_floor_admit_nothing():
             buf.add(traj(gid, episode=f"{gid}-e{i}", group_size=2, reward=float(i)))
     assert buf.take_batch(version=5) is None  # both stale: dropped
     assert buf.dropped_groups == 2 and buf.dropped_from_floor == 1
+
+
+# --- bounded memory (learner/seen.py) ------------------------------------------------------------
+
+
+@given(st.lists(st.integers(0, 60), max_size=80))
+def test_a_number_set_holds_what_was_added_as_few_ranges(numbers):
+    from millstream.learner.seen import NumberSet
+
+    kept = NumberSet()
+    for n in numbers:
+        kept.add(n)
+    assert all((n in kept) == (n in set(numbers)) for n in range(-1, 62))
+    ranges = kept.ranges()
+    assert all(a < b for a, b in ranges) and all(b < c for (_, b), (c, _) in zip(ranges, ranges[1:]))
+    assert NumberSet(ranges).ranges() == ranges
+
+
+def test_a_long_run_keeps_the_ids_of_groups_in_flight_only():
+    """50,016 episodes in 12,504 groups, some groups dropped stale with their late members
+    arriving after: the ids held stay those of the groups in flight, finished groups are a
+    handful of ranges, the checkpoint does not grow, and nothing reopens a finished group."""
+    buf = buffer(group_size=4, groups_per_batch=4, max_staleness=1, max_groups=64)
+    version, late = 0, []
+    most_ids = 0
+    for wave in range(0, 12_504, 8):
+        for g in range(wave, wave + 8):
+            members = [traj(f"g{g}", version, group_size=4, episode=f"g{g}-e{m}") for m in range(4)]
+            if g % 50 == 0:  # two members now, two after the group was dropped as stale
+                late += members[2:]
+                members = members[:2]
+            for t in members:
+                assert buf.accept(t) is None
+        most_ids = max(most_ids, len(buf._seen))
+        while buf.take_batch(version):
+            version += 1
+        for t in late[:-4]:  # arrive a few waves later, after their group was dropped as stale
+            buf.accept(t)
+        late = late[-4:]
+    s = check_invariant(buf)
+    assert s["received"] == 12_504 * 4 - len(late) and s["dropped"]["stale"] > 0
+    assert most_ids <= 64 * 4 and len(buf._seen) <= 64 * 4
+    assert len(buf._closed) <= 64 and len(buf._seen._finished.ranges()) <= 64
+    assert len(msgspec.msgpack.encode(buffer_state(buf))) < 200_000
+    # A re-sent member of a long-finished group cannot reopen it: refused, counted, no group.
+    before = buf.statistics()
+    assert buf.accept(traj("g5", 0, group_size=4, episode="g5-e0")) == "group_finished"
+    after = check_invariant(buf)
+    assert after["received"] == before["received"] + 1 and after["partial_groups"] == before["partial_groups"]
+    assert buf.max_group_number() == 12_503
+
+
+def test_a_format_1_checkpoint_loads_and_forgets_its_finished_groups():
+    """Format 1 kept every id of the run in one list and every closed group: loading it groups
+    the ids by group and finishes the groups whose slots are all in (here g1, trained)."""
+    state = buffer_state(resumable_buffer())
+    ids = [e for group in state["seen"]["ids"].values() for e in group]
+    old = {**state, "format": 1, "seen": sorted([*ids, "g1-e0", "g1-e1"])}
+    old["closed"] = {**state["closed"], "g1": "group_overflow"}
+    fresh = buffer(group_size=2, groups_per_batch=1, max_staleness=2, max_groups=10)
+    assert load_buffer_state(fresh, old) == 2
+    check_invariant(fresh)
+    assert fresh._seen.finished("g1") and "g1" not in fresh._closed
+    assert fresh.accept(traj("g1", 3, group_size=2, episode="g1-e0")) == "group_finished"

@@ -8,7 +8,10 @@ learner/persist/checkpoint.py writes the state to disk with the rest of the chec
 This module reads and writes the buffer's own fields, the private ones included: the state is
 the buffer's layout written out, and keeping the format here keeps the buffer about groups and
 accounts, and the file format beside the checkpoint that stores it. `STATE_FORMAT` names the
-layout; a state of any other format is refused rather than guessed at.
+layout; format 1 (every episode id of the run in one list) is read and converted, any other is
+refused rather than guessed at. Format 2 keeps ids per group only while a group can still be sent
+to, and finished groups as number ranges (learner/seen.py), so a checkpoint's size no longer
+grows with the length of the run.
 
 Partial groups do not survive a resume: their missing members died with the previous envpool,
 so loading drops them under a cause ("incomplete_at_resume"), as `ReplayBuffer.drain` would, and
@@ -25,12 +28,13 @@ from typing import Any
 import msgspec
 
 from millstream.learner.replay import Group, Pending, ReplayBuffer
+from millstream.learner.seen import SeenEpisodes
 from millstream.shared.wire import DropCause, Trajectory
 
 __all__ = ["STATE_FORMAT", "buffer_state", "load_buffer_state"]
 
-#: Layout version of `buffer_state`; `load_buffer_state` refuses any other.
-STATE_FORMAT = 1
+#: Layout version of `buffer_state`; `load_buffer_state` reads it and format 1, refuses others.
+STATE_FORMAT = 2
 
 
 def buffer_state(buffer: ReplayBuffer) -> dict[str, Any]:
@@ -67,7 +71,7 @@ def buffer_state(buffer: ReplayBuffer) -> dict[str, Any]:
             "failed": dict(buffer.failed),
             "refused": dict(buffer.refused),
         },
-        "seen": sorted(buffer._seen),
+        "seen": buffer._seen.state(),
         "closed": dict(buffer._closed),
         "last_staleness": list(buffer._last_staleness),
     }
@@ -88,7 +92,7 @@ def load_buffer_state(
     Raises ValueError if `state` is of another format or group size, is inconsistent, or
     holds more than `max_groups` complete groups.
     """
-    if state.get("format") != STATE_FORMAT:
+    if state.get("format") not in (1, STATE_FORMAT):
         raise ValueError(
             f"replay buffer state has format {state.get('format')!r}, this code reads format {STATE_FORMAT}"
         )
@@ -125,7 +129,11 @@ def load_buffer_state(
         raise ValueError(f"replay buffer state is inconsistent: {held} trajectories held, counters {c}")
 
     closed = {gid: DropCause(cause) for gid, cause in state["closed"].items()}
-    seen = set(state["seen"])
+    seen = (
+        SeenEpisodes.from_ids(state["seen"])
+        if state["format"] == 1
+        else SeenEpisodes.from_state(state["seen"])
+    )
     # Nothing above changed the buffer: a bad state leaves it as it was.
     buffer._complete, buffer._pending, buffer._closed, buffer._seen = complete, {}, closed, seen
     buffer.received, buffer.trained = int(c["received"]), int(c["trained"])
@@ -137,4 +145,6 @@ def load_buffer_state(
     for gid, group in partial.items():
         buffer._closed[gid] = drop_partial_cause
         buffer._drop_group(gid, group.trajectories, drop_partial_cause)
+    for gid in list(buffer._closed):  # a format 1 state kept every group: finish those done
+        buffer._settle(gid)
     return len(buffer._complete)
