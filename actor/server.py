@@ -73,7 +73,8 @@ class VllmWeights:
 
     The receive runs in each worker's own thread while the engine generates (actor/weights.py,
     actor/receive.py); this side polls the workers until every piece is in, backing off from
-    5 to 50 ms: each poll is one `collective_rpc`, which the engine serves between two steps.
+    5 to 20 ms: each poll is one `collective_rpc`, which the engine serves between two steps
+    (the longest wait is also the most a push can lose to polling).
     Only the load pauses generation. Pausing with `mode="keep"` leaves live requests queued;
     `clear_cache=True` drops the KV and prefix caches, so live requests are recomputed with the
     new weights and no new request reuses a prefix cached under the old ones (the cost:
@@ -81,7 +82,7 @@ class VllmWeights:
     """
 
     #: First and longest wait between two polls of the workers' receive, seconds.
-    POLL_S = (0.005, 0.05)
+    POLL_S = (0.005, 0.02)
 
     def __init__(self, engine: Any, rpc_timeout_s: float) -> None:
         self.engine = engine
@@ -113,13 +114,15 @@ class VllmWeights:
 
     async def receive(self, msg: WeightUpdate) -> None:
         await self.engine.collective_rpc(
-            "millstream_fetch",
+            "millstream_receive",
             timeout=self.rpc_timeout_s,
-            args=(msg.session, msg.dtype, msg.numel, msg.pieces),
+            args=(msg.session, msg.dtype, msg.numel, msg.piece_ends),
         )
         wait_s, longest_s = self.POLL_S
         with anyio.fail_after(self.rpc_timeout_s):
-            while not all(await self.engine.collective_rpc("millstream_fetched", timeout=self.rpc_timeout_s)):
+            while not all(
+                await self.engine.collective_rpc("millstream_received", timeout=self.rpc_timeout_s)
+            ):
                 await anyio.sleep(wait_s)
                 wait_s = min(2 * wait_s, longest_s)
 

@@ -92,7 +92,7 @@ class SyntheticActor:
         self.vocab_size, self.eos_id = vocab_size, eos_id
         self.boundary = Boundary(channel, cfg.actor.max_messages_per_frame)
         self.link = LearnerLink(
-            channel, _DiscardingWeights(self), self._describe, self.boundary, tokens=lambda: self.tokens
+            channel, _SyntheticWeights(self), self._describe, self.boundary, tokens=lambda: self.tokens
         )
         self._waiting: deque[_Seq] = deque()
         self._queued: set[tuple[bytes, str]] = set()  # keys of `_waiting`, for aborts
@@ -258,7 +258,7 @@ class SyntheticActor:
                 await self._flush(seq, None)
 
 
-class _DiscardingWeights:
+class _SyntheticWeights:
     """The synthetic engine's side of the learner link: join the group for real, receive the
     broadcast for real into a kept buffer (actor/receive.py, so its time and bytes are measured
     as a real engine's are), while tokens go on being made; then load nothing."""
@@ -286,7 +286,7 @@ class _DiscardingWeights:
         self._timeout_s = msg.timeout_s
 
     async def receive(self, msg: WeightUpdate) -> None:
-        self._receiver.start(self._group, msg.dtype, msg.numel, msg.pieces, "cpu", self._timeout_s)
+        self._receiver.start(self._group, msg.dtype, msg.numel, msg.piece_ends, "cpu", self._timeout_s)
         await anyio.to_thread.run_sync(self._receiver.wait, self._timeout_s)
 
     async def load(self, msg: WeightUpdate) -> None:

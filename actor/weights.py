@@ -6,16 +6,19 @@ through that RPC (it pickles its arguments; a model's worth of tensors would be 
 times): the worker joins a torch.distributed group with the learner and receives the broadcast
 of a flat buffer, which it cuts into named views and hands to vLLM's `reload_weights`.
 
-An update is two calls, so that generation stops only for the second:
+An update is three calls, so that generation stops only for the last:
 
-    millstream_fetch(...)    start receiving into the worker's kept buffer, in a thread
+    millstream_receive(...)  start receiving into the worker's kept buffer, in a thread
                              (actor/receive.py); the engine goes on generating
-    millstream_fetched()     polled by the actor until every piece is in
+    millstream_received()    polled by the actor until every piece is in
     millstream_load(...)     with generation paused: load the buffer, repack tied layers
 
-Why a flat buffer: one collective of N bytes is faster than N collectives of small tensors (on
-loopback gloo a 106 MiB model took 45 ms flat against 80 ms tensor by tensor), and the learner
-describes the layout once per update in the `WeightUpdate` message.
+On NCCL the receive itself happens in `millstream_load`, inside the pause (actor/receive.py says
+why), so the three calls are the same on every backend.
+
+The learner lays the update out as one flat buffer (learner/sync/layout.py says how it is cut into
+pieces) and describes the layout once per update in the `WeightUpdate` message; the worker
+receives into its own flat buffer of that layout and hands views of it to `reload_weights`.
 
 How the group is formed (stateless, its own TCPStore, rebuilt per learner session) is in
 `shared/wire/weightsync.py`, which the learner uses too.
@@ -118,6 +121,7 @@ class WeightSyncExtension:
         self._ms_group, self._ms_store = group, store
         self._ms_session = session
         self._ms_timeout = timeout_s
+        self._ms_threaded = backend == "gloo"  # see actor/receive.py for NCCL
         log.info(
             "joined weight group %s as rank %d/%d in %.2fs",
             session,
@@ -146,16 +150,20 @@ class WeightSyncExtension:
             receiver = self._ms_kept = WeightReceiver()
         return receiver
 
-    def millstream_fetch(self, session: str, dtype: str, numel: int, pieces: list[int]) -> None:
+    def millstream_receive(self, session: str, dtype: str, numel: int, piece_ends: list[int]) -> None:
         """Start receiving the update's broadcast into this worker's kept buffer; returns at once
-        (the engine keeps generating while the pieces arrive)."""
+        (the engine keeps generating while the pieces arrive). On NCCL the receive waits for
+        `millstream_load`."""
         group = self._ms_attached(session)
         device = self.device if getattr(self, "device", None) is not None else "cpu"
-        self._ms_receiver().start(group, dtype, numel, pieces, device, self._ms_timeout)
+        args = (group, dtype, numel, piece_ends, device, self._ms_timeout)
+        self._ms_deferred = None if self._ms_threaded else args
+        if self._ms_threaded:
+            self._ms_receiver().start(*args)
 
-    def millstream_fetched(self) -> bool:
+    def millstream_received(self) -> bool:
         """Without blocking: has the whole broadcast arrived? Raises if it failed."""
-        return self._ms_receiver().done()
+        return getattr(self, "_ms_deferred", None) is not None or self._ms_receiver().done()
 
     def millstream_load(self, session: str, tensors: list[tuple[str, list[int], int]]) -> float:
         """Load the received buffer as the model's weights (generation is paused by the caller);
@@ -163,6 +171,9 @@ class WeightSyncExtension:
         self._ms_attached(session)
         started = time.monotonic()
         receiver = self._ms_receiver()
+        deferred, self._ms_deferred = getattr(self, "_ms_deferred", None), None
+        if deferred is not None:
+            receiver.start(*deferred, in_thread=False)
         flat = receiver.wait(self._ms_timeout)
         views = (
             (name, flat[offset : offset + math.prod(shape)].view(shape)) for name, shape, offset in tensors
@@ -170,9 +181,10 @@ class WeightSyncExtension:
         self.reload_weights(weights_iterator=views)
         model = self.model_runner.get_model()
         _reprocess_tied_layers(model)
-        if receiver.shares_memory_with(model.parameters()):  # the next receive would overwrite them
-            raise RuntimeError("the engine kept views of the receive buffer as its weights")
         receiver.loaded()
+        if receiver.shares_memory_with([*model.parameters(), *model.buffers()]):
+            log.warning("the engine kept the receive buffer's memory as weights: it is theirs now")
+            receiver.release()  # the next receive must not overwrite them
         return time.monotonic() - started
 
     def millstream_digest(self) -> tuple[float, float, int]:

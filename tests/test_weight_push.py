@@ -3,7 +3,6 @@ buffer (actor/receive.py `WeightReceiver`), over a real gloo group of two in thi
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,12 +11,12 @@ import torch
 from millstream.actor.receive import WeightReceiver
 from millstream.learner.sync.layout import DIRECT_MIN_BYTES, FlatWeights, LayoutChanged
 from millstream.shared.wire.weightsync import (
-    finish,
     flat_digest,
     make_group,
     open_store,
     piece_ranges,
     start_broadcast,
+    wait_all,
 )
 
 BIG = DIRECT_MIN_BYTES // 4  # float32 elements of a tensor sent from where it lies
@@ -35,12 +34,17 @@ def test_large_tensors_are_sent_from_where_they_lie_and_small_ones_packed():
     flat.lay_out(weights)
     sizes = [t.numel() for _, t in weights]
     # embed alone, norm1 + bias1 packed, proj alone, norm2 packed
-    assert flat.pieces == [BIG, BIG + 22, BIG + 22 + 2 * BIG, sum(sizes)]
+    assert flat.piece_ends == [BIG, BIG + 22, BIG + 22 + 2 * BIG, sum(sizes)]
     pieces = list(flat.sources(weights))
     assert pieces[0].data_ptr() == weights[0][1].data_ptr()  # no copy
     assert pieces[2].data_ptr() == weights[3][1].data_ptr()
     assert torch.equal(pieces[1], torch.cat([weights[1][1].reshape(-1), weights[2][1].reshape(-1)]))
     assert torch.equal(torch.cat(pieces), torch.cat([t.reshape(-1) for _, t in weights]))
+    # Only norm1 + bias1 are packed: norm2, a piece alone, goes as it is.
+    assert flat._staging is not None and flat._staging.numel() == 22
+    assert pieces[3].data_ptr() == weights[4][1].data_ptr()
+    assert flat.digest() is None  # no push completed
+    flat.sent_version = 1
     expected = flat_digest(torch.cat([t.reshape(-1) for _, t in weights]))
     assert flat.digest() == pytest.approx(expected, rel=1e-12)
 
@@ -49,7 +53,7 @@ def test_small_tensors_are_packed_into_pieces_of_about_the_bucket_size():
     weights = [(f"w{i}", torch.full((1000,), float(i))) for i in range(100)]
     flat = FlatWeights("float32", "gloo", bucket_mb=8000 * 4 / 2**20)  # 8,000 elements
     flat.lay_out(weights)
-    ranges = piece_ranges(100_000, flat.pieces)
+    ranges = piece_ranges(100_000, flat.piece_ends)
     assert [end - start for start, end in ranges] == [8000] * 12 + [4000]
     assert torch.equal(torch.cat(list(flat.sources(weights))), torch.cat([t for _, t in weights]))
 
@@ -94,7 +98,8 @@ def gloo_pair(timeout_s: float = 20.0):
 
 def push(group, flat: FlatWeights, weights) -> None:
     flat.lay_out(weights)
-    finish([start_broadcast(group, piece, 20) for piece in flat.sources(weights)], 20)
+    wait_all([start_broadcast(group, piece, 20) for piece in flat.sources(weights)], 20)
+    flat.sent_version = 1
 
 
 def test_the_receiver_keeps_one_buffer_and_sums_it_only_when_asked():
@@ -106,7 +111,7 @@ def test_the_receiver_keeps_one_buffer_and_sums_it_only_when_asked():
         weights = model(scale)
         flat.lay_out(weights)
         numel = sum(t.numel() for _, t in weights)
-        receiver.start(receiver_group, "float32", numel, flat.pieces, "cpu", 20)
+        receiver.start(receiver_group, "float32", numel, flat.piece_ends, "cpu", 20)
         push(sender, flat, weights)
         buffers.append(receiver.wait(20))
         assert torch.equal(buffers[-1], torch.cat([t.reshape(-1) for _, t in weights]))
@@ -129,4 +134,35 @@ def test_a_receive_that_never_completes_is_an_error_and_leaves_no_digest():
         receiver.done()
     with pytest.raises(RuntimeError, match="not loaded"):
         receiver.digest()
-    assert not any(t.name == "millstream-weight-receive" for t in threading.enumerate())
+
+
+def test_a_receive_left_running_is_abandoned_by_the_next_one():
+    """An update the actor gave up on must not block the next one (a re-attached learner's):
+    the new receive gets a fresh buffer and completes; the old thread writes only its own."""
+    sender, receiver_group, _stores = gloo_pair()
+    stale_group = gloo_pair()[1]  # a group nobody will send on
+    flat, receiver = FlatWeights("float32", "gloo"), WeightReceiver()
+    weights = model()
+    flat.lay_out(weights)
+    numel = sum(t.numel() for _, t in weights)
+    receiver.start(stale_group, "float32", numel, flat.piece_ends, "cpu", timeout_s=30)
+    abandoned = receiver._receive
+    receiver.start(receiver_group, "float32", numel, flat.piece_ends, "cpu", 20)
+    push(sender, flat, weights)
+    fresh = receiver.wait(20)
+    assert torch.equal(fresh, torch.cat([t.reshape(-1) for _, t in weights]))
+    assert abandoned is not None and abandoned.buffer.data_ptr() != fresh.data_ptr()
+
+
+def test_a_buffer_the_engine_kept_is_released_with_its_digest():
+    sender, receiver_group, _stores = gloo_pair()
+    flat, receiver = FlatWeights("float32", "gloo"), WeightReceiver()
+    weights = model()
+    flat.lay_out(weights)
+    receiver.start(receiver_group, "float32", sum(t.numel() for _, t in weights), flat.piece_ends, "cpu", 20)
+    push(sender, flat, weights)
+    kept = receiver.wait(20)
+    receiver.loaded()
+    receiver.release()  # as the worker does when the engine's weights are views of it
+    assert receiver.digest() == pytest.approx(flat.digest(), rel=1e-12)
+    assert not receiver.shares_memory_with([kept])  # the next update receives elsewhere

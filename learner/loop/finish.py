@@ -72,7 +72,9 @@ def close_run(
         "decode_errors": decode_errors,
         "checkpoint": str(checkpoint),
         "final_weights": str(checkpoint / "hf"),
-        "replica_weights": replica_weights(fleet.digests(), fleet.flat.digest()),
+        "replica_weights": replica_weights(
+            fleet.digests(), fleet.flat.digest() if fleet.flat.sent_version == version else None
+        ),
         **evals.summary(version),
     }
     if not summary["accounting_ok"]:

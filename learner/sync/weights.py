@@ -2,7 +2,7 @@
 
     links = [ReplicaLink(address, keys) for address in replica_addresses]
     group = attach_group(links, infos, cfg, backend)      # one broadcast group, all replicas
-    applied = push_group(group, flat, weights, version, cfg)   # packs bucket k+1 while k is sent
+    applied = push_group(group, flat, weights, version, cfg)   # packs piece k+1 while k is sent
     sender = WeightSender(address, cfg, dtype=..., keys=...)   # the same for a single replica
 
 Every replica of the run is in ONE group (learner rank 0, then each replica's workers at their
@@ -19,7 +19,7 @@ naming what was expected, never a hang.
 
 The flat buffer is allocated once (the model's shapes do not change) and reused for every push.
 A push is pipelined and copies as little as it can: large tensors are broadcast from where they
-lie, small ones are packed into the buffer a piece at a time (`learner.sync_bucket_mb` at most),
+lie, small ones are packed a piece at a time (a piece closes at `learner.sync_bucket_mb`),
 each piece's broadcast starting as soon as it is ready, so packing overlaps the wire
 (`FlatWeights`). The replicas receive while they generate and pause only to load
 (actor/link.py). The end of a run compares every replica's digest with the digest of the last
@@ -53,12 +53,12 @@ from millstream.shared.wire import (
 )
 from millstream.shared.wire.keys import RunKeys, secure
 from millstream.shared.wire.weightsync import (
-    finish,
     make_group,
     mark_session,
     open_store,
     pick_backend,
     start_broadcast,
+    wait_all,
 )
 
 __all__ = [
@@ -254,24 +254,25 @@ def push_group(
     """Broadcast `named_weights` as `version` to every member, piece by piece (`FlatWeights`);
     their `WeightsApplied`, in order. Raises WeightSyncError naming the members
     that failed (the group is then broken)."""
+    flat.forget_sent()  # the last push's tensors go before this push's are made
     weights = list(named_weights)
     try:
         flat.lay_out(weights)  # the layout goes out before the first byte
     except LayoutChanged as exc:
         raise WeightSyncError(str(exc)) from exc
-    assert flat.flat is not None
-    update = WeightUpdate(group.session, version, flat.dtype, flat.flat.numel(), flat.layout, flat.pieces)
+    update = WeightUpdate(group.session, version, flat.dtype, flat.numel, flat.layout, flat.piece_ends)
     for link in group.links:
         link.send(update, cfg.sync_timeout_s)
     works: list[Any] = []
     try:
         for piece in flat.sources(weights):  # packs piece k+1 while piece k is on the wire
             works.append(start_broadcast(group.group, piece, cfg.sync_timeout_s))
-        finish(works, cfg.sync_timeout_s)
+        wait_all(works, cfg.sync_timeout_s)
     except RuntimeError as exc:
         # A member died. The others' receives end once this side drops the group (the caller
         # does), and which of them still lives is for a Hello to tell (learner/sync/fleet.py).
         raise WeightSyncError(f"the broadcast of version {version} failed: {exc}") from exc
+    flat.sent_version = version
     applied: list[WeightsApplied] = []
     failed = []
     deadline = time.monotonic() + cfg.sync_timeout_s
@@ -358,6 +359,7 @@ class WeightSender:
             "sync/total_s": done - started,
             "sync/actor_receive_s": applied.receive_s,
             "sync/actor_paused_s": applied.paused_s,
+            "sync/actor_tokens": float(applied.tokens),
             "sync/bytes": float(self.flat.nbytes),
         }
 

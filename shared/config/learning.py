@@ -156,9 +156,10 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     sync_bucket_mb: Annotated[
         float,
         _doc(
-            "Largest piece a weight push packs small tensors into, MiB (tensors of 1 MiB or more "
-            "are sent from where they lie, a piece each). The learner packs the next piece while "
-            "this one is on the wire; 8-128 MiB measured alike on gloo (bench/README, weight sync).",
+            "Size at which a weight push closes a piece of packed small tensors, MiB (a piece may "
+            "pass it by one small tensor; tensors of 1 MiB or more are sent from where they lie, a "
+            "piece each). The learner packs the next piece while this one is on the wire; 8-128 MiB "
+            "measured alike on gloo (bench/README, weight sync).",
             gt=0,
         ),
     ] = 32.0

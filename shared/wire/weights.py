@@ -43,7 +43,7 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True):
 
 class WeightUpdate(WireMessage, tag="weights", frozen=True):
     """Weights of `version` follow by broadcast: a flat `dtype` buffer of `numel` elements, sent
-    as consecutive pieces that end at the offsets `pieces` (empty: one broadcast of it all).
+    as consecutive pieces that end at the offsets `piece_ends` (empty: one broadcast of it all).
 
     The actor's workers receive the broadcast into a buffer they keep while generation goes on;
     then the actor pauses generation (requests keep their state), loads the weights, resumes,
@@ -55,7 +55,7 @@ class WeightUpdate(WireMessage, tag="weights", frozen=True):
     dtype: str
     numel: int
     tensors: list[TensorSpec]
-    pieces: list[int] = msgspec.field(default_factory=list)
+    piece_ends: list[int] = msgspec.field(default_factory=list)
 
 
 class WeightsApplied(WireMessage, tag="weights_applied", frozen=True):

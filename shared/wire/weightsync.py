@@ -12,10 +12,10 @@ died shows up as an error within `timeout_s`, not a 30-minute NCCL hang.
 
 Weights travel as one flat buffer per update (`flat_layout` gives each tensor's offset), sent as
 consecutive pieces, each one collective: a large tensor is a piece of its own, broadcast straight
-from the learner's parameter (no copy), and runs of small ones are packed into the flat buffer and
-sent as a few large pieces (one large collective beats many small ones). The receivers take every
-piece into its slice of their own flat buffer (`broadcast_pieces`); the piece ends and the layout
-go in the `WeightUpdate` message.
+from the learner's parameter (no copy, where its dtype and device are the wire's), and runs of
+small ones are packed and sent as a few large pieces (one large collective beats many small
+ones). The receivers take every piece into its slice of their own flat buffer
+(`broadcast_pieces`); the piece ends and the layout go in the `WeightUpdate` message.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = [
     "mark_session",
     "await_session",
     "flat_digest",
-    "finish",
+    "wait_all",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -147,8 +147,9 @@ def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float
 def start_broadcast(group, tensor: torch.Tensor, timeout_s: float):
     """Start broadcasting `tensor` from rank 0 of `group`; returns the work to `finish`.
 
-    Collectives started on one group run in the order they were started (gloo and NCCL both
-    keep it), so several may be in flight: the learner starts piece k and packs piece k+1."""
+    Several may be in flight on one group: each member starts the same collectives in the same
+    order, and gloo and NCCL match them by that order (gloo by a tag it takes in turn), so the
+    learner starts piece k and packs piece k+1 while the receivers have started them all."""
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     opts.rootTensor = 0
@@ -156,7 +157,7 @@ def start_broadcast(group, tensor: torch.Tensor, timeout_s: float):
     return group.broadcast([tensor], opts)
 
 
-def finish(works: Iterable, timeout_s: float) -> None:
+def wait_all(works: Iterable, timeout_s: float) -> None:
     """Wait for every started collective, within one shared deadline of `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     for work in works:
@@ -165,7 +166,7 @@ def finish(works: Iterable, timeout_s: float) -> None:
 
 def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
     """Broadcast `tensor` from rank 0 of `group`, waiting at most `timeout_s`."""
-    finish([start_broadcast(group, tensor, timeout_s)], timeout_s)
+    wait_all([start_broadcast(group, tensor, timeout_s)], timeout_s)
 
 
 def piece_ranges(numel: int, ends: list[int]) -> list[tuple[int, int]]:
@@ -179,11 +180,11 @@ def piece_ranges(numel: int, ends: list[int]) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def broadcast_pieces(group, flat: torch.Tensor, ends: list[int], timeout_s: float) -> None:
+def broadcast_pieces(group, flat: torch.Tensor, piece_ends: list[int], timeout_s: float) -> None:
     """A receiver's side of a push: every piece into its slice of `flat`, all started at once."""
-    ranges = piece_ranges(flat.numel(), ends)
+    ranges = piece_ranges(flat.numel(), piece_ends)
     works = [start_broadcast(group, flat[start:end], timeout_s) for start, end in ranges]
-    finish(works, timeout_s)
+    wait_all(works, timeout_s)
 
 
 def flat_layout(
