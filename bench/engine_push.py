@@ -12,7 +12,9 @@ the model's own weights (transformers, float32, tied weights once, as the learne
 - `total_s`: the push as the learner waits for it (first byte to `WeightsApplied`);
 - `receive_s`: the actor's receive, generation going on (actor/receive.py);
 - `paused_s`: the actor's pause: vLLM's reload of the weights (and the repack of tied layers);
-- tokens/s the client received during the push, against the `--gap-s` before it.
+- tokens/s the client received during the push, against the `--gap-s` before it (the actor
+  streams every token as its own delta here, `actor.stream_interval=1`, so arrivals are as
+  fine-grained as the engine's steps).
 
 Medians and ranges over the pushes (the first, which allocates the buffers, is not counted).
 Results: bench/results/<date>-<host>/engine-push.json.
@@ -108,6 +110,7 @@ def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
     overrides = [
         "actor.kind=vllm", "actor.max_model_len=1024", "actor.kv_cache_bytes=1073741824",
         f"actor.max_num_seqs={max(ns.streams, 1)}", "actor.startup_timeout_s=600",
+        "actor.stream_interval=1",  # every token its own delta: arrival times resolve the pause
     ]  # fmt: skip
     cfg = LearnerConfig(sync_backend="gloo", sync_timeout_s=300)
     pushes: list[dict[str, float]] = []

@@ -3,6 +3,9 @@ numbers are not checked (benchmarks measure, tests assert behaviour)."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import orjson
 import pytest
 from helpers import ROOT
@@ -23,10 +26,27 @@ def test_weight_sync_pushes_through_millstream_and_raw_gloo(tmp_path):
     assert (tmp_path / "weight-sync-1MB.png").stat().st_size > 0
 
 
+def vllm_processes() -> set[int]:
+    """Pids of vLLM's engine processes on this machine (they name themselves VLLM::...)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "cmdline").read_bytes().startswith(b"VLLM::"):
+                found.add(int(entry.name))
+        except OSError:  # ended meanwhile
+            continue
+    return found
+
+
 @pytest.mark.real
 def test_engine_push_pushes_a_models_weights_to_a_generating_vllm_actor(tiny_model_dir, tmp_path):
     argv = ["--model", str(tiny_model_dir), "--pushes", "2", "--streams", "2", "--gap-s", "0.5"]
+    engines_before = vllm_processes()
     path = engine_push.main([*argv, "--out", str(tmp_path)])
+    deadline = time.monotonic() + 10  # a SIGKILL is delivered, not waited for
+    while not vllm_processes() <= engines_before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert vllm_processes() <= engines_before  # the actor's engine processes ended with it
     result = orjson.loads(path.read_bytes())
     assert len(result["pushes"]) == 2 and result["bytes"] > 0
     for push in result["pushes"]:

@@ -1,15 +1,19 @@
-"""Synthetic actor replicas as processes, for the benchmarks that need them (fleet, weight_sync).
+"""Actor replicas as processes, for the benchmarks that need them (fleet, weight_sync, engine_push).
 
     with replicas(4, ["actor.synthetic_step_s=0.02"], model_dir, work) as started:
         addresses = [address for address, pid in started]
 
-Each replica is `python -m millstream.actor actor.kind=synthetic` on loopback with
-`transport.curve=false`, started together, killed on exit (nothing to drain: a benchmark's turns
-are over by then). Also the CPU seconds of a process and the synthetic replica's digest time.
+Each replica is `python -m millstream.actor actor.kind=synthetic` (or another kind, by override)
+on loopback with `transport.curve=false`, in a session of its own, started together, killed on
+exit with everything it started (nothing to drain: a benchmark's turns are over by then). Also
+the synthetic replica's digest time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -52,7 +56,10 @@ def replicas(count: int, overrides: list[str], model: Path, work: Path) -> Itera
         yield [(address, proc.pid) for address, proc, _ in procs]
     finally:
         for _, proc, _ in procs:  # nothing to drain: the benchmark's turns are over
-            proc.kill()
+            # The whole session: a vLLM actor's engine processes are its children, and a
+            # SIGKILL of the actor alone left them running (3 GB each) after every benchmark.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
 
