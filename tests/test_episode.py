@@ -99,11 +99,15 @@ def test_a_turn_that_times_out_leaves_what_had_arrived_in_the_scene(actor):
     """A generation cut by its timeout: the failed episode's scene names the request, holds the
     tokens streamed before the cut (with their logprobs and versions) and the error."""
     env = make_env("evenchars", {"turns": 3})
-    result, _ = play(actor, env, max_tokens=1000, turn_timeout_s=0.4, actor_retries=0)
+    # Seeded, so every turn's length is fixed; the timeout must cut one whatever the engine's
+    # speed. At 0.4 s a quiet machine once played all three turns (the longest of at least 333
+    # tokens: the episode filled its 1,024-token context) in time; 0.05 s would need 6,600
+    # tokens/s from one sequence.
+    result, _ = play(actor, env, max_tokens=1000, turn_timeout_s=0.05, actor_retries=0)
     assert isinstance(result, EpisodeFailed) and result.cause is Cause.ACTOR_TIMEOUT
     assert result.scene is not None and result.scene.request is not None
     request = result.scene.request
-    assert request.request_id.startswith("episode-test-") and "0.4s" in request.error
+    assert request.request_id.startswith("episode-test-") and "0.05s" in request.error
     assert len(request.token_ids) == len(request.logprobs) == len(request.versions) < 1000
     assert request.turn == len(result.scene.turn_starts)
 
