@@ -3,6 +3,13 @@ buffer (actor/receive.py `WeightReceiver`), over a real gloo group of two in thi
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -166,3 +173,67 @@ def test_a_buffer_the_engine_kept_is_released_with_its_digest():
     receiver.release()  # as the worker does when the engine's weights are views of it
     assert receiver.digest() == pytest.approx(flat.digest(), rel=1e-12)
     assert not receiver.shares_memory_with([kept])  # the next update receives elsewhere
+
+
+LISTENERS = """
+import json, os, sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+import torch.distributed as dist
+from millstream.shared.wire.weightsync import make_group, open_store
+store = open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=20)
+def member(rank):
+    own = store if rank == 0 else open_store("127.0.0.1", store.port, 2, is_master=False, timeout_s=20)
+    if sys.argv[1] == "gloo-default":
+        return dist.ProcessGroupGloo(dist.PrefixStore("p", own), rank, 2, timedelta(seconds=20))
+    return make_group(own, rank, 2, "gloo", 20, "s")
+with ThreadPoolExecutor(2) as pool:
+    groups = list(pool.map(member, [0, 1]))
+inodes = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the listing's own descriptor, closed by now
+        continue
+    if link.startswith("socket:["):
+        inodes.add(link[8:-1])
+out = []
+for line in open("/proc/net/tcp").read().splitlines()[1:]:
+    f = line.split()
+    if f[3] == "0A" and f[9] in inodes:  # listening, and this process's
+        ip = f[1].split(":")[0]
+        out.append(".".join(str(int(ip[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+print(json.dumps(out))
+"""
+
+
+def listening_addresses(kind: str, interface: str) -> list[str]:
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": interface}
+    proc = subprocess.run(
+        [sys.executable, "-c", LISTENERS, kind], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ipv4_of(interface: str) -> str | None:
+    """The interface's IPv4 address, or None (SIOCGIFADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", interface.encode()[:15]))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def test_the_weight_group_listens_on_loopback_when_its_store_does():
+    """gloo listens where the host's name resolves (or on GLOO_SOCKET_IFNAME): on a machine whose
+    name resolves to a LAN address a loopback run would listen there, unauthenticated. The
+    group's members listen on loopback when its store does (`weightsync.on_loopback`)."""
+    others = [name for _, name in socket.if_nameindex() if name != "lo" and ipv4_of(name)]
+    interface = others[0] if others else "lo"
+    ours = listening_addresses("millstream", interface)
+    assert len(ours) == 3 and set(ours) == {"127.0.0.1"}, ours  # the store and two members
+    if others:  # the control: gloo's own default, same environment, listens on the interface
+        default = listening_addresses("gloo-default", interface)
+        assert any(address != "127.0.0.1" for address in default), default

@@ -20,6 +20,7 @@ ones). The receivers take every piece into its slice of their own flat buffer
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import time
 from collections.abc import Iterable
@@ -39,6 +40,7 @@ __all__ = [
     "piece_ranges",
     "flat_layout",
     "pick_backend",
+    "on_loopback",
     "mark_session",
     "await_session",
     "flat_digest",
@@ -140,7 +142,12 @@ def make_group(store, rank: int, world_size: int, backend: str, timeout_s: float
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        if not on_loopback(getattr(store, "host", "")):  # gloo's own choice (GLOO_SOCKET_IFNAME)
+            return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in the stubs
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=store.host)]
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
     raise ValueError(f"weight sync backend must be 'gloo' or 'nccl', got {backend!r}")
 
 
@@ -162,6 +169,18 @@ def wait_all(works: Iterable, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for work in works:
         work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+
+
+def on_loopback(host: str) -> bool:
+    """Is the group's store on a loopback address? Then its members listen on loopback too.
+
+    gloo otherwise listens where the host's name resolves (or on `GLOO_SOCKET_IFNAME`): on a
+    machine whose name resolves to a LAN address, a run configured for loopback would listen
+    there, open to anything that reaches the machine, with no authentication."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
