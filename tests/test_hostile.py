@@ -343,6 +343,47 @@ def test_attach_to_a_closed_port_does_not_stall_the_synthetic_actor(hostile_synt
     assert proc.poll() is None
 
 
+def test_a_keyless_process_can_reach_the_weight_store_but_not_join_or_poison_the_group(hostile_synthetic):
+    """The weight group's TCPStore has no authentication: any local process can open it (here a
+    plain TCPStore client, as if it had found the port by scanning). What it cannot know is the
+    session (`weightsync.new_session`, sent only inside CURVE): it cannot join under a guess,
+    junk it writes under the group's prefix and beside it changes nothing, and the next push is
+    applied with the learner's exact weights."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from millstream.learner.sync.weights import WeightSender
+    from millstream.shared.wire import DigestWeights, WeightsDigest
+    from millstream.shared.wire.weightsync import flat_digest, make_group
+
+    address, proc, _ = hostile_synthetic
+    sender = WeightSender(
+        address, LearnerConfig(sync_timeout_s=30), dtype="float32", keys=keys_for("learner")
+    )
+    weights = [(f"w{i}", torch.randn(1000 + i)) for i in range(4)]
+    try:
+        sender.attach()
+        assert sender.group is not None
+        session, port = sender.session, sender.group.store.port
+        assert len(session) == len("learner-") + 32  # 128 random bits
+        probe = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=5))
+        for guess in ("learner", "learner-0", session[:20], "millstream"):
+            with pytest.raises(RuntimeError):  # no member of a guessed group ever comes
+                make_group(probe, 1, sender.group.world, "gloo", 2.0, guess)
+        for key in ("millstream/learner/0", f"millstream/{session[:20]}/learner", "rank_0", "0"):
+            probe.set(key, b"junk")
+        sender.push(weights, version=5)
+        digest = sender.link.request(DigestWeights(), WeightsDigest, 30)
+    finally:
+        sender.close()
+    learner = flat_digest(torch.cat([t for _, t in weights]))
+    assert digest.version == 5 and digest.numel == learner[2]
+    assert digest.total == pytest.approx(learner[0], rel=1e-9, abs=1e-9)
+    assert proc.poll() is None
+
+
 # --- the vLLM actor --------------------------------------------------------------------------------
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -55,6 +54,7 @@ from millstream.shared.wire.keys import RunKeys, secure
 from millstream.shared.wire.weightsync import (
     make_group,
     mark_session,
+    new_session,
     open_store,
     pick_backend,
     start_broadcast,
@@ -221,7 +221,7 @@ def attach_group(
     names the replicas that refused, or is empty when all of them timed out together (a member
     that died makes every other join wait for it).
     """
-    session = session or f"learner-{uuid.uuid4().hex[:12]}"  # a new one per group by default
+    session = session or new_session()  # a new one per group by default
     world = 1 + sum(info.weight_ranks for info in infos)
     store = open_store(cfg.sync_host, 0, world, is_master=True, timeout_s=cfg.sync_timeout_s)
     mark_session(store, session)  # each replica checks it before its engine joins
@@ -323,7 +323,7 @@ class WeightSender:
         self.cfg = cfg
         self.dtype = dtype
         self.backend = pick_backend(cfg.sync_backend)
-        self.session = f"learner-{uuid.uuid4().hex[:12]}"
+        self.session = new_session()
         self.link = ReplicaLink(actor_address, keys)
         self.flat = FlatWeights(dtype, self.backend, cfg.sync_bucket_mb)
         self.group: WeightGroup | None = None

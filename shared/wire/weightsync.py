@@ -21,6 +21,7 @@ ones). The receivers take every piece into its slice of their own flat buffer
 from __future__ import annotations
 
 import ipaddress
+import secrets
 import socket
 import time
 from collections.abc import Iterable
@@ -42,6 +43,7 @@ __all__ = [
     "pick_backend",
     "on_loopback",
     "mark_session",
+    "new_session",
     "await_session",
     "flat_digest",
     "wait_all",
@@ -109,6 +111,17 @@ def listen_on(host: str, port: int) -> int:
     sock.bind(address)
     sock.listen(512)
     return sock.detach()
+
+
+def new_session() -> str:
+    """A fresh learner session: the name of a weight group in its store.
+
+    The store is a TCPStore on a port any local process can reach, with no authentication of its
+    own; every key of the group is under `millstream/<session>/`, and TCPStore has no call that
+    lists keys. So the session is the secret that keeps a keyless process from joining the group
+    or writing its keys: 128 random bits, sent to the replicas only inside the CURVE-encrypted
+    `AttachLearner` (tests/test_hostile.py probes it)."""
+    return f"learner-{secrets.token_hex(16)}"
 
 
 def _session_key(session: str) -> str:
