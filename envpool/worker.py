@@ -54,6 +54,7 @@ from millstream.shared.wire import (
     Trajectory,
     WorkerHello,
     group_id,
+    member_id,
 )
 from millstream.shared.wire.keys import load_keys
 from millstream.shared.wire.transport import open_channel
@@ -207,7 +208,7 @@ class Worker:
         gid = group_id(number)
         self.stats.groups += 1
         for member in range(size):
-            spec = EpisodeSpec(f"{gid}-e{member}", gid, seed, member, size, self.pool.env)
+            spec = EpisodeSpec(member_id(gid, member), gid, seed, member, size, self.pool.env)
             self.live_ids.add(spec.episode_id)
             self.stats.started += 1
             self.stats.live += 1

@@ -134,8 +134,7 @@ class ReplayBuffer:
         self._pending: dict[str, Pending] = {}
         # Insertion order is completion order, which is the FIFO order of take_batch.
         self._complete: OrderedDict[str, Group] = OrderedDict()
-        # Groups that left the buffer -> cause under which late members are dropped, until every
-        # slot is in (`_settle`); then `_seen` keeps it as finished: nothing can reopen it.
+        # Left groups -> the cause late members are dropped under, until all slots are in (`_settle`).
         self._closed: dict[str, DropCause] = {}
         # The episode ids counted, per group, while the group can still be sent to (learner/seen.py).
         self._seen = SeenEpisodes()
@@ -234,7 +233,7 @@ class ReplayBuffer:
         gid = message.group_id
         pending = self._pending.get(gid)
         if pending is None:
-            new = gid not in self._closed and gid not in self._complete
+            new = not self._left(gid)
             full = len(self._pending) + len(self._complete) >= self.max_groups
             return "buffer_full" if new and full else None
         if isinstance(message, Trajectory) and pending.identity not in (None, (message.env, message.seed)):
@@ -253,8 +252,7 @@ class ReplayBuffer:
         self.refused[reason] = self.refused.get(reason, 0) + 1
         gid = message.group_id
         room = gid in self._pending or len(self._pending) + len(self._complete) < self.max_groups
-        closed = gid in self._closed or gid in self._complete or self._seen.finished(gid)
-        closes = closes_slot and not closed and room
+        closes = closes_slot and not self._left(gid) and room
         if remember or closes:
             self._seen.add(gid, message.episode_id)
             self._settle(gid)  # a late member of a group that left the buffer may finish it
@@ -279,8 +277,7 @@ class ReplayBuffer:
                 f"episode {episode_id!r} says group_size={group_size}, the buffer uses "
                 f"{self.group_size}: envpool and learner disagree on train.group_size"
             )
-        # A finished group's ids are forgotten: a re-send of one of them counts as an overflow.
-        late = group_id in self._closed or group_id in self._complete or self._seen.finished(group_id)
+        late = self._left(group_id)
         if not late and group_id not in self._pending:
             if len(self._pending) + len(self._complete) >= self.max_groups:
                 raise BufferFull(
@@ -359,6 +356,10 @@ class ReplayBuffer:
             self._dropped(trajectories, cause)
             self.buffered -= len(trajectories)
         self._settle(gid)
+
+    def _left(self, gid: str) -> bool:
+        """Did the group complete or leave the buffer (finished ones included)?"""
+        return gid in self._closed or gid in self._complete or self._seen.finished(gid)
 
     def _settle(self, gid: str) -> None:
         """Forget a group that left the buffer once all its slots are in (no message for it can be

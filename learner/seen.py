@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
-from millstream.shared.wire import group_number
+from millstream.shared.wire import group_number, group_of
 
 __all__ = ["NumberSet", "SeenEpisodes", "number_of"]
 
@@ -127,5 +127,5 @@ class SeenEpisodes:
         """From a flat list of ids `<group>-e<member>` (a format 1 checkpoint's)."""
         seen = cls()
         for eid in episode_ids:
-            seen.add(eid.rsplit("-e", 1)[0], eid)
+            seen.add(group_of(eid), eid)
         return seen

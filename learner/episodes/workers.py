@@ -28,7 +28,15 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from millstream.shared.wire import Cause, EpisodeFailed, GroupStarted, WorkerHello, group_number
+from millstream.shared.wire import (
+    Cause,
+    EpisodeFailed,
+    GroupStarted,
+    WorkerHello,
+    group_number,
+    group_of,
+    member_id,
+)
 
 __all__ = ["WorkerLedger"]
 
@@ -80,7 +88,7 @@ class WorkerLedger:
 
     def group_started(self, msg: GroupStarted) -> None:
         self.incarnations.setdefault(msg.index, msg.incarnation)
-        members = {f"{msg.group_id}-e{m}" for m in range(msg.group_size)}
+        members = {member_id(msg.group_id, m) for m in range(msg.group_size)}
         self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
         self.started[(msg.index, msg.incarnation)] += msg.group_size
         if 0 <= msg.index < self.workers:
@@ -115,7 +123,7 @@ class WorkerLedger:
         is what the worker says."""
         running: dict[str, set[str]] = {}
         for eid in live:
-            running.setdefault(eid.rsplit("-e", 1)[0], set()).add(eid)
+            running.setdefault(group_of(eid), set()).add(eid)
         for gid, group in list(self.open.items()):
             if group.incarnation == incarnation and gid not in running:
                 del self.open[gid]  # its members reported (to this learner or a dead one)

@@ -36,6 +36,8 @@ from millstream.shared.wire.control import (
     admit_limit,
     group_id,
     group_number,
+    group_of,
+    member_id,
 )
 from millstream.shared.wire.experience import (
     EpisodeFailed,
@@ -107,6 +109,8 @@ __all__ = [
     "WeightsDigest",
     "group_id",
     "group_number",
+    "group_of",
+    "member_id",
     "admit_limit",
     "ErrorReply",
     "Message",

@@ -102,6 +102,16 @@ def group_id(number: int) -> str:
     return f"g{number}"
 
 
+def member_id(gid: str, member: int) -> str:
+    """The episode id of member `member` of group `gid` (the worker names its episodes so)."""
+    return f"{gid}-e{member}"
+
+
+def group_of(episode_id: str) -> str:
+    """Inverse of `member_id`: the group an episode id names."""
+    return episode_id.rsplit("-e", 1)[0]
+
+
 def group_number(gid: str) -> int:
     """Inverse of `group_id`; raises ValueError naming the id if it is not one."""
     if not gid.startswith("g") or not gid[1:].isdigit():

@@ -35,7 +35,6 @@ __all__ = [
     "open_store",
     "listen_on",
     "make_group",
-    "broadcast",
     "start_broadcast",
     "broadcast_pieces",
     "piece_ranges",
@@ -194,11 +193,6 @@ def on_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
-
-
-def broadcast(group, tensor: torch.Tensor, timeout_s: float) -> None:
-    """Broadcast `tensor` from rank 0 of `group`, waiting at most `timeout_s`."""
-    wait_all([start_broadcast(group, tensor, timeout_s)], timeout_s)
 
 
 def piece_ranges(numel: int, ends: list[int]) -> list[tuple[int, int]]:
