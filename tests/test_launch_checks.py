@@ -252,3 +252,13 @@ def test_the_launcher_gives_every_replica_its_own_address(tiny_model_dir):
     )
     assert [replica_address(pinned, i) for i in range(2)] == picked[:2]
     assert [replica_name(i) for i in range(3)] == ["actor", "actor-1", "actor-2"]
+
+
+def test_the_envpool_check_s_warnings_reach_the_launcher_s_log(tmp_path, tiny_model_dir, caplog):
+    # The check runs in a child process; its warnings went to a stderr nobody read.
+    caplog.set_level("WARNING", logger="launcher")
+    prepare(None, [f"run.root={tmp_path}", f"model.path={tiny_model_dir}", "envpool.env=pytool",
+                   'envpool.env_args={sandbox="weak"}'])  # fmt: skip
+    said = [r.getMessage() for r in caplog.records if r.name == "launcher"]
+    warning = "envpool's check: pytool: sandbox = 'weak': the policy's code is NOT isolated from this machine"
+    assert warning in said

@@ -114,7 +114,7 @@ def test_udp_out_fails_after_the_hook_is_removed():
 def test_forked_children_are_all_gone_when_the_call_returns():
     marker = f"sbxf{os.getpid() % 10**6}"
     code = forker(marker, 50, then="print(len([p for p in os.listdir('/proc') if p.isdigit()]))")
-    result = run(code)
+    result = run(code, max_processes=64)  # a cgroup's default (32) would refuse the 31st fork
     assert result.output == "52\n"  # init, the worker and its 50 children, all alive at the end
     assert marked(marker) == []  # ... and killed with the namespace before run_python returned
     try:  # the weak mode's process-group kill misses children that left the group
@@ -252,3 +252,185 @@ def test_userns_holds_for_a_normal_user():
         125,
         "sandbox setup failed: unshare(mount, pid, net, ipc, uts): Operation not permitted\n",
     )
+
+
+KERNEL_PROBE = BYPASS + (
+    "import ctypes, os, subprocess, threading\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "def attempt(name, *args):\n"
+    "    done = getattr(libc, name)(*args)\n"
+    "    print(name, 'errno', ctypes.get_errno()) if done == -1 else print(name, 'allowed')\n"
+    "attempt('unshare', 0x10000000)\n"  # CLONE_NEWUSER: be root in a namespace of its own
+    "attempt('unshare', 0x00020000 | 0x40000000)\n"  # mount and network namespaces
+    "attempt('syscall', {clone}, 0x10000000 | 17, 0, 0, 0, 0)\n"  # clone(CLONE_NEWUSER | SIGCHLD)
+    "attempt('mount', b'none', b'/tmp', b'tmpfs', 0, None)\n"
+    "attempt('syscall', {bpf}, 0, 0, 0)\n"
+    "attempt('syscall', {keyctl}, 0, 0, 0)\n"
+    "attempt('syscall', {perf}, 0, 0, 0, 0, 0)\n"
+    "attempt('syscall', {clone3}, 0, 0)\n"  # ENOSYS: glibc falls back to clone, which is checked
+    "t = threading.Thread(target=print, args=('a thread',)); t.start(); t.join()\n"
+    "print(subprocess.run(['/bin/echo', 'a subprocess'], capture_output=True, text=True).stdout.strip())\n"
+    "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('Seccomp:')])\n"
+)
+SYSCALLS = {  # the numbers the probe calls by hand
+    "x86_64": {"clone": 56, "bpf": 321, "keyctl": 250, "perf": 298, "clone3": 435},
+    "aarch64": {"clone": 220, "bpf": 280, "keyctl": 219, "perf": 241, "clone3": 435},
+}
+
+
+@pytest.mark.skipif(
+    os.uname().machine not in SYSCALLS, reason="the probe knows x86_64's and aarch64's numbers"
+)
+def test_kernel_interfaces_are_denied_after_the_hook_is_removed():
+    """issue 27: jailed code could unshare(CLONE_NEWUSER), be root in it and mount; the filter
+    denies it, and threads and subprocesses still work (clone3's ENOSYS makes glibc use clone)."""
+    code = KERNEL_PROBE.format(**SYSCALLS[os.uname().machine])
+    eperm = ["unshare", "unshare", "syscall", "mount", "syscall", "syscall", "syscall"]
+    expected = [f"{name} errno 1" for name in eperm] + ["syscall errno 38"]
+    expected += ["a thread", "a subprocess", "['2']"]
+    assert run(code).output.splitlines() == expected
+    # The same calls reach the kernel without the filter: the weak mode (root, no jail) makes
+    # the user namespace. Only unshare is compared: the others' answers depend on privileges.
+    assert run(code, "weak").output.splitlines()[0] == "unshare allowed"
+
+
+def _memory_hog(children, child_mb, parent_mb=0):
+    """Code that forks `children` processes holding `child_mb` MiB each, then holds `parent_mb`."""
+    return BYPASS + (
+        "import os, time\n"
+        "def hold(mb):\n"
+        "    block = bytearray(mb * 2**20)\n"
+        "    for i in range(0, len(block), 4096):\n"
+        "        block[i] = 1\n"
+        "    return block\n"
+        "kids = []\n"
+        f"for _ in range({children}):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        f"        held = hold({child_mb})\n"
+        "        time.sleep(1)\n"
+        "        os._exit(0)\n"
+        "    kids.append(pid)\n"
+        "time.sleep(0.3)\n"
+        f"mine = hold({parent_mb})\n"
+        "print('killed', sum(os.waitpid(k, 0)[1] & 0x7F == 9 for k in kids), flush=True)\n"
+    )
+
+
+def _cgroups_here():
+    from millstream.envpool.envs.tools.sandbox import cgroups
+
+    return cgroups.find_cgroups("auto")
+
+
+needs_cgroup = pytest.mark.skipif(
+    isinstance(_cgroups_here(), str), reason="this process cannot make cgroups here (see find_cgroups)"
+)
+
+
+@needs_cgroup
+@pytest.mark.parametrize("mode", ["strict", "weak"])
+def test_a_call_s_processes_together_stay_under_memory_mb(mode):
+    """issue 27: RLIMIT_AS held each process, so 17 of them reached 1,330 MiB in one call.
+    Here 6 children of 60 MiB each stay under a 128 MiB address space; together they cannot."""
+    code = _memory_hog(6, 60)
+    result = run(code, mode, memory_mb=128, timeout_s=20)
+    killed = int(result.output.split()[-1])
+    assert result.status == "ok" and killed >= 4  # at most two of 60 MiB fit in 128 together
+    assert result.memory_peak_bytes is not None and result.memory_peak_bytes <= 128 * 2**20
+    # Without the call's cgroup every child fits its own limit and none is killed.
+    alone = run(code, mode, memory_mb=128, timeout_s=20, cgroup="off")
+    assert (alone.output, alone.memory_peak_bytes) == ("killed 0\n", None)
+
+
+@needs_cgroup
+def test_the_call_killed_for_memory_says_so():
+    # Two children of 40 MiB, then the code itself takes 80: it is the largest, the kernel
+    # picks it, and the call reports the cgroup's ceiling, not a bare signal.
+    result = run(_memory_hog(2, 40, parent_mb=80), memory_mb=128, timeout_s=20)
+    assert (result.status, result.output) == ("memory_limit", "")
+    env = make_env("pytool", {"memory_mb": 128})
+    assert "its processes together went over 128 MB" in env._show(result)
+
+
+@needs_cgroup
+def test_forks_stop_at_max_processes_and_the_cpu_at_cpus():
+    fork_all = BYPASS + (
+        "import os, time\nmade = 0\n"
+        "try:\n"
+        "    for _ in range(100):\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(1)\n"
+        "            os._exit(0)\n"
+        "        made += 1\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno)\n"
+        "print(made)\n"
+    )
+    # The cgroup counts the jail's supervisor, its init and the code: 13 more fit under 16 ("weak": 15).
+    assert run(fork_all, max_processes=16).output == "refused 11\n13\n"
+    assert run(fork_all, "weak", max_processes=16).output == "refused 11\n15\n"
+    spin = BYPASS + (
+        "import os, time\n"
+        "for _ in range(2):\n"
+        "    if os.fork() == 0:\n"
+        "        start = time.monotonic()\n"
+        "        while time.monotonic() - start < 1:\n"
+        "            pass\n"
+        "        os._exit(0)\n"
+        "os.wait(); os.wait()\n"
+        "print(round(os.times().children_user + os.times().children_system, 1))\n"
+    )
+    # Two busy processes for a second of wall time each, under half a CPU: about half a
+    # second of CPU between them (without the ceiling, up to two on two idle cores).
+    assert float(run(spin, cpus=0.5, timeout_s=20).output) <= 0.7
+
+
+@needs_cgroup
+def test_no_cgroup_is_left_behind(tmp_path):
+    from millstream.envpool.envs.tools.sandbox import cgroups
+
+    found = cgroups.find_cgroups("auto")
+    assert isinstance(found, cgroups.CallCgroups)
+    parents = set(found.parents.values())
+    run(forker(f"sbxc{os.getpid() % 10**6}", 3, then="time.sleep(30)"), timeout_s=1)  # a timeout
+    run("print(1)")
+    assert all(list(parent.glob("call-*")) == [] for parent in parents)
+
+
+def test_an_unusable_cgroup_path_is_refused_and_a_missing_cgroup_is_one_line(tmp_path, caplog):
+    with pytest.raises(ValueError, match="is not a cgroup v2 directory"):
+        make_env("pytool", {"cgroup": str(tmp_path)})
+    with pytest.raises(ValueError, match='cgroup must be "auto", "off"'):
+        make_env("pytool", {"cgroup": "memory"})
+    with pytest.raises(ValueError, match="max_processes must be an integer >= 2"):
+        make_env("pytool", {"max_processes": 1})
+    from millstream.envpool.envs.tools.sandbox.run import missing_limits
+
+    assert missing_limits("none", "off") is None  # switched off on purpose: nothing to say
+    line = missing_limits(mechanism_for("strict"), "auto")
+    if isinstance(_cgroups_here(), str):
+        assert line is not None and "no per-call cgroup" in line
+    else:
+        assert line is None  # this machine: v1 cgroups and a filter, nothing missing
+
+
+def test_code_killed_by_sigkill_is_reported_as_killed():
+    # The jail's supervisor passes the worker's end on as its own; for SIGKILL it raised
+    # (signal(SIGKILL, SIG_DFL) is EINVAL) and the call came back as an error with a traceback.
+    result = run("import os, signal\nprint('before', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)")
+    assert (result.status, result.returncode, result.output) == ("killed", -9, "before\n")
+
+
+@needs_cgroup
+def test_a_killed_process_s_cgroups_are_swept_by_the_next(tmp_path):
+    from millstream.envpool.envs.tools.sandbox import cgroups
+
+    found = cgroups.find_cgroups("auto")
+    assert isinstance(found, cgroups.CallCgroups)
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1  # a pid no process can have
+    left = [parent.parent / f"millstream-sandbox-{dead}" for parent in found.parents.values()]
+    for folder in left:
+        (folder / "call-3").mkdir(parents=True)
+    assert isinstance(cgroups._find("auto"), cgroups.CallCgroups)  # as a new process would
+    assert not any(folder.exists() for folder in left)

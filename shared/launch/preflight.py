@@ -9,6 +9,7 @@ the launcher prints it as one line and makes no run directory.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,8 @@ from millstream.shared.process.lifecycle import run_processes
 from millstream.shared.process.runtime import bind_problem, check_tensor_parallel
 
 __all__ = ["check_actor", "check_bind_addresses", "check_roles", "check_run_dir", "bind_addresses"]
+
+log = logging.getLogger("launcher")
 
 
 def check_run_dir(run_dir: Path, resuming: bool) -> None:
@@ -94,7 +97,8 @@ def check_roles(cfg: Config) -> None:
 
 def _check_role(role: str, cfg: Config, timeout_s: float) -> None:
     """A role's own checks on the resolved config, in a child process because the launcher
-    imports no role. The problem, if any, is its one line on stdout (its logs go to stderr)."""
+    imports no role. The problem, if any, is its one line on stdout (its logs go to stderr);
+    its warnings (a sandbox without a cgroup, a template that re-renders) are passed on."""
     with tempfile.TemporaryDirectory(prefix="millstream-check-") as tmp:
         path = Path(tmp) / "config.toml"
         path.write_text(dump_config(cfg))
@@ -112,3 +116,7 @@ def _check_role(role: str, cfg: Config, timeout_s: float) -> None:
         raise ConfigError(proc.stdout.strip().splitlines()[0])
     if proc.returncode != 0:
         raise ConfigError(f"the {role}'s check failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    for line in proc.stderr.splitlines():
+        _, warning, said = line.partition(f" {role} WARNING ")
+        if warning:  # "<logger>: <message>": the message
+            log.warning("%s's check: %s", role, said.partition(": ")[2] or said)

@@ -31,12 +31,18 @@ this machine cannot provide, naming what is missing and the opt-out:
 - "weak": rlimits and an audit hook only, NOT a security boundary (code you trust).
 In the first three the code has no network (a fresh namespace with loopback down), sees a
 read-only root of system directories with one writable tmpfs working directory (no checkout, no
-run directory, no keys), and nothing it forks outlives the call (its PID namespace dies with it).
+run directory, no keys), nothing it forks outlives the call (its PID namespace dies with it), and
+a seccomp filter denies it namespaces, mounts, ptrace, bpf and the like.
 In all modes: address space (`memory_mb`, default 256), CPU seconds (`cpu_s`), size of written
 files, open files; the parent enforces the wall clock (`timeout_s`, default 5 s) and reads at
-most `max_output_bytes`. An audit hook (PEP 578) refuses sockets ("network access is disabled in
-this sandbox"), process creation and ctypes with clear messages: for honest code, since hostile
-code can remove it; the namespaces are what hold.
+most `max_output_bytes`. Where this process can make cgroups (`cgroup`: "auto", "off", or a
+delegated cgroup v2 directory), each call gets its own, and its processes *together* hold at
+most `memory_mb` (a run over it shows "killed: its processes together went over ..."),
+`max_processes` (default 32; a fork past it fails) and `cpus` (default 1.0). Where there is no
+cgroup or no seccomp, the constructor logs one line saying so (at preflight) and runs on. An
+audit hook (PEP 578) refuses sockets ("network access is disabled in this sandbox"), process
+creation and ctypes with clear messages: for honest code, since hostile code can remove it; the
+namespaces are what hold.
 
 At most `max_concurrent` (default 8) sandboxes run at once per event loop (an
 `anyio.CapacityLimiter` made lazily per loop, shared by all environments with the same limit),
@@ -51,6 +57,7 @@ same thing are in the same state). After the answer: `<task key>|answered`.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import random
 import re
@@ -62,9 +69,14 @@ from millstream.envpool.envs.tools.sandbox import (
     SANDBOX_MODES,
     RunResult,
     SandboxUnavailable,
+    check_cgroup,
     mechanism_for,
+    missing_limits,
     run_python,
 )
+
+log = logging.getLogger(__name__)
+_WARNED_MISSING: set[str] = set()  # one line per process, however many environments are made
 
 # run_python and RunResult live in sandbox/run.py; re-exported here, where tool users look first.
 __all__ = ["PyTool", "Task", "TEMPLATES", "make_task", "run_python", "RunResult", "parse_integer"]
@@ -202,6 +214,9 @@ class PyTool:
         max_concurrent: int = 8,
         format_penalty: float = -0.1,
         sandbox: str = "strict",
+        max_processes: int = 32,
+        cpus: float = 1.0,
+        cgroup: str = "auto",
     ) -> None:
         chosen = tuple(templates) if templates is not None else tuple(TEMPLATES)
         unknown = [t for t in chosen if t not in TEMPLATES]
@@ -214,18 +229,27 @@ class PyTool:
             ("max_output_bytes", max_output_bytes, 64),
             ("max_output_chars", max_output_chars, 20),
             ("max_concurrent", max_concurrent, 1),
+            ("max_processes", max_processes, 2),
         ]
         for name, value, low in checks:
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if not isinstance(cpus, (int, float)) or isinstance(cpus, bool) or not cpus >= 0.01:
+            raise ValueError(f"cpus must be a number >= 0.01, got {cpus!r}")
         if sandbox not in SANDBOX_MODES:
             raise ValueError(f"sandbox must be one of {list(SANDBOX_MODES)}, got {sandbox!r}")
         try:  # probed once per process: refuse here, before a run starts, not mid-episode
             self.mechanism = mechanism_for(sandbox)
         except SandboxUnavailable as exc:
             raise ValueError(str(exc)) from None
+        check_cgroup(cgroup)
+        missing = missing_limits(self.mechanism, cgroup)
+        if missing and missing not in _WARNED_MISSING:  # the preflight shows it, once
+            _WARNED_MISSING.add(missing)
+            log.warning("pytool: the sandbox runs here with %s", missing)
+        self.max_processes, self.cpus, self.cgroup = max_processes, float(cpus), cgroup
         self.sandbox = sandbox
         self.templates = chosen
         self.max_runs, self.timeout_s = max_runs, float(timeout_s)
@@ -290,6 +314,9 @@ class PyTool:
             max_output_bytes=self.max_output_bytes,
             max_concurrent=self.max_concurrent,
             sandbox=self.sandbox,
+            max_processes=self.max_processes,
+            cpus=self.cpus,
+            cgroup=self.cgroup,
         )
         self._outputs.append(self._show(result))
         return StepResult(
@@ -306,6 +333,7 @@ class PyTool:
             "cpu_limit": f"stopped: over the CPU limit of {self.cpu_s} s",
             "truncated": f"[stopped: more than {self.max_output_bytes} bytes of output]",
             "killed": f"killed by signal {-(result.returncode or 0)}",
+            "memory_limit": f"killed: its processes together went over {self.memory_mb} MB",
         }
         if result.status in notes:
             text = f"{text}\n{notes[result.status]}" if text else notes[result.status]

@@ -1,12 +1,14 @@
 """The child side of pytool's sandbox: limit this process, then run the code read from stdin.
 
-    python -I -S child.py MEMORY_BYTES CPU_SECONDS FILE_BYTES MECHANISM [WORK_BYTES] < code
+    python -I -S child.py MEMORY_BYTES CPU_SECONDS FILE_BYTES MECHANISM [WORK_BYTES [CGROUP_PROCS]] < code
 
 Run by envpool/envs/tools/sandbox/run.py, never imported by it (stdlib only, nothing from millstream: with
-`-I -S` neither the repository nor site-packages is on the path; the one sibling it needs,
-jail.py, is imported by path before any user code exists). In order:
+`-I -S` neither the repository nor site-packages is on the path; the siblings it needs,
+jail.py and syscall_filter.py, are imported by path before any user code exists). In order:
 
-0. read the whole code from stdin; then, unless MECHANISM is "none" (pytool's weak mode), lock
+0. join the call's cgroup (CGROUP_PROCS: its cgroup.procs files, comma-separated; see
+   cgroups.py), before anything forks, so that every process of the call is counted in it;
+   read the whole code from stdin; then, unless MECHANISM is "none" (pytool's weak mode), lock
    this process in with jail.enter: new namespaces, a private read-only root, no
    network, no privileges. That is the security boundary; everything below runs inside it;
 1. resource limits: address space (a big allocation raises MemoryError), CPU seconds (SIGXCPU
@@ -28,6 +30,7 @@ import os
 import resource
 import sys
 
+SETUP_FAILED = 125  # as jail.py: run.py raises SandboxError on it
 NPROC_NOBODY = 512  # shared by all sandboxes of the machine: they all run as the same nobody
 
 _BLOCKED_PREFIXES = ("socket.",)
@@ -64,15 +67,28 @@ def _limit(kind, value, hard=None):
 def _jail(mechanism, work_bytes):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
-        import jail  # type: ignore[import-not-found]  # a sibling file, found by path
+        import jail  # type: ignore[import-not-found]  # sibling files, found by path
+        import syscall_filter  # type: ignore[import-not-found]
     finally:
         del sys.path[0]  # so the jail does not bind the checkout's directory into the sandbox
-    jail.enter(mechanism, os.getcwd(), work_bytes)
+    jail.enter(mechanism, os.getcwd(), work_bytes, syscall_filter.install)
+
+
+def _join(procs_files):
+    for path in procs_files.split(","):
+        try:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as exc:
+            os.write(1, f"sandbox setup failed: join the call's cgroup {path}: {exc.strerror}\n".encode())
+            os._exit(SETUP_FAILED)
 
 
 def main():
     memory, cpu, file_size = (int(a) for a in sys.argv[1:4])
     mechanism = sys.argv[4] if len(sys.argv) > 4 else "none"
+    if len(sys.argv) > 6 and sys.argv[6]:
+        _join(sys.argv[6])
     code = sys.stdin.read()
     if mechanism != "none":
         _jail(mechanism, int(sys.argv[5]))
@@ -131,6 +147,8 @@ def _quick_exit(status):
 
 if __name__ == "__main__":
     status = main()
+    if status == SETUP_FAILED:  # the code's own 125 must not read as a failed setup
+        status = 1
     sys.stdout.flush()
     if len(sys.argv) > 4 and sys.argv[4] != "none":
         _quick_exit(status)

@@ -24,6 +24,9 @@ Two mechanisms, picked by pytool (see sandbox/run.py):
   user to itself; the worker drops every capability it holds in that namespace (bounding set,
   ambient and the capability sets themselves), so it cannot undo the mounts below.
 
+Either way the worker's last step is the seccomp filter of syscall_filter.py (no namespaces,
+mounts, ptrace, bpf and the like from here on), which no_new_privs lets it install unprivileged.
+
 Either way the network namespace has only a loopback device, down, and no way to configure it;
 and the worker sees a new root: a read-only tmpfs holding read-only binds of /usr, the /lib
 and /bin directories (or their symlinks), the interpreter's own stdlib directories, a few
@@ -93,8 +96,11 @@ def _write(path, text):
         raise SetupError(f"write {path}: {exc.strerror}") from None
 
 
-def enter(mechanism, workdir, work_bytes):
-    """Lock this process in; return only in the worker (see the module docstring)."""
+def enter(mechanism, workdir, work_bytes, filter_syscalls):
+    """Lock this process in; return only in the worker (see the module docstring).
+
+    `filter_syscalls` is syscall_filter.install (child.py imports both by path): called last in
+    the worker, it may return why no filter went on (reported at preflight) or raise."""
     uid, gid = os.getuid(), os.getgid()
     if mechanism == "userns" and uid == 0:
         _fail_now("userns: running as root; use the namespaces mechanism (it drops to nobody)")
@@ -131,6 +137,7 @@ def enter(mechanism, workdir, work_bytes):
         if worker:
             _init(worker, report_w)  # never returns
         _drop_privileges(mechanism, to_uid, to_gid)
+        filter_syscalls()  # last: it denies calls the steps above make
         os.close(report_w)
         os.close(alive_r)
     except BaseException as exc:  # whatever it is: report it, never run the code
@@ -163,7 +170,8 @@ def _supervise(init, report_r):
     sys.stdout.flush()
     if os.WIFSIGNALED(worker_status):
         sig = os.WTERMSIG(worker_status)
-        _signal.signal(sig, _signal.SIG_DFL)
+        if sig != _signal.SIGKILL:  # SIGKILL has no handler to reset (signal() raises EINVAL)
+            _signal.signal(sig, _signal.SIG_DFL)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGXCPU would dump this process's core
         os.kill(os.getpid(), sig)  # e.g. SIGXCPU: pytool reports "CPU limit" from the signal
         os._exit(128 + sig)

@@ -4,7 +4,7 @@ pytool runs code written by the model being trained. That code is adversarial by
 if it can reach the network, the run's files or a process that outlives it, the policy can learn
 to forge its own reward. So the boundary is the operating system's, not Python's:
 
-    python -I -S child.py MEMORY CPU FILE MECHANISM WORK_BYTES  < code
+    python -I -S child.py MEMORY CPU FILE MECHANISM WORK_BYTES CGROUP_PROCS  < code
 
 `child.py` reads the code, then `jail.py` locks it in (read those two for the
 mechanics) before a single line of it runs. `sandbox` picks how:
@@ -28,8 +28,16 @@ What the two real mechanisms guarantee, however the code behaves:
 - nothing outlives the call: the code runs as PID 2 of its own PID namespace, whose PID 1 exits
   when it does (and dies with the supervisor on a timeout): the kernel then kills every process
   left in the namespace, whatever it did with sessions or process groups;
+- no kernel interface it has no use for: a seccomp filter (syscall_filter.py) denies namespaces,
+  mounts, ptrace, bpf, perf events, io_uring, keyrings and the like, so the code cannot make a
+  user namespace and be root in it, the usual first step of a container escape;
 - the limits of the weak mode still apply: address space, CPU seconds, file size, open files,
   the parent's wall clock and output cap; as nobody also RLIMIT_NPROC, against fork bombs.
+
+In every mode, where the machine lets this process make cgroups (cgroups.py; `cgroup = "auto"`),
+each call runs in its own: its processes together get `memory_mb` of memory (the working
+directory's files included), `max_processes` processes and `cpus` CPUs. Where there is no
+cgroup or no filter, pytool says so in one line at preflight and runs on (`missing_limits`).
 
 Availability is probed once per process and mechanism (one sandboxed `print`, ~30 ms) and
 cached. pytool's constructor asks for it, so `millstream run`'s preflight refuses a run that
@@ -51,12 +59,23 @@ from pathlib import Path
 import anyio
 from anyio.lowlevel import RunVar
 
+from millstream.envpool.envs.tools.sandbox.cgroups import (
+    CallCgroup,
+    CallCgroups,
+    Ceiling,
+    Usage,
+    find_cgroups,
+)
+from millstream.envpool.envs.tools.sandbox.syscall_filter import ARCHES
+
 __all__ = [
     "SANDBOX_MODES",
     "RunResult",
     "SandboxError",
     "SandboxUnavailable",
+    "check_cgroup",
     "mechanism_for",
+    "missing_limits",
     "run_python",
     "unavailable_message",
 ]
@@ -66,8 +85,12 @@ log = logging.getLogger(__name__)
 CHILD = Path(__file__).resolve().with_name("child.py")
 SANDBOX_MODES = ("strict", "namespaces", "userns", "weak")
 SETUP_FAILED = 125  # the supervisor's exit status for a failed setup (see jail.py)
-_PROBE_CODE = "print('ok')"
+_PROBE_CODE = (  # "ok" and the worker's seccomp mode (2: a filter; "?" without /proc)
+    "try:\n    mode = open('/proc/self/status').read().split('Seccomp:')[1].split()[0]\n"
+    "except Exception:\n    mode = '?'\nprint('ok', mode)\n"
+)
 _PROBES: dict[str, str | None] = {}  # mechanism -> why it failed, or None when it works
+_SECCOMP: dict[str, str] = {}  # mechanism -> the probe's seccomp mode
 _WARNED_WEAK: list[bool] = []
 
 
@@ -82,12 +105,23 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class RunResult:
     output: str  #: stdout and stderr together, decoded, at most max_output_bytes of them
-    status: str  #: "ok", "error" (nonzero exit), "timeout", "cpu_limit", "truncated", "killed"
+    #: "ok", "error" (nonzero exit), "timeout", "cpu_limit", "memory_limit" (the call's cgroup
+    #: ceiling: the kernel killed one of its processes), "truncated", "killed"
+    status: str
     returncode: int | None
+    memory_peak_bytes: int | None = None  #: the call's processes together, where a cgroup held it
 
 
-def _limits(memory_mb: int, cpu_s: int, file_mb: int, mechanism: str) -> list[str]:
-    return [str(memory_mb * 2**20), str(cpu_s), str(file_mb * 2**20), mechanism, str(4 * file_mb * 2**20)]
+def _command(
+    memory_mb: int,
+    cpu_s: int,
+    file_mb: int,
+    mechanism: str,
+    join: list[str] | None = None,
+) -> list[str]:
+    """The child's command line (its docstring's usage)."""
+    limits = [str(memory_mb * 2**20), str(cpu_s), str(file_mb * 2**20), mechanism, str(4 * file_mb * 2**20)]
+    return [sys.executable, "-I", "-S", str(CHILD), *limits, ",".join(join or [])]
 
 
 def _probe(mechanism: str) -> str | None:
@@ -96,7 +130,7 @@ def _probe(mechanism: str) -> str | None:
         workdir = tempfile.mkdtemp(prefix="pytool-probe-")
         try:
             done = subprocess.run(
-                [sys.executable, "-I", "-S", str(CHILD), *_limits(64, 5, 1, mechanism)],
+                _command(64, 5, 1, mechanism),
                 input=_PROBE_CODE.encode(),
                 capture_output=True,
                 cwd=workdir,
@@ -104,8 +138,9 @@ def _probe(mechanism: str) -> str | None:
                 timeout=30,
             )
             out = (done.stdout + done.stderr).decode("utf-8", "replace").strip()
-            ok = done.returncode == 0 and out == "ok"
+            ok = done.returncode == 0 and out.startswith("ok ")
             _PROBES[mechanism] = None if ok else (out.splitlines() or [f"exit status {done.returncode}"])[-1]
+            _SECCOMP[mechanism] = out.split()[-1] if ok else "?"
         except (OSError, subprocess.TimeoutExpired) as exc:
             _PROBES[mechanism] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -154,6 +189,35 @@ def mechanism_for(sandbox: str) -> str:
     return mechanism
 
 
+def check_cgroup(cgroup: str) -> None:
+    """ValueError naming the problem unless `cgroup` is "auto", "off" or a cgroup v2 directory
+    this process can use: a path the operator named is refused when unusable, never ignored."""
+    if cgroup in ("auto", "off"):
+        return
+    if not isinstance(cgroup, str) or not os.path.isabs(cgroup):
+        raise ValueError(f'cgroup must be "auto", "off" or an absolute cgroup v2 path, got {cgroup!r}')
+    found = find_cgroups(cgroup)
+    if isinstance(found, str):
+        raise ValueError(f"cgroup = {cgroup!r} cannot hold the sandbox's calls: {found}")
+
+
+def missing_limits(mechanism: str, cgroup: str = "auto") -> str | None:
+    """What the sandbox lacks on this machine beyond the mechanism itself, one line, or None:
+    no seccomp filter in the jail, no per-call cgroup. pytool logs it at preflight."""
+    missing = []
+    if mechanism != "none" and _probe(mechanism) is None and _SECCOMP.get(mechanism) != "2":
+        why = (
+            f"no syscall numbers for {os.uname().machine}"
+            if os.uname().machine not in ARCHES
+            else (f"seccomp mode {_SECCOMP.get(mechanism)!r} in the jail")
+        )
+        missing.append(f"no seccomp filter ({why}): jailed code can reach unshare, mount, bpf and the like")
+    found = find_cgroups(cgroup)
+    if isinstance(found, str) and cgroup != "off":
+        missing.append(f"no per-call cgroup ({found}): memory_mb holds each process of a call, not the call")
+    return "; ".join(missing) or None
+
+
 # Per event loop (a limiter belongs to the loop it was made in), per limit.
 _LIMITERS: RunVar[dict[int, anyio.CapacityLimiter]] = RunVar("pytool_sandbox_limiters")
 
@@ -185,22 +249,52 @@ async def run_python(
     max_output_bytes: int = 16384,
     max_concurrent: int = 8,
     sandbox: str = "strict",
+    max_processes: int = 32,
+    cpus: float = 1.0,
+    cgroup: str = "auto",
 ) -> RunResult:
     """Run `code` in the sandbox described in the module docstring and collect its output.
 
     Raises SandboxUnavailable when `sandbox` cannot be had here (probed once, before any
     code runs), and SandboxError when the setup of this one run failed."""
     mechanism = mechanism_for(sandbox)
+    found = find_cgroups(cgroup)
+    ceiling = Ceiling(memory_mb * 2**20, max_processes, cpus)
     async with _limiter(max_concurrent):
         workdir = tempfile.mkdtemp(prefix="pytool-")
         try:
-            command = [sys.executable, "-I", "-S", str(CHILD), *_limits(memory_mb, cpu_s, file_mb, mechanism)]
-            result = await _run_in(workdir, command, code, timeout_s, max_output_bytes)
+            group = _open_cgroup(found, ceiling) if isinstance(found, CallCgroups) else None
+            join = group.join_files if group is not None else None
+            command = _command(memory_mb, cpu_s, file_mb, mechanism, join)
+            try:
+                result = await _run_in(workdir, command, code, timeout_s, max_output_bytes)
+            finally:
+                usage = await _close_cgroup(group) if group is not None else None
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    if mechanism != "none" and result.returncode == SETUP_FAILED:
+    if result.returncode == SETUP_FAILED:
         raise SandboxError(result.output.strip() or "sandbox setup failed")
-    return result
+    if usage is None:
+        return result
+    status = "memory_limit" if usage.oom_kills and result.status in ("killed", "error") else result.status
+    return RunResult(result.output, status, result.returncode, usage.memory_peak_bytes)
+
+
+async def _close_cgroup(group: CallCgroup) -> Usage:
+    """Read what the call used, then remove its cgroup (shielded: a cancelled call's too)."""
+    with anyio.CancelScope(shield=True):
+        usage = group.usage()
+        # After a kill the namespace may still be dying: then wait for it, off the event loop.
+        if not group.remove(timeout_s=0) and not await anyio.to_thread.run_sync(group.remove):
+            log.warning("pytool: the call's cgroup %s would not go", group.join_files)
+    return usage
+
+
+def _open_cgroup(found: CallCgroups, ceiling: Ceiling) -> CallCgroup:
+    try:
+        return found.open(ceiling)
+    except OSError as exc:  # the machine's fault, not the code's: never scored
+        raise SandboxError(f"sandbox setup failed: the call's cgroup in {found.where}: {exc}") from None
 
 
 async def _run_in(
