@@ -89,7 +89,7 @@ class Worker:
         #: How every turn of this worker's episodes is sampled: built once, passed down.
         self.sampling = Sampling.for_turns(pool, self.chat.stop_token_ids)
         self.actor_address = actor_address or cfg.actor.connect or cfg.actor.address
-        keys = load_keys(cfg, "envpool")
+        keys = load_keys(cfg, "envpool", worker=worker_index)  # its own: the learner checks it
         self.sub = open_channel("sub", cfg.learner.version_address, bind=False, cfg=cfg.transport, keys=keys)
         self.push = open_channel(
             "push", cfg.learner.experience_address, bind=False, cfg=cfg.transport, keys=keys

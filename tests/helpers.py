@@ -24,7 +24,7 @@ import pytest
 import zmq
 
 from millstream.envpool.actors.client import ActorClient
-from millstream.shared.config import Config, TransportConfig
+from millstream.shared.config import Config, EnvPoolConfig, TransportConfig
 from millstream.shared.obs.metrics import read_jsonl, step_records
 from millstream.shared.process.lifecycle import ENV_PARENT
 from millstream.shared.process.runtime import free_port
@@ -85,10 +85,11 @@ class Recorder:
         return gen
 
 
-def keys_for(role: str, folder: Path = KEYS_DIR) -> RunKeys:
+def keys_for(role: str, folder: Path = KEYS_DIR, worker: int | None = None) -> RunKeys:
     """The keys in `folder` (default: the session's) as `role` ("learner", "envpool",
-    "actor") holds them."""
-    keys = load_keys(Config(transport=TransportConfig(keys_dir=str(folder))), role)
+    "actor") holds them; with `worker`, as that envpool worker holds them."""
+    workers = EnvPoolConfig(workers=max(1, (worker or 0) + 1))
+    keys = load_keys(Config(transport=TransportConfig(keys_dir=str(folder)), envpool=workers), role, worker)
     assert keys is not None
     return keys
 

@@ -168,12 +168,12 @@ def test_bookkeeping_messages_are_checked_and_never_raise():
         WorkerHello(99, "w"),
     ]
     for message in hostile:
-        intake.handle(message, version=0, admitted=10)
+        intake.handle(message, None, version=0, admitted=10)
     assert ledger.open == {} and ledger.started_total == 0 and ledger.next_groups == [0, 1]
     assert intake.refusals.counts == {"bad_group_started": 4, "bad_hello": 1}
-    intake.handle(GroupStarted(0, "w", "g2", 2), version=0, admitted=10)  # a real one is taken
+    intake.handle(GroupStarted(0, "w", "g2", 2), None, version=0, admitted=10)  # a real one is taken
     assert ledger.started_total == 2 and set(ledger.open) == {"g2"}
-    intake.handle(traj("g7", "forged", reward=1e9), version=0, admitted=10)  # unannounced: foreign
+    intake.handle(traj("g7", "forged", reward=1e9), None, version=0, admitted=10)  # unannounced: foreign
     assert intake.foreign == 1
 
 
@@ -191,9 +191,9 @@ def test_forged_episodes_cost_counters_not_memory():
     ledger = WorkerLedger(1, group_base=0, group_size=2)
     intake = Intake(cfg, buf, ledger, EpisodeCheck(LearnerConfig(), vocab=256), lambda record: None)
     for k in range(5000):  # never admitted, then admitted but not started with a bad reward
-        intake.handle(traj("g50", f"g50-forged-{k}"), version=0, admitted=10)
-        intake.handle(traj("g3", f"g3-forged-{k}", reward=math.nan), version=0, admitted=10)
-    intake.handle(traj("g50", "g50-forged-0"), version=0, admitted=10)  # sent again
+        intake.handle(traj("g50", f"g50-forged-{k}"), None, version=0, admitted=10)
+        intake.handle(traj("g3", f"g3-forged-{k}", reward=math.nan), None, version=0, admitted=10)
+    intake.handle(traj("g50", "g50-forged-0"), None, version=0, admitted=10)  # sent again
     assert intake.foreign == 10_001 and buf.duplicates == 0
     assert buf.refused == {"unannounced_group": 5001, "reward_not_finite": 5000}
     # The two that closed g3's two slots were kept until g3 finished, then forgotten with it.
@@ -442,8 +442,8 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
         wait_for_file(ready, proc, 300, "the learner", log=log)
         ctx = zmq.Context.instance()
         push, sub = ctx.socket(zmq.PUSH), ctx.socket(zmq.SUB)
-        secure(push, keys_for("envpool"), bind=False)
-        secure(sub, keys_for("envpool"), bind=False)
+        secure(push, keys_for("envpool", worker=0), bind=False)  # as worker 0
+        secure(sub, keys_for("envpool", worker=0), bind=False)
         push.connect(f"tcp://127.0.0.1:{exp}")
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"tcp://127.0.0.1:{ver}")
@@ -473,14 +473,26 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
         first, greeted_by = latest(5.0), time.monotonic() + 30
         while first.admit_limit == 0 and time.monotonic() < greeted_by:
             first = latest()
+        # g0 is started, and both its members report garbage: refused, each closing its slot.
+        send([
+            traj("g0", "g0-e0", reward=math.nan, turn_rewards=[math.nan]),
+            traj("g0", "g0-e1", reward=1e308, turn_rewards=[1e308]),
+        ])  # fmt: skip
         hostile = [
-            traj("g0", "bad-size", group_size=3),
-            traj("g0", "bad-nan", reward=math.nan, turn_rewards=[math.nan]),
-            traj("g1", "bad-huge", reward=1e308, turn_rewards=[1e308]),
+            traj("g1", "bad-size", group_size=3),  # g1 was admitted, but no worker started it
             traj(f"g{first.admit_limit + 5}", "forged-1", reward=1e9, turn_rewards=[1e9]),
             traj(f"g{first.admit_limit + 5}", "forged-2", reward=1e9, turn_rewards=[1e9]),
         ]
         send(hostile, announce=False)
+        # The tools' key (no worker's) says hello as worker 0 and fails one of its episodes.
+        forger = ctx.socket(zmq.PUSH)
+        secure(forger, keys_for("envpool"), bind=False)
+        forger.connect(f"tcp://127.0.0.1:{exp}")
+        forger.send(codec.encode([
+            WorkerHello(0, "forged"),
+            GroupStarted(0, "forged", "g1", 2),
+            EpisodeFailed("g1-e0", "g1", 2, Cause.ENV_ERROR, "forged"),
+        ]))  # fmt: skip
         # More complete groups than the buffer holds (4): the excess is refused, not a crash.
         send([t for n in range(2, 8) for t in good_group(n, first.version)])
         deadline, number = time.monotonic() + 240, 8
@@ -495,10 +507,12 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
         stop_group(proc)
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert summary["accounting_ok"] is True and summary["version"] == 2
-    assert summary["episodes_foreign"] == 5  # the hostile ones: received, refused, not the run's
+    assert summary["episodes_foreign"] == 4  # the hostile ones: received, refused, not the run's
     refused = summary["episodes_refused"]
-    assert refused["group_size"] == 1 and refused["reward_not_finite"] == 1
-    assert refused["reward_out_of_range"] == 1 and refused["unannounced_group"] == 2
+    assert refused["reward_not_finite"] == 1 and refused["reward_out_of_range"] == 1  # g0's slots
+    assert refused["unstarted_group"] == 1 and refused["unannounced_group"] == 2
+    assert refused["not_a_worker"] == 1 and summary["messages_refused"]["wrong_worker"] == 2
+    assert summary["worker_restarts"] == summary["worker_lost"] == 0  # the forged hello did nothing
     assert refused.get("buffer_full", 0) > 0
     assert summary["episodes_dropped"]["invalid_trajectory"] == sum(refused.values())
     assert log.stat().st_size < 200_000
@@ -506,3 +520,48 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
     recorded = read_episodes(tmp_path / "run")
     assert recorded and all(r["fate"] in ("trained", "dropped", "failed") for r in recorded)
     assert len(recorded) <= summary["episodes_started"]
+
+
+def test_a_worker_s_key_speaks_for_that_worker_only():
+    """issue 27: one envpool key spoke for every worker. A forged WorkerHello(index=0, new
+    incarnation) wrote off worker 0's 16 live episodes as worker_lost; forged failures for the
+    members of new groups became 142 fake env_errors. With a key per worker, the learner takes
+    worker i's hello, groups and episodes from worker i's key only."""
+    from millstream.learner.episodes.intake import Intake
+    from millstream.learner.episodes.workers import WorkerLedger
+    from millstream.shared.config import load_config
+
+    cfg = load_config(None, ["train.group_size=2", "envpool.workers=2"])
+    buf = ReplayBuffer(group_size=2, groups_per_batch=4, max_staleness=2, max_groups=8)
+    ledger = WorkerLedger(2, group_base=0, group_size=2)
+    intake = Intake(cfg, buf, ledger, EpisodeCheck(LearnerConfig(), vocab=256), lambda *record: None)
+
+    def handle(message, sender):
+        intake.handle(message, sender, version=0, admitted=10)
+
+    handle(WorkerHello(0, "w0-a"), "envpool-0")
+    handle(WorkerHello(1, "w1-a"), "envpool-1")
+    handle(GroupStarted(0, "w0-a", "g0", 2), "envpool-0")
+    handle(GroupStarted(1, "w1-a", "g1", 2), "envpool-1")
+    # Worker 1's key (or the tools' shared key) forging for worker 0:
+    handle(WorkerHello(0, "forged"), "envpool-1")  # would close g0 as worker_lost
+    handle(GroupStarted(0, "w0-a", "g2", 2), "envpool-1")  # would take g2 for worker 0
+    handle(EpisodeFailed("g0-e0", "g0", 2, Cause.ENV_ERROR, "forged"), "envpool-1")
+    handle(EpisodeFailed("g4-e0", "g4", 2, Cause.ENV_ERROR, "forged"), "envpool-1")  # not started yet
+    handle(traj("g0", "g0-e1", reward=1.0), "envpool")  # the tools' key: no worker
+    handle(PoolDone("w0", 2, 2, 0), "envpool-1")
+    assert ledger.incarnations == {0: "w0-a", 1: "w1-a"} and ledger.lost == 0
+    assert set(ledger.open) == {"g0", "g1"} and ledger.open["g0"].pending == {"g0-e0", "g0-e1"}
+    assert intake.done_workers == {}
+    assert intake.refusals.counts == {"wrong_worker": 4, "unstarted_group": 1, "not_a_worker": 1}
+    assert buf.refused == {"wrong_worker": 1, "unstarted_group": 1, "not_a_worker": 1}
+    assert intake.foreign == 3 and buf.failed == {}
+    # The real reports are taken, every slot is the real worker's.
+    for gid, worker in (("g0", 0), ("g1", 1)):
+        for m in range(2):
+            handle(traj(gid, f"{gid}-e{m}", reward=float(m)), f"envpool-{worker}")
+    assert ledger.open == {} and buf.statistics()["complete_groups"] == 2
+    assert buf.statistics()["received"] - intake.foreign == ledger.started_total == 4
+    handle(PoolDone("w1", 2, 2, 0), "envpool-1")
+    assert set(intake.done_workers) == {"w1"}
+    accounted(buf)

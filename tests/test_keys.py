@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import zmq.auth
 
 from millstream.shared.config import Config, ConfigError, RunConfig, TransportConfig, load_config
 from millstream.shared.wire.keys import CLIENT_ROLES, ensure_keys, keys_dir, load_keys
@@ -20,8 +21,45 @@ def test_keys_are_private_and_name_every_role(tmp_path):
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in folder.iterdir())
     keys = load_keys(Config(run=RunConfig(dir=str(tmp_path))), "learner")
     assert keys is not None and keys.folder == folder
-    assert keys.clients[keys.public] == "learner" and set(keys.clients.values()) == set(CLIENT_ROLES)
+    assert keys.clients[keys.public] == "learner"  # and every client, envpool worker 0 among them
+    assert set(keys.clients.values()) == {*CLIENT_ROLES, "envpool-0"}
     assert keys.public != keys.server_public
+
+
+def test_each_envpool_worker_has_a_key_of_its_own(tmp_path):
+    cfg = load_config(None, [f"run.dir={tmp_path}", "envpool.workers=3"])
+    mine = [load_keys(cfg, "envpool", worker=i) for i in range(3)]
+    assert [k.role for k in mine if k] == ["envpool-0", "envpool-1", "envpool-2"]
+    assert (
+        len({k.secret for k in mine if k}) == 3 and mine[0] and mine[0].clients[mine[0].public] == "envpool-0"
+    )
+    tools = load_keys(cfg, "envpool")  # the repl's, the benchmarks': no worker's
+    assert tools and tools.role == "envpool" and tools.public not in {k.public for k in mine if k}
+    with pytest.raises(ValueError, match=r"envpool worker 3 has no key: .* \(envpool.workers = 3\)"):
+        load_keys(cfg, "envpool", worker=3)
+    # A run resumed with more workers gets their keys; the others stay what they were.
+    more = load_keys(load_config(None, [f"run.dir={tmp_path}", "envpool.workers=5"]), "envpool", worker=4)
+    assert more and more.role == "envpool-4" and more.clients[mine[2].public] == "envpool-2"
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in (tmp_path / "keys").iterdir())
+
+
+def test_processes_racing_to_make_a_worker_key_agree_on_one(tmp_path):
+    folder = ensure_keys(tmp_path / "keys")
+    script = (
+        "import sys, zmq.auth; from millstream.shared.wire.keys import ensure_keys; "
+        "f = ensure_keys(sys.argv[1], 4); "
+        "print(*(zmq.auth.load_certificate(f / f'envpool-{i}.key_secret')[1].decode() for i in range(4)))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True)
+        for _ in range(6)
+    ]
+    outputs = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(outputs) == 1
+    for i in range(4):  # the public file matches the secret that won
+        public = zmq.auth.load_certificate(folder / f"envpool-{i}.key")[0]
+        assert public == zmq.auth.load_certificate(folder / f"envpool-{i}.key_secret")[0]
+    assert not [p for p in folder.iterdir() if p.name.startswith(".key-")]  # no staging left
 
 
 def test_roles_racing_to_make_the_keys_agree_on_one_set(tmp_path):

@@ -73,8 +73,10 @@ class Experience:
         self.pub.send(self.codec.encode([message]))
         self.last_announce = time.monotonic()
 
-    def receive(self, timeout_s: float) -> Iterator[Message]:
-        """Yield the messages that arrive within `timeout_s` (all that are queued, at least)."""
+    def receive(self, timeout_s: float) -> Iterator[tuple[Message, str | None]]:
+        """Yield the messages that arrive within `timeout_s` (all that are queued, at least),
+        each with the identity of the key that sent it ("envpool-3", "actor", ...; None
+        without CURVE): the intake takes a worker's messages only from that worker's key."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
@@ -86,16 +88,14 @@ class Experience:
             except ProtocolError as exc:  # counted in codec.errors; a PULL cannot answer
                 self.bad.event("malformed_frame", "dropped a bad experience frame: %s", exc)
                 continue
+            sender = str(frame.get("User-Id")) if self.secure else None
             for message in messages:
-                if isinstance(message, (ReplicaJoin, ReplicaLeave)) and not self._from_actor(frame):
+                if isinstance(message, (ReplicaJoin, ReplicaLeave)) and sender not in (None, "actor"):
+                    # Only the actor key may add or remove replicas (a replica gets the weights,
+                    # so a worker's key must not name one).
                     self.bad.event("not_actor", "dropped %s from a non-actor key", type(message).__name__)
                     continue
-                yield message
-
-    def _from_actor(self, frame: zmq.Frame) -> bool:
-        """With CURVE, only the actor key may add or remove replicas (a replica gets the
-        weights, so a worker's key must not name one)."""
-        return not self.secure or frame.get("User-Id") == "actor"
+                yield message, sender
 
     def close(self) -> None:
         self.pull.close(linger=0)

@@ -10,6 +10,13 @@ predecessor's unreported members come back as `worker_lost` failures) and `PoolD
 Episodes that arrive while the learner still greets its workers (after a learner restart: the
 results queued while it was down) are held until every worker said hello, because only the
 hellos tell which groups the workers started; `release` then handles them.
+
+Who may say what (with CURVE; `sender` is the key's identity, shared/wire/keys.py): worker i's
+`WorkerHello`, `GroupStarted`, `PoolDone` and `EvalResult` only from worker i's key, and an
+episode only from the key of the worker that started its group. Otherwise it is refused and
+counted (`wrong_worker`, `not_a_worker`; an episode of a group no worker started,
+`unstarted_group`), and a refused episode is foreign: it closes no slot. Without CURVE (a
+loopback run that switched it off) every local process is trusted, as before.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from millstream.shared.config import Config
 from millstream.shared.obs.ratelog import RateLog
 from millstream.shared.wire import (
     EpisodeFailed,
+    EvalResult,
     GroupStarted,
     Message,
     PoolDone,
@@ -31,6 +39,7 @@ from millstream.shared.wire import (
     WorkerHello,
     group_number,
 )
+from millstream.shared.wire.keys import worker_of
 
 __all__ = ["Intake"]
 
@@ -50,36 +59,63 @@ class Intake:
         self.record_failed = record_failed
         self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
         self.done_workers: dict[str, PoolDone] = {}
-        self.held: list[Trajectory | EpisodeFailed] = []
+        self.held: list[tuple[Trajectory | EpisodeFailed, str | None]] = []
         #: Refused episodes that no worker announced (forged, or a bug upstream): the buffer
         #: counts them as received, the accounting leaves them out of the run's episodes.
         self.foreign = 0
         self.max_held = cfg.envpool.max_concurrent_episodes * cfg.envpool.workers
 
-    def take(self, message: Message, *, version: int, admitted: int, greeting: bool) -> None:
+    def take(
+        self, message: Message, sender: str | None, *, version: int, admitted: int, greeting: bool
+    ) -> None:
         """One message: held while `greeting` (episodes only, up to a bound), else handled."""
         if greeting and isinstance(message, (Trajectory, EpisodeFailed)) and len(self.held) < self.max_held:
-            self.held.append(message)
+            self.held.append((message, sender))
         else:
-            self.handle(message, version=version, admitted=admitted)
+            self.handle(message, sender, version=version, admitted=admitted)
 
     def release(self, *, version: int, admitted: int) -> None:
         """Handle the held episodes (the greeting is over, or the run ends)."""
         held, self.held = self.held, []
-        for message in held:  # the workers' results from before their hellos: theirs, not foreign
-            self._episode(message, version, admitted, trusted=True)
+        for message, sender in held:  # the workers' results from before their hellos: not foreign
+            self._episode(message, sender, version, admitted, trusted=True)
 
-    def handle(self, message: Message, *, version: int, admitted: int) -> None:
+    def handle(self, message: Message, sender: str | None, *, version: int, admitted: int) -> None:
         """One message, refused and counted rather than raised whatever it holds."""
         try:
-            self._dispatch(message, version, admitted)
+            self._dispatch(message, sender, version, admitted)
         except Exception as exc:  # a bug of ours or a message no check foresaw: the learner goes on
             kind = type(message).__name__
             self.refusals.event("bad_message", "could not take a %s: %r", kind, exc)
 
-    def _dispatch(self, message: Message, version: int, admitted: int) -> None:
+    def sent_by_its_worker(self, message: Message, sender: str | None) -> bool:
+        """Whether worker-named bookkeeping came with that worker's key (always without CURVE);
+        if not, the refusal is counted (`wrong_worker`)."""
+        if sender is None:
+            return True
+        if isinstance(message, (WorkerHello, GroupStarted)):
+            claimed = f"worker index {message.index}"
+            ok = worker_of(sender) == message.index
+        elif isinstance(message, (PoolDone, EvalResult)):
+            claimed = f"worker {message.worker!r}"
+            ok = worker_of(sender) is not None and message.worker == f"w{worker_of(sender)}"
+        else:
+            return True
+        if not ok:
+            self.refusals.event(
+                "wrong_worker",
+                "refused %s for %s sent with key %.20r",
+                type(message).__name__,
+                claimed,
+                sender,
+            )
+        return ok
+
+    def _dispatch(self, message: Message, sender: str | None, version: int, admitted: int) -> None:
         if isinstance(message, (Trajectory, EpisodeFailed)):
-            self._episode(message, version, admitted)
+            self._episode(message, sender, version, admitted)
+        elif not self.sent_by_its_worker(message, sender):
+            return
         elif isinstance(message, PoolDone):
             self.done_workers[message.worker] = message
         elif isinstance(message, GroupStarted):
@@ -97,8 +133,8 @@ class Intake:
             lost = self.ledger.hello(message)
             if lost:
                 log.warning("envpool worker %d restarted: %d episodes lost with it", message.index, len(lost))
-            for failure in lost:
-                self._episode(failure, version, admitted)
+            for failure in lost:  # the learner's own: no sender to check
+                self._episode(failure, None, version, admitted)
         else:
             self.refusals.event(
                 "unexpected", "unexpected %s on the experience socket", type(message).__name__
@@ -119,21 +155,56 @@ class Intake:
             return f"worker index {message.index} outside [0, {self.ledger.workers})"
         return None
 
+    def _reporter_problem(
+        self, message: Trajectory | EpisodeFailed, sender: str | None, trusted: bool
+    ) -> tuple[str, str] | None:
+        """(reason, detail) when `sender` may not report this episode, or None (see the module
+        docstring). A held episode (`trusted`) may name a group its worker's hello did not."""
+        if sender is None:
+            return None
+        index = worker_of(sender)
+        if index is None:
+            return "not_a_worker", f"sent with key {sender[:20]!r}, not a worker's"
+        owner = self.ledger.owner(message.group_id)
+        if owner is not None and owner != index:
+            return "wrong_worker", f"worker {owner} started its group; sent with worker {index}'s key"
+        if owner is None and not trusted:
+            return "unstarted_group", f"no worker started group {message.group_id[:40]!r}"
+        return None
+
     def _episode(
-        self, message: Trajectory | EpisodeFailed, version: int, admitted: int, trusted: bool = False
+        self,
+        message: Trajectory | EpisodeFailed,
+        sender: str | None,
+        version: int,
+        admitted: int,
+        trusted: bool = False,
     ) -> None:
-        expected = trusted or self.ledger.expects(message.episode_id, message.group_id)
         found = self.check.problem(message, version=version, admitted=admitted)
+        # A group that cannot exist (never admitted, a bad id) is said first; then who sent it.
+        reporter = (
+            None
+            if found is not None and not found.closes_slot
+            else self._reporter_problem(message, sender, trusted)
+        )
+        expected = reporter is None and (trusted or self.ledger.expects(message.episode_id, message.group_id))
         cause = str(message.cause) if isinstance(message, EpisodeFailed) else ""
         before = self.buffer.failed.get(cause, 0)
-        refusal = None if found is None else (found.reason, found.closes_slot)
+        if reporter is not None:  # closes no slot: it was not this sender's to close
+            refusal: tuple[str, bool] | None = (reporter[0], False)
+        else:
+            refusal = None if found is None else (found.reason, found.closes_slot)
         reason = self.buffer.accept(message, refusal, remember=expected)
-        if reason is None or (found is not None and found.closes_slot):
+        closes = reporter is None and found is not None and found.closes_slot
+        if reason is None or closes:
             self.ledger.reported(message.episode_id, message.group_id)  # its slot is closed
         if reason is not None:
             if not expected:  # no worker started it: counted, but not one of the run's episodes
                 self.foreign += 1
-            detail = found.detail if found is not None else "disagrees with its group or the buffer"
+            if reporter is not None:
+                detail = reporter[1]
+            else:
+                detail = found.detail if found is not None else "disagrees with its group or the buffer"
             self.refusals.event(reason, "refused episode %.40r: %s: %s", message.episode_id, reason, detail)
         elif isinstance(message, EpisodeFailed) and self.buffer.failed.get(cause, 0) > before:
             self.record_failed(message, version)

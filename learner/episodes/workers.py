@@ -96,6 +96,11 @@ class WorkerLedger:
                 self.next_groups[msg.index], group_number(msg.group_id) + self.workers
             )
 
+    def owner(self, group_id: str) -> int | None:
+        """The worker index that started this group, while it has members to report."""
+        group = self.open.get(group_id)
+        return None if group is None else group.index
+
     def expects(self, episode_id: str, group_id: str) -> bool:
         """Whether a worker started this episode and it has not reported yet."""
         group = self.open.get(group_id)

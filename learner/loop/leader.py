@@ -219,8 +219,8 @@ class Leader:
 
     def _receive(self) -> None:
         """Take what arrived; release the held episodes once every worker said hello."""
-        for message in self.exp.receive(0.05):
-            self._take(message, greeting=self.greeting_until is not None)
+        for message, sender in self.exp.receive(0.05):
+            self._take(message, sender, greeting=self.greeting_until is not None)
             self.last_data = time.monotonic()
         if self.intake.held and self._all_greeted():
             self.intake.release(version=self.trainer.version, admitted=self.session.admitted)
@@ -237,15 +237,16 @@ class Leader:
             replicas=self.fleet.announced(),
         )
 
-    def _take(self, message: Message, *, greeting: bool) -> None:
+    def _take(self, message: Message, sender: str | None, *, greeting: bool) -> None:
         if isinstance(message, (ReplicaJoin, ReplicaLeave)):
             self.fleet.take(message)
             return
         if isinstance(message, EvalResult):
-            self.metrics.write(self.evals.take(message))
+            if self.intake.sent_by_its_worker(message, sender):
+                self.metrics.write(self.evals.take(message))
             return
         self.intake.take(
-            message, version=self.trainer.version, admitted=self.session.admitted, greeting=greeting
+            message, sender, version=self.trainer.version, admitted=self.session.admitted, greeting=greeting
         )
 
     # --- one step --------------------------------------------------------------------------
@@ -381,5 +382,5 @@ class Leader:
                 session=self.session.id,
                 replicas=self.fleet.announced(),
             )
-            for message in self.exp.receive(0.2):
-                self._take(message, greeting=False)
+            for message, sender in self.exp.receive(0.2):
+                self._take(message, sender, greeting=False)

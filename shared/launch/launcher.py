@@ -225,7 +225,7 @@ def _make_run_dir(plan: Plan, out: IO[str]) -> None:
         for line in plan.changed:
             print(f"  changed since the checkpoint: {line}", file=out)
     if plan.cfg.transport.curve:
-        ensure_keys(plan.cfg.transport.keys_dir)  # before any role: none races to make them
+        ensure_keys(plan.cfg.transport.keys_dir, plan.cfg.envpool.workers)  # before any role starts
     (run_dir / "config.toml").write_text(dump_config(plan.cfg))
 
 

@@ -4,10 +4,12 @@ Every ZeroMQ socket of a run is encrypted and authenticated with CURVE (libzmq's
 elliptic-curve security) unless `transport.curve = false`, which config allows only when every
 address is loopback or ipc. The keys live in one folder, by default `<run.dir>/keys`:
 
-    server.key / server.key_secret       every socket that binds (actor, learner) serves with it
-    learner.key / learner.key_secret     the learner's client key (its link to the actor)
-    envpool.key / envpool.key_secret     the envpool workers' client key
-    actor.key / actor.key_secret         the actor's client key (for roles that connect out)
+    server.key / server.key_secret           every socket that binds (actor, learner) serves with it
+    learner.key / learner.key_secret         the learner's client key (its link to the actor)
+    envpool-<i>.key / envpool-<i>.key_secret envpool worker i's own client key
+    envpool.key / envpool.key_secret         the envpool's tools (repl, replay, benchmarks): they
+                                             may generate, but speak for no worker
+    actor.key / actor.key_secret             the actor's client key (for roles that connect out)
 
 The files are pyzmq's certificate format (`zmq.auth.load_certificate` reads them); the folder is
 0700 and every file 0600, so only the run's own user can read a secret. `ensure_keys` creates
@@ -19,6 +21,14 @@ binding process runs a ZAP authenticator (`zmq.auth.thread.ThreadAuthenticator`,
 process) that checks the key and names the peer by role. The name reaches the application as the
 message's `User-Id` property, so the actor can take `AttachLearner` from the learner's key only,
 whatever else holds the envpool's key.
+
+One key per envpool worker: the learner takes worker i's bookkeeping (`WorkerHello`,
+`GroupStarted`, `PoolDone`) and episodes of the groups worker i started only from worker i's
+key (learner/episodes/intake.py). With one key for all workers, any holder could say hello as
+worker 0 with a new incarnation and make the learner write off worker 0's live episodes, or
+fail another worker's episodes before they ran. Worker keys are made for `envpool.workers`
+workers, more when a run grows (each file is made once: the first process to link it in wins).
+On many hosts each host needs only its own workers' secrets, the server's and the public keys.
 
 What this does not do: separate the roles from each other. Every role reads the one folder (a
 binding role needs the server's secret, and all run as one user), so a process that runs as the
@@ -47,7 +57,16 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from millstream.shared.config import Config, ConfigError
 
-__all__ = ["RunKeys", "ensure_keys", "keys_dir", "load_keys", "secure", "CLIENT_ROLES"]
+__all__ = [
+    "RunKeys",
+    "ensure_keys",
+    "keys_dir",
+    "load_keys",
+    "secure",
+    "worker_of",
+    "worker_role",
+    "CLIENT_ROLES",
+]
 
 #: The ZAP domain of a run's binding sockets.
 ZAP_DOMAIN = "millstream"
@@ -62,7 +81,7 @@ class RunKeys:
     """What one process needs: the server's key pair and its own client key pair."""
 
     folder: Path
-    role: str  #: whose client key this process uses
+    role: str  #: whose client key this process uses ("envpool-3" for worker 3)
     server_public: bytes
     server_secret: bytes
     public: bytes
@@ -84,9 +103,52 @@ def keys_dir(cfg: Config) -> Path:
     )
 
 
-def ensure_keys(folder: str | Path) -> Path:
-    """Create the key folder if it is missing (atomically); return it."""
-    folder = Path(folder)
+def worker_role(index: int) -> str:
+    """The client identity of envpool worker `index`."""
+    return f"envpool-{index}"
+
+
+def worker_of(role: str | None) -> int | None:
+    """The worker index an identity belongs to ("envpool-3" -> 3), None for any other."""
+    if role is None or not role.startswith("envpool-"):
+        return None
+    number = role[len("envpool-") :]
+    return int(number) if number.isdigit() else None
+
+
+def ensure_keys(folder: str | Path, workers: int = 0) -> Path:
+    """Create the key folder if it is missing (atomically) and worker keys 0..workers-1 if
+    they are; return it."""
+    folder = _ensure_folder(Path(folder))
+    for index in range(workers):
+        _ensure_pair(folder, worker_role(index))
+    return folder
+
+
+def _ensure_pair(folder: Path, name: str) -> None:
+    """Make `name`'s key pair in `folder` unless it exists. The secret file (which holds both
+    keys) is linked into place, so of processes racing only the first one's pair is kept; the
+    public file is then written from it (same bytes whoever writes it)."""
+    secret = folder / f"{name}.key_secret"
+    if not secret.exists():
+        with tempfile.TemporaryDirectory(prefix=".key-", dir=folder) as staging:
+            _, made = zmq.auth.create_certificates(staging, name)
+            os.chmod(made, 0o600)
+            try:
+                os.link(made, secret)
+            except FileExistsError:
+                pass
+    public = folder / f"{name}.key"
+    if not public.exists():
+        public_key, _ = zmq.auth.load_certificate(secret)
+        with tempfile.TemporaryDirectory(prefix=".key-", dir=folder) as staging:
+            path = Path(staging) / public.name
+            path.write_text(f'metadata\ncurve\n    public-key = "{public_key.decode()}"\n')
+            os.chmod(path, 0o600)
+            os.replace(path, public)
+
+
+def _ensure_folder(folder: Path) -> Path:
     if (folder / "server.key_secret").exists():
         _check_private(folder)
         return folder
@@ -111,26 +173,34 @@ def ensure_keys(folder: str | Path) -> Path:
     return folder
 
 
-def load_keys(cfg: Config, role: str) -> RunKeys | None:
-    """The keys `role` uses in this run, creating the folder if needed; None if CURVE is off."""
+def load_keys(cfg: Config, role: str, worker: int | None = None) -> RunKeys | None:
+    """The keys `role` uses in this run, creating the folder if needed; None if CURVE is off.
+    An envpool worker passes its index and gets its own key (`worker_role`)."""
     if not cfg.transport.curve:
         return None
     if role not in CLIENT_ROLES:
         raise ValueError(f"role must be one of {CLIENT_ROLES}, got {role!r}")
-    folder = ensure_keys(keys_dir(cfg))
-    pairs = {name: zmq.auth.load_certificate(folder / f"{name}.key_secret") for name in _ALL}
-    server_public, server_secret = pairs["server"]
-    public, secret = pairs[role]
+    workers = cfg.envpool.workers
+    if worker is not None and not (role == "envpool" and 0 <= worker < workers):
+        raise ValueError(
+            f"{role} worker {worker} has no key: keys are made for envpool workers 0..{workers - 1} "
+            f"(envpool.workers = {workers})"
+        )
+    folder = ensure_keys(keys_dir(cfg), workers)
+    own = worker_role(worker) if worker is not None else role
+    server_public, server_secret = zmq.auth.load_certificate(folder / "server.key_secret")
+    public, secret = zmq.auth.load_certificate(folder / f"{own}.key_secret")
     assert server_secret is not None and secret is not None
-    return RunKeys(
-        folder,
-        role,
-        server_public,
-        server_secret,
-        public,
-        secret,
-        {pairs[name][0]: name for name in CLIENT_ROLES},
+    return RunKeys(folder, own, server_public, server_secret, public, secret, _clients(folder))
+
+
+def _clients(folder: Path) -> dict[bytes, str]:
+    """Every client's public key in `folder` -> its identity (the roles', each worker's)."""
+    names = list(CLIENT_ROLES)
+    names += sorted(
+        p.name[: -len(".key")] for p in folder.glob("envpool-*.key") if worker_of(p.stem) is not None
     )
+    return {zmq.auth.load_certificate(folder / f"{name}.key")[0]: name for name in names}
 
 
 def _check_private(folder: Path) -> None:
@@ -148,9 +218,9 @@ def _check_private(folder: Path) -> None:
 class _RunAuthenticator(ThreadAuthenticator):
     """Admits the run's client keys and names each peer by role (the `User-Id` property)."""
 
-    def __init__(self, context: zmq.Context, clients: dict[bytes, str]) -> None:
+    def __init__(self, context: zmq.Context, clients: dict[bytes, str], server_public: bytes) -> None:
         super().__init__(context)
-        self.clients = clients
+        self.clients, self.server_public = clients, server_public
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         return self.clients.get(zmq.utils.z85.encode(client_public_key), "unknown")
@@ -175,12 +245,14 @@ def _authenticator(context: zmq.Context, keys: RunKeys) -> None:
     with _auth_lock:
         auth = _authenticators.get(id(context))
         if auth is not None:
-            if auth.clients != keys.clients:
+            if auth.server_public != keys.server_public:
                 raise RuntimeError("one process serves two runs' keys; use one set per process")
+            auth.clients.update(keys.clients)  # a later load may know more workers (shared dict)
             return
-        auth = _RunAuthenticator(context, keys.clients)
+        clients = dict(keys.clients)  # one dict, read by both the admission and the naming
+        auth = _RunAuthenticator(context, clients, keys.server_public)
         auth.start()
-        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Admit(keys.clients))
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Admit(clients))
         _authenticators[id(context)] = auth
 
 
