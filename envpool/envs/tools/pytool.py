@@ -38,7 +38,8 @@ files, open files; the parent enforces the wall clock (`timeout_s`, default 5 s)
 most `max_output_bytes`. Where this process can make cgroups (`cgroup`: "auto", "off", or a
 delegated cgroup v2 directory), each call gets its own, and its processes *together* hold at
 most `memory_mb` (a run over it shows "killed: its processes together went over ..."),
-`max_processes` (default 32; a fork past it fails) and `cpus` (default 1.0). Where there is no
+`max_processes` (default 64 processes and threads; one past it fails to start) and `cpus`
+(default 1.0). Where there is no
 cgroup or no seccomp, the constructor logs one line saying so (at preflight) and runs on. An
 audit hook (PEP 578) refuses sockets ("network access is disabled in this sandbox"), process
 creation and ctypes with clear messages: for honest code, since hostile code can remove it; the
@@ -214,7 +215,7 @@ class PyTool:
         max_concurrent: int = 8,
         format_penalty: float = -0.1,
         sandbox: str = "strict",
-        max_processes: int = 32,
+        max_processes: int = 64,
         cpus: float = 1.0,
         cgroup: str = "auto",
     ) -> None:

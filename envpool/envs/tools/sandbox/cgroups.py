@@ -4,7 +4,8 @@ RLIMIT_AS bounds each process of a call, not the call: code that forks holds the
 child (measured before this existed: one call at 1,330 MiB across 17 processes under a 256 MiB
 limit). A cgroup counts them together, the tmpfs working directory's files included, and the
 kernel enforces it: past `memory`, it kills a process of that call (the call reports
-`memory_limit`); past `processes`, fork fails with EAGAIN; past `cpus`, the call is throttled.
+`memory_limit`); past `processes` (processes and threads together, as the kernel counts them),
+fork and thread creation fail with EAGAIN; past `cpus`, the call is throttled.
 
 Where the cgroups go (`find_cgroups`, once per process and setting):
 - "auto": the unified hierarchy (cgroup v2) under this process's own cgroup, when memory and
@@ -39,7 +40,9 @@ _V1_CONTROLLERS = ("memory", "pids", "cpu")
 _NEEDED = ("memory", "pids")  # cpu is optional: a call without it is only not throttled
 _PREFIX = "millstream-sandbox-"
 _CPU_PERIOD_US = 100_000
-_FOUND: dict[str, CallCgroups | str] = {}
+#: The jail's own supervisor and init, counted by pids.max but not the code's to spend.
+JAIL_TASKS = 2
+_FOUND: dict[tuple[int, str], CallCgroups | str] = {}
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Ceiling:
     """What one call's processes may use together."""
 
     memory_bytes: int
-    processes: int
+    processes: int  #: processes and threads the code may run at once (pids counts both)
     cpus: float
 
 
@@ -56,9 +59,9 @@ class Usage:
     """What one call used, read from its cgroup before it is removed."""
 
     memory_peak_bytes: int | None  #: None where the kernel keeps no peak (v2 before Linux 5.19)
-    oom_kills: int  #: processes the kernel killed for the memory ceiling
-    forks_refused: int  #: forks refused at the process ceiling
-    throttled: int  #: CPU periods in which the call was held back
+    oom_kills: int  #: processes of the call the kernel killed for want of memory
+    #: the call reached its memory ceiling (so the kills were the ceiling's, not the host's)
+    at_ceiling: bool
 
 
 class CallCgroup:
@@ -77,14 +80,20 @@ class CallCgroup:
         return None if folder is None else folder / name
 
     def usage(self) -> Usage:
-        peak_name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
-        oom_name = "memory.events" if self.version == 2 else "memory.oom_control"
-        peak = _read_int(self._file("memory", peak_name))
+        if self.version == 2:
+            events = self._file("memory", "memory.events")
+            return Usage(
+                memory_peak_bytes=_read_int(self._file("memory", "memory.peak")),
+                oom_kills=_keyed(events, "oom_kill"),
+                at_ceiling=_keyed(events, "oom") > 0,
+            )
+        peak = _read_int(self._file("memory", "memory.max_usage_in_bytes"))
+        limit = _read_int(self._file("memory", "memory.limit_in_bytes"))
         return Usage(
             memory_peak_bytes=peak,
-            oom_kills=_keyed(self._file("memory", oom_name), "oom_kill"),
-            forks_refused=_keyed(self._file("pids", "pids.events"), "max"),
-            throttled=_keyed(self._file("cpu", "cpu.stat"), "nr_throttled"),
+            oom_kills=_keyed(self._file("memory", "memory.oom_control"), "oom_kill"),
+            # v1's failcnt stays 0 on recent kernels: the peak touching the limit says it
+            at_ceiling=peak is not None and limit is not None and peak >= limit,
         )
 
     def remove(self, timeout_s: float = 5.0) -> bool:
@@ -136,7 +145,7 @@ class CallCgroups:
             _write(folder / "memory.max", ceiling.memory_bytes)
             if (folder / "memory.swap.max").exists():
                 _write(folder / "memory.swap.max", 0)  # swap would let the call past its ceiling
-            _write(folder / "pids.max", ceiling.processes)
+            _write(folder / "pids.max", ceiling.processes + JAIL_TASKS)
             if "cpu" in call.dirs:
                 _write(folder / "cpu.max", f"{quota} {_CPU_PERIOD_US}")
             return
@@ -144,7 +153,9 @@ class CallCgroups:
         _write(memory / "memory.limit_in_bytes", ceiling.memory_bytes)
         if (memory / "memory.memsw.limit_in_bytes").exists():  # swap accounting is on
             _write(memory / "memory.memsw.limit_in_bytes", ceiling.memory_bytes)
-        _write(call.dirs["pids"] / "pids.max", ceiling.processes)
+        elif (memory / "memory.swappiness").exists():  # else swap would let it past the ceiling
+            _write(memory / "memory.swappiness", 0)
+        _write(call.dirs["pids"] / "pids.max", ceiling.processes + JAIL_TASKS)
         if "cpu" in call.dirs:
             _write(call.dirs["cpu"] / "cpu.cfs_period_us", _CPU_PERIOD_US)
             _write(call.dirs["cpu"] / "cpu.cfs_quota_us", quota)
@@ -152,10 +163,26 @@ class CallCgroups:
 
 def find_cgroups(setting: str) -> CallCgroups | str:
     """This process's place for per-call cgroups under `setting` ("auto", "off" or a v2
-    directory), or why there is none (one line). Found once per process and setting."""
-    if setting not in _FOUND:
-        _FOUND[setting] = _find(setting)
-    return _FOUND[setting]
+    directory), or why there is none (one line). Found once per process and setting: a trial
+    call cgroup is made, limited and removed, so a half-usable hierarchy is a reason here, not
+    a failed setup at every call."""
+    key = (os.getpid(), setting)  # a forked child finds its own (its calls' names are its own)
+    if key not in _FOUND:
+        found = _find(setting)
+        if isinstance(found, CallCgroups):
+            found = _tried(found)
+        _FOUND[key] = found
+    return _FOUND[key]
+
+
+def _tried(found: CallCgroups) -> CallCgroups | str:
+    try:
+        call = found.open(Ceiling(64 * 2**20, 8, 1.0))
+    except OSError as exc:
+        return f"{found.where}: a call's cgroup cannot be made and limited ({exc})"
+    if not call.remove(timeout_s=1.0):
+        return f"{found.where}: a call's cgroup cannot be removed"
+    return found
 
 
 def _find(setting: str) -> CallCgroups | str:
@@ -165,11 +192,16 @@ def _find(setting: str) -> CallCgroups | str:
         base = Path(setting)
         if not (base / "cgroup.controllers").is_file():
             return f"cgroup = {setting!r} is not a cgroup v2 directory"
-        return _v2_under(base, enable_at_base=True)
-    mount, own = _v2_place()
+        if _read_text(base / "cgroup.procs").split():
+            return (
+                f"cgroup = {setting!r} holds processes, so it cannot give memory and pids to "
+                "children of its own (cgroup v2's no-internal-process rule); name an empty one"
+            )
+        return _v2_under(base)
     reasons = []
-    if mount is not None and own is not None:
-        found = _v2_under(mount / own.lstrip("/"), enable_at_base=True)
+    own = _v2_own()
+    if own is not None:
+        found = _v2_under(own)
         if isinstance(found, CallCgroups):
             return found
         reasons.append(found)
@@ -181,27 +213,40 @@ def _find(setting: str) -> CallCgroups | str:
     return "; ".join(reasons + [found])
 
 
-def _v2_under(base: Path, enable_at_base: bool) -> CallCgroups | str:
-    """Calls under base/millstream-sandbox-<pid>/, with memory and pids (and cpu) enabled."""
+def _v2_under(base: Path) -> CallCgroups | str:
+    """Calls under base/millstream-sandbox-<pid>/, with memory and pids (and cpu if it can be
+    had) enabled for them.
+
+    The kernel lets a cgroup other than the root give memory or pids to its children only when
+    it holds no process itself: so "auto" works for a process in the root cgroup (a VM, a
+    container sharing the host's cgroups as root), and elsewhere a delegated empty cgroup must
+    be named (docs/environments.md shows how)."""
     available = set(_read_text(base / "cgroup.controllers").split())
     missing = [c for c in _NEEDED if c not in available]
     if missing:
         return f"cgroup v2 at {base}: no {' or '.join(missing)} controller"
-    wanted = [c for c in (*_NEEDED, "cpu") if c in available]
-    enable = " ".join(f"+{c}" for c in wanted)
     _sweep(base)
-    ours = base / f"{_PREFIX}{os.getpid()}"
-    try:
-        if enable_at_base and not set(wanted) <= set(_read_text(base / "cgroup.subtree_control").split()):
-            (base / "cgroup.subtree_control").write_text(enable)
-        ours.mkdir(exist_ok=True)
-        (ours / "cgroup.subtree_control").write_text(enable)
-    except OSError as exc:
-        _rmdir(ours)
-        return f"cgroup v2 at {base}: cannot enable {enable} for its children ({exc.strerror})"
-    atexit.register(_rmdir, ours)
-    parents = {c: ours for c in wanted}
-    return CallCgroups(2, parents, f"cgroup v2 at {ours}")
+    ours = _own_folder(base)
+    problem = ""
+    for wanted in ([*_NEEDED, "cpu"], list(_NEEDED)):  # cpu is optional: without it, no throttle
+        if not set(wanted) <= available:
+            continue
+        enable = " ".join(f"+{c}" for c in wanted)
+        try:
+            if not set(wanted) <= set(_read_text(base / "cgroup.subtree_control").split()):
+                (base / "cgroup.subtree_control").write_text(enable)
+            ours.mkdir(exist_ok=True)
+            (ours / "cgroup.subtree_control").write_text(enable)
+        except OSError as exc:
+            _rmdir(ours)
+            busy = "; processes live in it: name an empty delegated cgroup" if exc.errno == 16 else ""
+            problem = (
+                problem or f"cgroup v2 at {base}: cannot give {enable} to its children ({exc.strerror}{busy})"
+            )
+            continue
+        atexit.register(_rmdir, ours)
+        return CallCgroups(2, {c: ours for c in wanted}, f"cgroup v2 at {ours}")
+    return problem
 
 
 def _v1() -> CallCgroups | str:
@@ -212,30 +257,47 @@ def _v1() -> CallCgroups | str:
     for controller in _V1_CONTROLLERS:
         if controller not in mounts or controller not in own:
             if controller in _NEEDED:
+                _remove_all(parents)
                 return f"cgroup v1: no {controller} hierarchy"
             continue
         mount_point, mount_root = mounts[controller]
-        relative = os.path.relpath(own[controller], mount_root)
-        base = (mount_point / relative).resolve()
+        base = (mount_point / os.path.relpath(own[controller], mount_root)).resolve()
         _sweep(base)
-        ours = base / f"{_PREFIX}{os.getpid()}"
+        ours = _own_folder(base)
         try:
             ours.mkdir(exist_ok=True)
         except OSError as exc:
-            for made in parents.values():
-                _rmdir(made)
             if controller in _NEEDED:
+                _remove_all(parents)
                 return f"cgroup v1: cannot make a {controller} cgroup under {base} ({exc.strerror})"
-            continue
+            continue  # cpu: the call is only not throttled
         atexit.register(_rmdir, ours)
         parents[controller] = ours
     return CallCgroups(1, parents, "cgroup v1 (" + ", ".join(sorted(parents)) + ")")
 
 
-def _v2_place() -> tuple[Path | None, str | None]:
-    mount = next((point for fstype, _, point, _ in _mountinfo() if fstype == "cgroup2"), None)
+def _remove_all(parents: dict[str, Path]) -> None:
+    for made in parents.values():
+        _rmdir(made)
+
+
+def _own_folder(base: Path) -> Path:
+    """base/millstream-sandbox-<pid>, emptied of calls a dead process of the same pid left."""
+    ours = base / f"{_PREFIX}{os.getpid()}"
+    for call in ours.glob("call-*"):
+        _kill_members(call)
+        _rmdir(call)
+    return ours
+
+
+def _v2_own() -> Path | None:
+    """This process's own cgroup in the unified hierarchy, as a folder, or None."""
+    mount = next(((point, root) for fstype, root, point, _ in _mountinfo() if fstype == "cgroup2"), None)
     own = next((path for hid, _, path in _proc_cgroup() if hid == "0"), None)
-    return mount, own
+    if mount is None or own is None:
+        return None
+    point, root = mount
+    return (point / os.path.relpath(own, root)).resolve()
 
 
 def _v1_mounts() -> dict[str, tuple[Path, str]]:

@@ -51,6 +51,7 @@ SETUP_FAILED = 125
 NOBODY = 65534
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+_CLONE_NEWCGROUP = 0x02000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -106,16 +107,18 @@ def enter(mechanism, workdir, work_bytes, filter_syscalls):
         _fail_now("userns: running as root; use the namespaces mechanism (it drops to nobody)")
     report_r, report_w = os.pipe()  # init and worker -> supervisor: failures, the final status
     alive_r, alive_w = os.pipe()  # held open by the supervisor: EOF tells init it is gone
-    flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+    # A cgroup namespace too: the call's cgroup (joined before this) is its root, so the code
+    # does not see the host's cgroup paths.
+    flags = _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWCGROUP
     try:
         if mechanism == "userns":
-            _check(_libc.unshare(flags | _CLONE_NEWUSER), "unshare(user, mount, pid, net, ipc, uts)")
+            _check(_libc.unshare(flags | _CLONE_NEWUSER), "unshare(user, mount, pid, net, ipc, uts, cgroup)")
             # An unprivileged user may map itself, and only after refusing setgroups(2).
             _write("/proc/self/setgroups", "deny")
             _write("/proc/self/uid_map", f"{uid} {uid} 1")
             _write("/proc/self/gid_map", f"{gid} {gid} 1")
         elif mechanism == "namespaces":
-            _check(_libc.unshare(flags), "unshare(mount, pid, net, ipc, uts)")
+            _check(_libc.unshare(flags), "unshare(mount, pid, net, ipc, uts, cgroup)")
         else:
             raise SetupError(f"unknown mechanism {mechanism!r}")
     except SetupError as exc:

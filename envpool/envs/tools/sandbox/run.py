@@ -85,12 +85,15 @@ log = logging.getLogger(__name__)
 CHILD = Path(__file__).resolve().with_name("child.py")
 SANDBOX_MODES = ("strict", "namespaces", "userns", "weak")
 SETUP_FAILED = 125  # the supervisor's exit status for a failed setup (see jail.py)
-_PROBE_CODE = (  # "ok" and the worker's seccomp mode (2: a filter; "?" without /proc)
-    "try:\n    mode = open('/proc/self/status').read().split('Seccomp:')[1].split()[0]\n"
-    "except Exception:\n    mode = '?'\nprint('ok', mode)\n"
+SETUP_MESSAGE = "sandbox setup failed: "
+# "ok" and the number of seccomp filters on the jailed code ("?" without /proc). With ours it
+# is one more than this process has (a container's own filter counts on both sides).
+_PROBE_CODE = (
+    "try:\n    n = open('/proc/self/status').read().split('Seccomp_filters:')[1].split()[0]\n"
+    "except Exception:\n    n = '?'\nprint('ok', n)\n"
 )
 _PROBES: dict[str, str | None] = {}  # mechanism -> why it failed, or None when it works
-_SECCOMP: dict[str, str] = {}  # mechanism -> the probe's seccomp mode
+_FILTERED: dict[str, bool] = {}  # mechanism -> whether the probe ran under our filter
 _WARNED_WEAK: list[bool] = []
 
 
@@ -140,7 +143,7 @@ def _probe(mechanism: str) -> str | None:
             out = (done.stdout + done.stderr).decode("utf-8", "replace").strip()
             ok = done.returncode == 0 and out.startswith("ok ")
             _PROBES[mechanism] = None if ok else (out.splitlines() or [f"exit status {done.returncode}"])[-1]
-            _SECCOMP[mechanism] = out.split()[-1] if ok else "?"
+            _FILTERED[mechanism] = ok and out.split()[-1] == str(_filters_here() + 1)
         except (OSError, subprocess.TimeoutExpired) as exc:
             _PROBES[mechanism] = f"{type(exc).__name__}: {exc}"
         finally:
@@ -201,16 +204,21 @@ def check_cgroup(cgroup: str) -> None:
         raise ValueError(f"cgroup = {cgroup!r} cannot hold the sandbox's calls: {found}")
 
 
+def _filters_here() -> int:
+    """The seccomp filters on this process (Seccomp_filters: Linux 5.9+; else -1)."""
+    try:
+        return int(Path("/proc/self/status").read_text().split("Seccomp_filters:")[1].split()[0])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
 def missing_limits(mechanism: str, cgroup: str = "auto") -> str | None:
     """What the sandbox lacks on this machine beyond the mechanism itself, one line, or None:
     no seccomp filter in the jail, no per-call cgroup. pytool logs it at preflight."""
     missing = []
-    if mechanism != "none" and _probe(mechanism) is None and _SECCOMP.get(mechanism) != "2":
-        why = (
-            f"no syscall numbers for {os.uname().machine}"
-            if os.uname().machine not in ARCHES
-            else (f"seccomp mode {_SECCOMP.get(mechanism)!r} in the jail")
-        )
+    if mechanism != "none" and _probe(mechanism) is None and not _FILTERED.get(mechanism):
+        machine = os.uname().machine
+        why = f"no syscall numbers for {machine}" if machine not in ARCHES else "the kernel took none"
         missing.append(f"no seccomp filter ({why}): jailed code can reach unshare, mount, bpf and the like")
     found = find_cgroups(cgroup)
     if isinstance(found, str) and cgroup != "off":
@@ -249,7 +257,7 @@ async def run_python(
     max_output_bytes: int = 16384,
     max_concurrent: int = 8,
     sandbox: str = "strict",
-    max_processes: int = 32,
+    max_processes: int = 64,
     cpus: float = 1.0,
     cgroup: str = "auto",
 ) -> RunResult:
@@ -272,11 +280,14 @@ async def run_python(
                 usage = await _close_cgroup(group) if group is not None else None
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    if result.returncode == SETUP_FAILED:
+    # In a jail only a failed setup ends with 125 (the code's own is mapped to 1); in the weak
+    # mode the code could exit 125 itself, so only the child's own message counts there.
+    if result.returncode == SETUP_FAILED and (mechanism != "none" or result.output.startswith(SETUP_MESSAGE)):
         raise SandboxError(result.output.strip() or "sandbox setup failed")
     if usage is None:
         return result
-    status = "memory_limit" if usage.oom_kills and result.status in ("killed", "error") else result.status
+    ceiling_killed = usage.at_ceiling and usage.oom_kills and result.status in ("killed", "error")
+    status = "memory_limit" if ceiling_killed else result.status
     return RunResult(result.output, status, result.returncode, usage.memory_peak_bytes)
 
 

@@ -18,6 +18,8 @@ the usual first step of a container escape. The filter answers EPERM for:
 - kernel facilities with a long record of bugs reachable by users: `bpf`, `perf_event_open`,
   `userfaultfd`, `io_uring_*`, `keyctl`/`add_key`/`request_key`, `fanotify_init`,
   `open_by_handle_at`/`name_to_handle_at`;
+- sockets of a family other than AF_UNIX, AF_INET, AF_INET6 and AF_NETLINK (EAFNOSUPPORT):
+  the first socket of a family loads its kernel module (TIPC, RDS, vsock: known exploits);
 - what needs privileges it no longer has anyway (modules, kexec, reboot, swap, quotas, acct,
   syslog, I/O ports, vhangup): denied here too, so a kernel bug in a capability check is not
   enough.
@@ -37,12 +39,12 @@ Only architectures whose numbers are written here get a filter (x86_64, aarch64,
 import ctypes
 import os
 
-__all__ = ["ARCHES", "DENIED", "install"]
+__all__ = ["ARCHES", "DENIED", "SOCKET_FAMILIES", "install", "program"]
 
-_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_PR_GET_SECCOMP, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 21, 22, 2
 _LD_W_ABS, _JEQ_K, _JGE_K, _JSET_K, _RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 _RET_KILL_PROCESS, _RET_ALLOW, _RET_ERRNO = 0x80000000, 0x7FFF0000, 0x00050000
-_EPERM, _ENOSYS = 1, 38
+_EPERM, _ENOSYS, _EAFNOSUPPORT = 1, 38, 97
 _X32_BIT = 0x40000000
 # unshare/clone flags that make a namespace (CLONE_NEWTIME, 0x80, is clone3/unshare only:
 # for clone that bit is part of the exit signal).
@@ -58,7 +60,7 @@ _GENERIC = {
     "keyctl": 219, "unshare": 97, "setns": 268, "perf_event_open": 241,
     "process_vm_readv": 270, "process_vm_writev": 271, "kcmp": 272, "bpf": 280,
     "userfaultfd": 282, "open_by_handle_at": 265, "name_to_handle_at": 264,
-    "fanotify_init": 262, "vhangup": 58, "clone": 220,
+    "fanotify_init": 262, "vhangup": 58, "clone": 220, "socket": 198, "socketpair": 199,
 }  # fmt: skip
 _X86_64 = {
     "ptrace": 101, "syslog": 103, "acct": 163, "mount": 165, "umount2": 166, "swapon": 167,
@@ -68,7 +70,7 @@ _X86_64 = {
     "keyctl": 250, "unshare": 272, "setns": 308, "perf_event_open": 298,
     "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "bpf": 321,
     "userfaultfd": 323, "open_by_handle_at": 304, "name_to_handle_at": 303,
-    "fanotify_init": 300, "vhangup": 153, "clone": 56,
+    "fanotify_init": 300, "vhangup": 153, "clone": 56, "socket": 41, "socketpair": 53,
     "iopl": 172, "ioperm": 173, "uselib": 134, "_sysctl": 156,
 }  # fmt: skip
 # Numbered alike on every architecture since Linux 5.1.
@@ -84,8 +86,13 @@ ARCHES = {
     "aarch64": (0xC00000B7, {**_GENERIC, **_UNIFIED}),
     "riscv64": (0xC00000F3, {**_GENERIC, **_UNIFIED}),
 }
-#: The calls denied outright (EPERM); clone is denied only with a namespace flag, clone3 ENOSYS.
-DENIED = tuple(sorted((set(_X86_64) | set(_GENERIC) | set(_UNIFIED)) - {"clone", "clone3"}))
+_CHECKED = ("clone", "clone3", "socket", "socketpair")  # decided by their arguments, or ENOSYS
+#: The calls denied outright (EPERM); clone is denied only with a namespace flag, socket and
+#: socketpair for a family outside SOCKET_FAMILIES, clone3 answers ENOSYS.
+DENIED = tuple(sorted((set(_X86_64) | set(_GENERIC) | set(_UNIFIED)) - set(_CHECKED)))
+#: AF_UNIX, AF_INET, AF_INET6, AF_NETLINK: other families (DCCP is a protocol of AF_INET, but
+#: TIPC, RDS, vsock, ...) load kernel modules on first use, a known source of exploits.
+SOCKET_FAMILIES = (1, 2, 10, 16)
 
 
 class _Instruction(ctypes.Structure):
@@ -103,7 +110,7 @@ _Step = tuple[str | None, int, str | None, str | None, int]
 
 def _program(arch: int, numbers: dict[str, int]) -> list[tuple[int, int, int, int]]:
     """The filter as (code, jt, jf, k) instructions, jumps resolved from labels."""
-    deny = sorted({n for name, n in numbers.items() if name not in ("clone", "clone3")})
+    deny = sorted({n for name, n in numbers.items() if name not in _CHECKED})
     steps: list[_Step] = [
         (None, _LD_W_ABS, None, None, 4),  # seccomp_data.arch
         (None, _JEQ_K, None, "kill", arch),
@@ -115,10 +122,17 @@ def _program(arch: int, numbers: dict[str, int]) -> list[tuple[int, int, int, in
     steps += [
         (None, _JEQ_K, "enosys", None, numbers["clone3"]),
         (None, _JEQ_K, "clone", None, numbers["clone"]),
+        (None, _JEQ_K, "socket", None, numbers["socket"]),
+        (None, _JEQ_K, "socket", None, numbers["socketpair"]),
         (None, _RET_K, None, None, _RET_ALLOW),
-        ("clone", _LD_W_ABS, None, None, 16),  # the low half of args[0], the flags (little-endian)
+        # args[0] is at offset 16; its low half (little-endian) holds the flags or the family.
+        ("clone", _LD_W_ABS, None, None, 16),
         (None, _JSET_K, "eperm", None, _CLONE_NEW_ANY),
         (None, _RET_K, None, None, _RET_ALLOW),
+        ("socket", _LD_W_ABS, None, None, 16),
+        *[(None, _JEQ_K, "allow", None, family) for family in SOCKET_FAMILIES],
+        (None, _RET_K, None, None, _RET_ERRNO | _EAFNOSUPPORT),
+        ("allow", _RET_K, None, None, _RET_ALLOW),
         ("eperm", _RET_K, None, None, _RET_ERRNO | _EPERM),
         ("enosys", _RET_K, None, None, _RET_ERRNO | _ENOSYS),
         ("kill", _RET_K, None, None, _RET_KILL_PROCESS),
@@ -126,9 +140,18 @@ def _program(arch: int, numbers: dict[str, int]) -> list[tuple[int, int, int, in
     at = {label: i for i, (label, *_) in enumerate(steps) if label is not None}
 
     def offset(target: str | None, i: int) -> int:
-        return 0 if target is None else at[target] - i - 1
+        jump = 0 if target is None else at[target] - i - 1
+        if not 0 <= jump <= 255:  # a jump is one byte: a longer one would wrap, silently
+            raise ValueError(f"the filter's jump to {target!r} is {jump} instructions long")
+        return jump
 
     return [(code, offset(jt, i), offset(jf, i), k) for i, (_, code, jt, jf, k) in enumerate(steps)]
+
+
+def program(machine: str) -> list[tuple[int, int, int, int]]:
+    """The filter for `machine` (a key of ARCHES) as (code, jt, jf, k) instructions."""
+    arch, numbers = ARCHES[machine]
+    return _program(arch, numbers)
 
 
 def install() -> str | None:
@@ -139,14 +162,14 @@ def install() -> str | None:
     machine = os.uname().machine
     if machine not in ARCHES:
         return f"no syscall numbers for {machine}"
-    arch, numbers = ARCHES[machine]
-    steps = _program(arch, numbers)
+    steps = program(machine)
     instructions = (_Instruction * len(steps))(*[_Instruction(*s) for s in steps])
-    program = _Program(len(steps), instructions)
+    fprog = _Program(len(steps), instructions)
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(program), 0, 0) == 0:
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) == 0:
         return None
     errno = ctypes.get_errno()
-    if errno == 22:  # EINVAL: a kernel built without CONFIG_SECCOMP_FILTER
-        return "this kernel has no seccomp filters"
+    # EINVAL is both "no seccomp in this kernel" and "a program it refuses": ask which.
+    if errno == 22 and libc.prctl(_PR_GET_SECCOMP, 0, 0, 0, 0) == -1 and ctypes.get_errno() == 22:
+        return "this kernel has no seccomp"
     raise OSError(errno, f"prctl(SECCOMP_MODE_FILTER): {os.strerror(errno)}")
