@@ -208,12 +208,13 @@ class ReplayBuffer:
         again, it is refused and counted again, as foreign again, so the accounting still adds up.
         Returns the reason it was refused for, or None.
         """
-        if self._seen.has(message.group_id, message.episode_id):
+        # The learner's identity refusals first (even before "a duplicate": not its sender's to
+        # send); a message of no admitted group is not asked about any group.
+        identity = refusal[0] if refusal is not None and not refusal[1] else None
+        if identity is None and self._seen.has(message.group_id, message.episode_id):
             self.duplicates += 1
             return None
-        # The learner's identity refusals first: a message of no admitted group is not asked
-        # about any group.
-        identity = refusal[0] if refusal is not None and not refusal[1] else self._identity_problem(message)
+        identity = identity or self._identity_problem(message)
         if identity is None and refusal is None and self._seen.finished(message.group_id):
             identity = "group_finished"  # every slot in and gone: a re-send, or not the run's
         if identity is None and refusal is None:
@@ -390,9 +391,8 @@ class ReplayBuffer:
     # --- numbering -------------------------------------------------------------------------
 
     def max_group_number(self) -> int | None:
-        """The highest `shared.wire.group_number` of any group this buffer has seen
-        (buffered, trained or dropped; restored ones included), or None if none: a resumed
-        learner numbers new groups after it. Ids that are not `g<number>` are ignored."""
+        """The highest `shared.wire.group_number` of any group this buffer has seen (buffered,
+        trained or dropped; restored ones included), or None: a resumed learner numbers after it."""
         numbers = [number_of(gid) for gid in (*self._closed, *self._pending, *self._complete)]
         finished = self._seen.highest_finished()
         return max([n for n in numbers if n >= 0] + ([] if finished is None else [finished]), default=None)

@@ -522,11 +522,7 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
     assert len(recorded) <= summary["episodes_started"]
 
 
-def test_a_worker_s_key_speaks_for_that_worker_only():
-    """issue 27: one envpool key spoke for every worker. A forged WorkerHello(index=0, new
-    incarnation) wrote off worker 0's 16 live episodes as worker_lost; forged failures for the
-    members of new groups became 142 fake env_errors. With a key per worker, the learner takes
-    worker i's hello, groups and episodes from worker i's key only."""
+def _two_worker_intake():
     from millstream.learner.episodes.intake import Intake
     from millstream.learner.episodes.workers import WorkerLedger
     from millstream.shared.config import load_config
@@ -539,6 +535,16 @@ def test_a_worker_s_key_speaks_for_that_worker_only():
     def handle(message, sender):
         intake.handle(message, sender, version=0, admitted=10)
 
+    return buf, ledger, intake, handle
+
+
+def test_a_worker_s_key_speaks_for_that_worker_only():
+    """issue 27: one envpool key spoke for every worker. A forged WorkerHello(index=0, new
+    incarnation) wrote off worker 0's 16 live episodes as worker_lost; forged failures for the
+    members of new groups became 142 fake env_errors. With a key per worker, and group numbers
+    that say whose a group is (worker i numbers i, i + workers, ...), the learner takes worker
+    i's hello, groups and episodes from worker i's key only."""
+    buf, ledger, intake, handle = _two_worker_intake()
     handle(WorkerHello(0, "w0-a"), "envpool-0")
     handle(WorkerHello(1, "w1-a"), "envpool-1")
     handle(GroupStarted(0, "w0-a", "g0", 2), "envpool-0")
@@ -546,22 +552,81 @@ def test_a_worker_s_key_speaks_for_that_worker_only():
     # Worker 1's key (or the tools' shared key) forging for worker 0:
     handle(WorkerHello(0, "forged"), "envpool-1")  # would close g0 as worker_lost
     handle(GroupStarted(0, "w0-a", "g2", 2), "envpool-1")  # would take g2 for worker 0
+    handle(GroupStarted(1, "w1-a", "g0", 2), "envpool-1")  # would take worker 0's g0 over
+    handle(GroupStarted(1, "w1-a", "g4", 2), "envpool-1")  # g4 is worker 0's number
+    handle(
+        WorkerHello(1, "w1-a", live=["g0-e0", "g0-e1", "g1-e0", "g1-e1"]), "envpool-1"
+    )  # reopen g0 as its own
     handle(EpisodeFailed("g0-e0", "g0", 2, Cause.ENV_ERROR, "forged"), "envpool-1")
-    handle(EpisodeFailed("g4-e0", "g4", 2, Cause.ENV_ERROR, "forged"), "envpool-1")  # not started yet
+    handle(EpisodeFailed("g2-e0", "g2", 2, Cause.ENV_ERROR, "forged"), "envpool-1")  # worker 0's, not started
+    handle(EpisodeFailed("g5-e0", "g5", 2, Cause.ENV_ERROR, "forged"), "envpool-1")  # its own, never started
     handle(traj("g0", "g0-e1", reward=1.0), "envpool")  # the tools' key: no worker
     handle(PoolDone("w0", 2, 2, 0), "envpool-1")
     assert ledger.incarnations == {0: "w0-a", 1: "w1-a"} and ledger.lost == 0
-    assert set(ledger.open) == {"g0", "g1"} and ledger.open["g0"].pending == {"g0-e0", "g0-e1"}
+    assert set(ledger.open) == {"g0", "g1"} and ledger.owner("g0") == 0
+    assert ledger.open["g0"].pending == {"g0-e0", "g0-e1"} and ledger.started_total == 4
     assert intake.done_workers == {}
-    assert intake.refusals.counts == {"wrong_worker": 4, "unstarted_group": 1, "not_a_worker": 1}
-    assert buf.refused == {"wrong_worker": 1, "unstarted_group": 1, "not_a_worker": 1}
-    assert intake.foreign == 3 and buf.failed == {}
+    counts = intake.refusals.counts
+    assert counts == {"wrong_worker": 5, "bad_group_started": 2, "unstarted_group": 1, "not_a_worker": 1}
+    assert buf.refused == {"wrong_worker": 2, "unstarted_group": 1, "not_a_worker": 1}
+    assert intake.foreign == 4 and buf.failed == {}
     # The real reports are taken, every slot is the real worker's.
     for gid, worker in (("g0", 0), ("g1", 1)):
         for m in range(2):
             handle(traj(gid, f"{gid}-e{m}", reward=float(m)), f"envpool-{worker}")
     assert ledger.open == {} and buf.statistics()["complete_groups"] == 2
     assert buf.statistics()["received"] - intake.foreign == ledger.started_total == 4
+    handle(traj("g0", "g0-e0", reward=0.5), "envpool-1")  # a re-send under another key: refused
+    assert buf.duplicates == 0 and buf.refused["wrong_worker"] == 3
     handle(PoolDone("w1", 2, 2, 0), "envpool-1")
     assert set(intake.done_workers) == {"w1"}
     accounted(buf)
+
+
+def test_a_restarted_learner_takes_a_worker_s_backlog_before_its_hello():
+    """After a learner restart, a worker's results from before its hello name groups the
+    restored ledger never saw; they are its own while its numbers say so, whether or not they
+    fit the bounded hold. Another worker's key cannot claim them."""
+    buf, ledger, intake, handle = _two_worker_intake()
+    handle(traj("g2", "g2-e0", reward=0.0), "envpool-0")  # worker 0's number: its backlog
+    handle(traj("g2", "g2-e1", reward=1.0), "envpool-0")
+    handle(EpisodeFailed("g4-e0", "g4", 2, Cause.ENV_ERROR, "forged"), "envpool-1")  # worker 0's number
+    assert buf.statistics()["complete_groups"] == 1 and buf.refused == {"wrong_worker": 1}
+    assert intake.foreign == 1  # the backlog is the run's, the forgery is not
+    handle(WorkerHello(0, "w0-b", started=2, reported=2), "envpool-0")
+    assert ledger.greeted == {0}
+    handle(traj("g6", "g6-e0", reward=1.0), "envpool-0")  # after its hello: must be started first
+    assert buf.refused == {"wrong_worker": 1, "unstarted_group": 1} and intake.foreign == 2
+
+
+def test_the_experience_socket_names_each_message_s_sender():
+    """The intake's checks rest on this: each message comes with the key it was sent with."""
+    from millstream.learner.episodes.experience import Experience
+    from millstream.shared.config import load_config
+
+    exp_port, ver_port = free_port(), free_port()
+    cfg = load_config(None, [
+        KEYS, "envpool.workers=2", f"learner.experience_address=tcp://127.0.0.1:{exp_port}",
+        f"learner.version_address=tcp://127.0.0.1:{ver_port}",
+    ])  # fmt: skip
+    exp = Experience(cfg, keys_for("learner"))
+    ctx, codec = zmq.Context.instance(), Codec()
+    pushes = []
+    try:
+        for keys in (keys_for("envpool", worker=1), keys_for("envpool"), keys_for("actor")):
+            push = ctx.socket(zmq.PUSH)
+            secure(push, keys, bind=False)
+            push.connect(f"tcp://127.0.0.1:{exp_port}")
+            push.send(codec.encode([PoolDone(keys.role, 0, 0, 0)]))
+            pushes.append(push)
+        got: list = []
+        deadline = time.monotonic() + 10
+        while len(got) < 3 and time.monotonic() < deadline:
+            got += exp.receive(0.2)
+        assert sorted((m.worker, sender) for m, sender in got) == [
+            ("actor", "actor"), ("envpool", "envpool"), ("envpool-1", "envpool-1")
+        ]  # fmt: skip
+    finally:
+        for push in pushes:
+            push.close(0)
+        exp.close()

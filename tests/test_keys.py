@@ -10,7 +10,14 @@ import pytest
 import zmq.auth
 
 from millstream.shared.config import Config, ConfigError, RunConfig, TransportConfig, load_config
-from millstream.shared.wire.keys import CLIENT_ROLES, ensure_keys, keys_dir, load_keys
+from millstream.shared.wire.keys import (
+    CLIENT_ROLES,
+    ensure_keys,
+    keys_dir,
+    load_keys,
+    secure,
+    stop_authenticator,
+)
 
 
 def test_keys_are_private_and_name_every_role(tmp_path):
@@ -103,3 +110,55 @@ def test_curve_off_only_on_loopback():
     with pytest.raises(ConfigError, match="actor.connect"):  # a name, not a loopback address
         load_config(None, ["transport.curve=false", "actor.connect=tcp://127.evil.example:5555"])
     load_config(None, ["actor.connect=tcp://10.1.2.3:5555"])  # with CURVE, any address
+
+
+def test_a_worker_makes_its_own_key_only_and_a_host_of_clients_needs_no_server_secret(tmp_path):
+    folder = tmp_path / "keys"
+    cfg = load_config(None, [f"transport.keys_dir={folder}", "envpool.workers=3"])
+    mine = load_keys(cfg, "envpool", worker=1)
+    assert mine and not (folder / "envpool-0.key_secret").exists()  # not another worker's
+    assert (folder / "envpool-1.key_secret").exists()
+    # A host of workers 1 only: the server's public key and worker 1's pair, copied.
+    host = tmp_path / "host"
+    host.mkdir(mode=0o700)
+    for name in ("server.key", "envpool-1.key", "envpool-1.key_secret"):
+        (host / name).write_bytes((folder / name).read_bytes())
+    there = load_keys(
+        load_config(None, [f"transport.keys_dir={host}", "envpool.workers=3"]), "envpool", worker=1
+    )
+    assert there and there.secret == mine.secret and there.server_secret is None
+    assert sorted(p.name for p in host.iterdir()) == ["envpool-1.key", "envpool-1.key_secret", "server.key"]
+    with pytest.raises(ConfigError, match="holds no server.key_secret"):
+        secure(zmq.Context.instance().socket(zmq.PULL), there, bind=True)
+    # A public key copied without its secret is not silently replaced by a new pair.
+    (host / "envpool-2.key").write_bytes((folder / "envpool-1.key").read_bytes())
+    with pytest.raises(ConfigError, match="envpool-2.key has no envpool-2.key_secret"):
+        load_keys(load_config(None, [f"transport.keys_dir={host}", "envpool.workers=3"]), "envpool", worker=2)
+
+
+def test_a_binding_process_admits_a_worker_key_made_after_it_started(tmp_path):
+    """An actor that stays up across runs (actor.connect) loaded the keys when one worker had
+    any; a later run with two makes envpool-1's, and the actor admits it."""
+    folder = tmp_path / "keys"
+    one = load_config(None, [f"transport.keys_dir={folder}", "envpool.workers=1"])
+    server_keys = load_keys(one, "actor")
+    ctx = zmq.Context()  # its own: the process's authenticator is per context
+    try:
+        pull = ctx.socket(zmq.PULL)
+        secure(pull, server_keys, bind=True)
+        port = pull.bind_to_random_port("tcp://127.0.0.1")
+        worker = load_keys(
+            load_config(None, [f"transport.keys_dir={folder}", "envpool.workers=2"]), "envpool", worker=1
+        )
+        push = ctx.socket(zmq.PUSH)
+        secure(push, worker, bind=False)
+        push.connect(f"tcp://127.0.0.1:{port}")
+        push.send(b"hello")
+        assert pull.poll(5000), "the new worker's key was never admitted"
+        frame = pull.recv(copy=False)
+        assert frame.bytes == b"hello" and frame.get("User-Id") == "envpool-1"
+        push.close(0)
+        pull.close(0)
+    finally:
+        stop_authenticator(ctx)
+        ctx.destroy(linger=0)

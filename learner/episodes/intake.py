@@ -64,6 +64,11 @@ class Intake:
         #: counts them as received, the accounting leaves them out of the run's episodes.
         self.foreign = 0
         self.max_held = cfg.envpool.max_concurrent_episodes * cfg.envpool.workers
+        self.workers = cfg.envpool.workers
+        #: Group numbers from here on belong to worker (number % workers) (learner/loop/session.py
+        #: aligned_base); None while this session's base is not settled and earlier sessions'
+        #: numbering is unknown (a checkpoint from before the rule, or another worker count).
+        self.aligned_from: int | None = 0
 
     def take(
         self, message: Message, sender: str | None, *, version: int, admitted: int, greeting: bool
@@ -130,7 +135,8 @@ class Intake:
             if not 0 <= message.index < self.ledger.workers:
                 self.refusals.event("bad_hello", "refused WorkerHello of worker index %d", message.index)
                 return
-            lost = self.ledger.hello(message)
+            index = message.index
+            lost = self.ledger.hello(message, lambda gid: self._number_owner(gid) in (None, index))
             if lost:
                 log.warning("envpool worker %d restarted: %d episodes lost with it", message.index, len(lost))
             for failure in lost:  # the learner's own: no sender to check
@@ -140,9 +146,19 @@ class Intake:
                 "unexpected", "unexpected %s on the experience socket", type(message).__name__
             )
 
+    def _number_owner(self, group_id: str) -> int | None:
+        """The worker whose numbers include this group's, where numbering says (else None)."""
+        try:
+            number = group_number(group_id)
+        except ValueError:
+            return None
+        aligned = self.aligned_from is not None and number >= self.aligned_from
+        return number % self.workers if aligned else None
+
     def _group_problem(self, message: GroupStarted, admitted: int) -> str | None:
-        """What is wrong with a group announcement, or None. Only admitted numbers, the run's
-        group size and a known worker index: an announcement may not open its own admission."""
+        """What is wrong with a group announcement, or None. Only admitted numbers of the
+        worker's own, the run's group size and a known worker index: an announcement may not
+        open its own admission, nor take another worker's group, nor start one twice."""
         try:
             number = group_number(message.group_id)
         except ValueError as exc:
@@ -153,22 +169,31 @@ class Intake:
             return f"group_size {message.group_size}, the run's is {self.ledger.group_size}"
         if not 0 <= message.index < self.ledger.workers:
             return f"worker index {message.index} outside [0, {self.ledger.workers})"
+        if (owner := self._number_owner(message.group_id)) not in (None, message.index):
+            return f"group {number} is worker {owner}'s, not worker {message.index}'s"
+        if (started := self.ledger.owner(message.group_id)) is not None:
+            return f"group {number} was started already, by worker {started}"
         return None
 
     def _reporter_problem(
         self, message: Trajectory | EpisodeFailed, sender: str | None, trusted: bool
     ) -> tuple[str, str] | None:
         """(reason, detail) when `sender` may not report this episode, or None (see the module
-        docstring). A held episode (`trusted`) may name a group its worker's hello did not."""
+        docstring). An episode held during the greeting (`trusted`), or sent before its worker's
+        hello (the backlog of a learner restart), may name a group the ledger does not know."""
         if sender is None:
             return None
         index = worker_of(sender)
         if index is None:
             return "not_a_worker", f"sent with key {sender[:20]!r}, not a worker's"
-        owner = self.ledger.owner(message.group_id)
+        started = self.ledger.owner(message.group_id)
+        owner = started if started is not None else self._number_owner(message.group_id)
         if owner is not None and owner != index:
-            return "wrong_worker", f"worker {owner} started its group; sent with worker {index}'s key"
-        if owner is None and not trusted:
+            return (
+                "wrong_worker",
+                f"group {message.group_id[:40]!r} is worker {owner}'s; sent with worker {index}'s key",
+            )
+        if started is None and not (trusted or index not in self.ledger.greeted):
             return "unstarted_group", f"no worker started group {message.group_id[:40]!r}"
         return None
 

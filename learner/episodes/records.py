@@ -14,12 +14,13 @@ resume from it marks everything after those rolled back (shared/store/rundir.py 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgspec
 import orjson
 
 from millstream.shared.config import Config
+from millstream.shared.obs.appendfile import AppendFile
 from millstream.shared.store.trajstore import (
     STORE_FILE,
     episode_from_failure,
@@ -45,7 +46,7 @@ class EpisodeRecords:
             self.store = StoreWriter(
                 path, keep_success=store.keep_success, max_mb=store.max_mb, capacity=store.queue
             )
-        self.jsonl: IO[bytes] | None = (run_dir / JSONL_FILE).open("ab") if store.jsonl else None
+        self.jsonl = AppendFile(run_dir / JSONL_FILE) if store.jsonl else None  # a full disk costs lines
 
     def trained(self, scored: list[tuple[Trajectory, list[float]]], step: int, version: int) -> None:
         """The episodes of one training step, each with its per-token advantages."""
@@ -65,8 +66,6 @@ class EpisodeRecords:
         # then the step goes on (the writer keeps the episodes queued).
         if self.store is not None:
             self.store.flush(timeout_s=10.0)
-        if self.jsonl is not None:
-            self.jsonl.flush()
 
     def failed(self, message: EpisodeFailed, version: int) -> None:
         if self.store is not None:
@@ -87,14 +86,14 @@ class EpisodeRecords:
         if self.store is not None:
             out[STORE_FILE] = self.store.last_id()  # flushes the writer first
         if self.jsonl is not None:
-            self.jsonl.flush()
-            out[JSONL_FILE] = self.jsonl.tell()
+            out[JSONL_FILE] = self.jsonl.position()
         return out
 
     def statistics(self) -> dict[str, Any]:
-        if self.store is None:
-            return {}
-        return {f"store/{k}": v for k, v in self.store.statistics().items()}
+        out = {} if self.store is None else {f"store/{k}": v for k, v in self.store.statistics().items()}
+        if self.jsonl is not None and self.jsonl.lost:
+            out["store/jsonl_lost"] = self.jsonl.lost
+        return out
 
     def close(self) -> None:
         if self.store is not None:

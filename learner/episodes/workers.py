@@ -25,6 +25,7 @@ used twice.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,9 +70,12 @@ class WorkerLedger:
         """Numbering continues from `group_base` (a resumed session's, or past every worker's)."""
         self.next_groups = [max(n, group_base + i) for i, n in enumerate(self.next_groups)]
 
-    def hello(self, msg: WorkerHello) -> list[EpisodeFailed]:
+    def hello(
+        self, msg: WorkerHello, may_own: Callable[[str], bool] = lambda gid: True
+    ) -> list[EpisodeFailed]:
         """A worker process introduced itself (its index is in range: learner/episodes/intake.py);
-        returns the failures of a dead predecessor's unreported members."""
+        returns the failures of a dead predecessor's unreported members. `may_own(gid)` says
+        whether a live group it names may be its own (the intake's numbering rule)."""
         self.greeted.add(msg.index)
         before = self.incarnations.get(msg.index)
         self.incarnations[msg.index] = msg.incarnation
@@ -81,7 +85,7 @@ class WorkerLedger:
             lost = self._close(msg.index, before)
         key = (msg.index, msg.incarnation)
         self.started[key] = max(self.started[key], msg.started)  # the worker's count is the truth
-        self._reopen(msg.index, msg.incarnation, msg.live)
+        self._reopen(msg.index, msg.incarnation, msg.live, may_own)
         if 0 <= msg.index < self.workers:
             self.next_groups[msg.index] = max(self.next_groups[msg.index], msg.next_group)
         return lost
@@ -123,24 +127,26 @@ class WorkerLedger:
     def started_total(self) -> int:
         return sum(self.started.values())
 
-    def _reopen(self, index: int, incarnation: str, live: list[str]) -> None:
+    def _reopen(self, index: int, incarnation: str, live: list[str], may_own: Callable[[str], bool]) -> None:
         """After a learner restart the checkpoint's open groups are out of date: what runs now
-        is what the worker says."""
+        is what the worker says, about its own groups only."""
         running: dict[str, set[str]] = {}
         for eid in live:
             running.setdefault(group_of(eid), set()).add(eid)
         for gid, group in list(self.open.items()):
-            if group.incarnation == incarnation and gid not in running:
+            if group.index == index and group.incarnation == incarnation and gid not in running:
                 del self.open[gid]  # its members reported (to this learner or a dead one)
         for gid, members in running.items():
             known = self.open.get(gid)
+            if (known is not None and known.index != index) or not may_own(gid):
+                continue  # another worker's group: not this one's to reopen
             size = known.size if known is not None else self.group_size
             self.open[gid] = _OpenGroup(index, incarnation, size, members)
 
     def _close(self, index: int, incarnation: str) -> list[EpisodeFailed]:
         failures = []
         for gid, group in list(self.open.items()):
-            if group.incarnation != incarnation:
+            if group.index != index or group.incarnation != incarnation:
                 continue
             failures += [
                 EpisodeFailed(

@@ -68,7 +68,6 @@ def close_run(
     summary = {
         "version": version,
         **accounts,
-        "messages_refused": dict(intake.refusals.counts),  # every refusal by reason, episodes' too
         "learner_sessions": sessions,
         "decode_errors": decode_errors,
         "checkpoint": str(checkpoint),

@@ -39,8 +39,13 @@ from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.evals import EvalLog
 from millstream.learner.loop.finish import close_run, final_wait_s, write_summary
 from millstream.learner.loop.report import StepReport, elapsed_before
-from millstream.learner.loop.session import Session, restore_session, session_state
-from millstream.learner.persist.checkpoint import find_checkpoint, load_checkpoint, save_checkpoint
+from millstream.learner.loop.session import Session, aligned_base, restore_session, session_state
+from millstream.learner.persist.checkpoint import (
+    CheckpointFailed,
+    find_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from millstream.learner.replay import Group, ReplayBuffer
 from millstream.learner.stats import batch_metrics, buffer_metrics
 from millstream.learner.sync.fleet import Fleet
@@ -91,6 +96,7 @@ class Leader:
         self.session = Session()  # numbering and admission marks (learner/loop/session.py)
         self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
         self.evals = EvalLog()  # evaluation rounds (learner/evals.py): metrics, never trained
+        self.failed_checkpoints = [0, 0]  # in a row, in all (a full disk: see _save)
 
     # --- admission -------------------------------------------------------------------------
 
@@ -125,7 +131,11 @@ class Leader:
             return False
         self.greeting_until = None
         session = self.session
-        session.group_base = max([session.group_base, *self.ledger.next_groups])
+        session.group_base = aligned_base(
+            max([session.group_base, *self.ledger.next_groups]), self.intake.workers
+        )
+        if self.intake.aligned_from is None:  # numbers from here on follow the rule
+            self.intake.aligned_from = session.group_base
         self.ledger.rebase(session.group_base)
         session.admitted = max(session.admitted, session.group_base)  # every group a worker started
         self.buffer.floor, self.buffer.dropped_from_floor = session.group_base, 0
@@ -319,16 +329,35 @@ class Leader:
         self.team.command("weights")  # every rank walks the weights (ZeRO-3 gathers them)
         return self.trainer.named_weights(copy=False)  # sent before the next step changes them
 
-    def _save(self) -> Path:
+    def _save(self, final: bool = False) -> Path | None:
+        """A checkpoint; None if it failed and training may go on without it.
+
+        A failed checkpoint (a full disk) left `latest` at the last complete one. Training goes
+        on and tries again at the next interval, unless this was the final checkpoint or more
+        than `learner.max_failed_checkpoints` failed in a row: then the learner stops with the
+        error (a restart resumes from `latest`)."""
         # Where the run's records stand at this checkpoint: a resume from it marks every record
         # after these positions rolled back (shared/store/rundir.py).
         records = {"metrics.jsonl": self.metrics.position(), **self.records.positions()}
         extra = session_state(self.session, self.run_dir, self.buffer, self.ledger, self.intake, records)
         self.team.command("save", extra)
-        path = save_checkpoint(
-            self.run_dir, self.trainer, self.buffer, extra, keep=self.cfg.learner.keep_checkpoints
-        )
-        self.metrics.write({"event": "checkpoint", "step": self.trainer.version, "path": str(path)})
+        step = self.trainer.version
+        try:
+            path = save_checkpoint(
+                self.run_dir, self.trainer, self.buffer, extra, keep=self.cfg.learner.keep_checkpoints
+            )
+        except CheckpointFailed as exc:
+            self.failed_checkpoints = [self.failed_checkpoints[0] + 1, self.failed_checkpoints[1] + 1]
+            self.metrics.write({"event": "checkpoint_failed", "step": step, "error": str(exc)})
+            in_a_row, allowed = self.failed_checkpoints[0], self.cfg.learner.max_failed_checkpoints
+            if final or in_a_row > allowed:
+                raise
+            log.error(
+                "%s; training goes on (%d failed in a row, the run stops after %d)", exc, in_a_row, allowed
+            )
+            return None
+        self.failed_checkpoints[0] = 0
+        self.metrics.write({"event": "checkpoint", "step": step, "path": str(path)})
         return path
 
     def _resume(self, path: Path) -> None:
@@ -349,7 +378,8 @@ class Leader:
         say(f"training done at version {self.trainer.version}; collecting the workers' last episodes")
         self._final_round()
         saving = time.monotonic()
-        checkpoint = self._save()  # before the drain: its complete groups survive a resume
+        checkpoint = self._save(final=True)  # before the drain: its complete groups survive a resume
+        assert checkpoint is not None  # a final checkpoint that failed raised
         say(f"final checkpoint saved in {time.monotonic() - saving:.1f}s: {checkpoint}")
         summary = close_run(
             self.cfg,
@@ -363,6 +393,10 @@ class Leader:
             fleet=self.fleet,
             evals=self.evals,
         )
+        # Every refusal by reason (episodes', bookkeeping's, frames'), over all sessions.
+        summary["messages_refused"] = dict(self.intake.refusals.counts + self.exp.bad.counts)
+        summary["checkpoints_failed"] = self.failed_checkpoints[1]
+        summary["metrics_lost"] = self.metrics.lost  # records a full disk refused
         self.team.command("stop")
         write_summary(self.run_dir, self.metrics, summary)
         for closable in (self.records, self.metrics, self.fleet, self.exp):

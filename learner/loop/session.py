@@ -43,6 +43,14 @@ class Session:
     admitted: int = 0
 
 
+def aligned_base(number: int, workers: int) -> int:
+    """The first multiple of `workers` at or after `number`: a session's group_base. Worker i
+    numbers group_base + i, + workers, ... (envpool/gate.py), so with every base a multiple,
+    worker i's groups are the numbers = i (mod workers) in every session, and the learner can
+    tell whose a group is from its number (learner/episodes/intake.py)."""
+    return -(-number // workers) * workers
+
+
 def next_group(session: Session, buffer: ReplayBuffer) -> int:
     """The first group number a resumed session may use: after every group this one numbered
     and every group the buffer has seen."""
@@ -67,16 +75,22 @@ def session_state(
         "admitted": session.admitted,
         "sessions": session.count,
         "foreign": intake.foreign,
+        "aligned_workers": intake.workers,  # every base of this run was aligned to this count
+        "refusals": dict(intake.refusals.counts),
     }
 
 
 def restore_session(session: Session, state: dict[str, Any], ledger: WorkerLedger, intake: Intake) -> None:
     """Continue from a checkpoint's state (as `load_checkpoint` returns it): this session
     numbers after the saved one and counts one session more."""
-    session.group_base = int(state["next_group"])
+    session.group_base = aligned_base(int(state["next_group"]), intake.workers)
     if "ledger" in state:
         ledger.load_state_dict(state["ledger"])
         session.admitted = int(state["admitted"])
         session.count = int(state["sessions"]) + 1
         intake.foreign = int(state["foreign"])
+        intake.refusals.counts.update(state.get("refusals", {}))
+    # Earlier sessions' numbers follow the rule only if they were aligned to this worker count
+    # (a checkpoint from before the rule, or one with another count: this session's only).
+    intake.aligned_from = 0 if state.get("aligned_workers") == intake.workers else None
     ledger.rebase(session.group_base)

@@ -23,6 +23,14 @@ leaves either the old checkpoint set or the new one, plus at worst a `.tmp-*` fo
 next save removes: a `step_*` folder is always whole. Pruning runs last and removes only older
 checkpoints, so `latest` never names a deleted one.
 
+A save that fails (a full disk, most often: DeepSpeed's torch.save reports it as a RuntimeError,
+our own writes as OSError) removes its `.tmp-*` folder, which gives the space back, and raises
+`CheckpointFailed` naming the step, the cause and the space left; `latest` still names the last
+complete checkpoint. With one learner rank the loop carries on training and tries again at the
+next interval (learner/loop/leader.py); with several, a rank that failed cannot leave the
+others' collectives, so the error ends the learner as before, and a restart resumes from
+`latest`.
+
 Resuming restores the policy, not the initial weights (slime's resume pushed the reference
 model): the engine's weights, optimizer state and global step come back from DeepSpeed, and
 `load_checkpoint` checks that `trainer.version` equals the saved version before returning.
@@ -49,7 +57,7 @@ import torch.distributed as dist
 from millstream.learner.persist.replaystate import buffer_state, load_buffer_state
 from millstream.shared.store.rundir import STATE_FILE, find_checkpoint, step_dirs
 
-__all__ = ["save_checkpoint", "find_checkpoint", "load_checkpoint", "STATE_FILE"]
+__all__ = ["CheckpointFailed", "save_checkpoint", "find_checkpoint", "load_checkpoint", "STATE_FILE"]
 
 log = logging.getLogger("learner.checkpoint")
 
@@ -58,8 +66,16 @@ _FORMAT = 1
 _RESERVED = ("version", "restored_groups")  # keys load_checkpoint adds to the returned dict
 
 
+class CheckpointFailed(RuntimeError):
+    """A checkpoint was not saved; its partial folder is gone and `latest` is unchanged."""
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _ranks() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -150,6 +166,32 @@ def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> P
             "buffer": buffer_state(buffer) if rank == 0 else None,
         }
     )
+    try:
+        _write(root, tmp, trainer, rank, state)
+    except Exception as exc:
+        if _ranks() > 1:
+            raise  # the other ranks are in the save's collectives: the learner ends (see above)
+        shutil.rmtree(tmp, ignore_errors=True)  # its space back; `latest` was not touched
+        free = shutil.disk_usage(root).free / 2**20 if root.exists() else float("nan")
+        raise CheckpointFailed(
+            f"checkpoint {name} not saved: {type(exc).__name__}: {exc} ({free:.0f} MiB free in {root})"
+        ) from exc
+    if rank == 0:
+        try:
+            _publish(root, final, tmp, name)
+        except OSError as exc:  # `name` may be whole but unnamed: `latest` names the last one
+            if _ranks() > 1:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointFailed(f"checkpoint {name} not published: {exc}") from exc
+        _prune(root, version, keep)
+        log.info("checkpoint %s saved", final)
+    _barrier()
+    return final
+
+
+def _write(root: Path, tmp: Path, trainer, rank: int, state: bytes) -> None:
+    """Everything of one checkpoint into `tmp`, on disk (every rank)."""
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save of the same step
@@ -166,21 +208,21 @@ def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> P
     _barrier()
     if rank == 0:
         _fsync_tree(tmp)
-        if final.exists():  # saving the same version again (e.g. at the end of a resumed run)
-            old = root / f".old-{name}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
-        _write_synced(root / "latest.tmp", f"{name}\n".encode())
-        os.replace(root / "latest.tmp", root / "latest")
-        _fsync_dir(root)
-        _prune(root, version, keep)
-        log.info("checkpoint %s saved", final)
-    _barrier()
-    return final
+
+
+def _publish(root: Path, final: Path, tmp: Path, name: str) -> None:
+    """Rename the written checkpoint into place, then point `latest` at it (rank 0)."""
+    if final.exists():  # saving the same version again (e.g. at the end of a resumed run)
+        old = root / f".old-{name}"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _write_synced(root / "latest.tmp", f"{name}\n".encode())
+    os.replace(root / "latest.tmp", root / "latest")
+    _fsync_dir(root)
 
 
 def _prune(root: Path, version: int, keep: int) -> None:

@@ -108,6 +108,15 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         ),
     ] = 10
     keep_checkpoints: Annotated[int, _doc("Most recent checkpoints kept on disk.", ge=1)] = 2
+    max_failed_checkpoints: Annotated[
+        int,
+        _doc(
+            "Checkpoints in a row that may fail (a full disk) while training goes on from the last "
+            "complete one; one more stops the learner with the error. A failed final checkpoint "
+            "always stops it. With learner.ranks > 1 the first failure stops it.",
+            ge=0,
+        ),
+    ] = 3
     ranks: Annotated[
         int, _doc("Learner processes (DeepSpeed data parallel; the launcher starts each rank).", ge=1)
     ] = 1

@@ -139,6 +139,11 @@ class DashboardMetrics:
         self.jsonl = jsonl
         self.backends = backends
 
+    @property
+    def lost(self) -> int:
+        """Records the file did not take (a full disk)."""
+        return self.jsonl.lost
+
     def write(self, record: dict[str, Any]) -> None:
         self.jsonl.write(record)
         scalars = step_scalars(record)

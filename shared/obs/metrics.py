@@ -18,21 +18,22 @@ from typing import Any
 
 import orjson
 
+from millstream.shared.obs.appendfile import AppendFile
+
 __all__ = ["MetricsWriter", "NullMetrics", "read_jsonl", "step_records", "LatencyHistogram"]
 
 
 class MetricsWriter:
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("ab")
-        if self._file.tell() and not self._ends_with_newline():
-            self._file.write(b"\n")  # a writer killed mid-record left a torn line: end it
+    """Records appended to a JSONL file; a full disk costs records (`lost`), never the run
+    (shared/obs/appendfile.py)."""
 
-    def _ends_with_newline(self) -> bool:
-        with self.path.open("rb") as f:
-            f.seek(-1, 2)
-            return f.read(1) == b"\n"
+    def __init__(self, path: str | Path) -> None:
+        self._file = AppendFile(path)
+        self.path = self._file.path
+
+    @property
+    def lost(self) -> int:
+        return self._file.lost
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(
@@ -41,17 +42,18 @@ class MetricsWriter:
                 option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS | orjson.OPT_APPEND_NEWLINE,
             )
         )
-        self._file.flush()
 
     def position(self) -> int:
-        """Bytes written so far (every record is flushed when written)."""
-        return self._file.tell()
+        """Bytes written so far (every record is on disk when `write` returns)."""
+        return self._file.position()
 
     def close(self) -> None:
         self._file.close()
 
 
 class NullMetrics:
+    lost = 0
+
     def write(self, record: dict[str, Any]) -> None:
         pass
 

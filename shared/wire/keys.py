@@ -23,12 +23,15 @@ message's `User-Id` property, so the actor can take `AttachLearner` from the lea
 whatever else holds the envpool's key.
 
 One key per envpool worker: the learner takes worker i's bookkeeping (`WorkerHello`,
-`GroupStarted`, `PoolDone`) and episodes of the groups worker i started only from worker i's
+`GroupStarted`, `PoolDone`, `EvalResult`) and episodes of the groups worker i started only from worker i's
 key (learner/episodes/intake.py). With one key for all workers, any holder could say hello as
 worker 0 with a new incarnation and make the learner write off worker 0's live episodes, or
 fail another worker's episodes before they ran. Worker keys are made for `envpool.workers`
 workers, more when a run grows (each file is made once: the first process to link it in wins).
-On many hosts each host needs only its own workers' secrets, the server's and the public keys.
+The launcher and the binding roles make every worker's key; a worker makes at most its own. A
+host that only runs workers needs `server.key` (public) and its own workers' pairs, nothing
+else. What this guards against is one leaked key; a worker process that runs as the run's user
+on a machine holding the whole folder can read every secret in it.
 
 What this does not do: separate the roles from each other. Every role reads the one folder (a
 binding role needs the server's secret, and all run as one user), so a process that runs as the
@@ -44,6 +47,7 @@ one public key, whatever it connects to, and the trust is the same, the run's ow
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -59,10 +63,12 @@ from millstream.shared.config import Config, ConfigError
 
 __all__ = [
     "RunKeys",
+    "clients",
     "ensure_keys",
     "keys_dir",
     "load_keys",
     "secure",
+    "stop_authenticator",
     "worker_of",
     "worker_role",
     "CLIENT_ROLES",
@@ -83,7 +89,8 @@ class RunKeys:
     folder: Path
     role: str  #: whose client key this process uses ("envpool-3" for worker 3)
     server_public: bytes
-    server_secret: bytes
+    #: None where the folder holds only the server's public key (a host of clients only)
+    server_secret: bytes | None
     public: bytes
     secret: bytes
     #: public key (z85) -> role, for every client of the run
@@ -108,17 +115,19 @@ def worker_role(index: int) -> str:
     return f"envpool-{index}"
 
 
+_WORKER = re.compile(r"envpool-(0|[1-9][0-9]{0,5})")
+
+
 def worker_of(role: str | None) -> int | None:
     """The worker index an identity belongs to ("envpool-3" -> 3), None for any other."""
-    if role is None or not role.startswith("envpool-"):
-        return None
-    number = role[len("envpool-") :]
-    return int(number) if number.isdigit() else None
+    match = _WORKER.fullmatch(role) if role is not None else None
+    return int(match.group(1)) if match else None
 
 
 def ensure_keys(folder: str | Path, workers: int = 0) -> Path:
     """Create the key folder if it is missing (atomically) and worker keys 0..workers-1 if
-    they are; return it."""
+    they are; return it. The launcher and the binding roles make every worker's; a worker makes
+    at most its own (`load_keys`)."""
     folder = _ensure_folder(Path(folder))
     for index in range(workers):
         _ensure_pair(folder, worker_role(index))
@@ -127,18 +136,19 @@ def ensure_keys(folder: str | Path, workers: int = 0) -> Path:
 
 def _ensure_pair(folder: Path, name: str) -> None:
     """Make `name`'s key pair in `folder` unless it exists. The secret file (which holds both
-    keys) is linked into place, so of processes racing only the first one's pair is kept; the
+    keys) is put in place only if none is there (a hard link, or an exclusive create where the
+    file system has no links), so of processes racing only the first one's pair is kept; the
     public file is then written from it (same bytes whoever writes it)."""
-    secret = folder / f"{name}.key_secret"
+    secret, public = folder / f"{name}.key_secret", folder / f"{name}.key"
     if not secret.exists():
+        # A public key copied here without its secret is not ours to remake. (Secret looked at
+        # again: a racing process puts its secret in place before it writes the public file.)
+        if public.exists() and not secret.exists():
+            raise ConfigError(f"{public} has no {secret.name} beside it: copy the pair, or neither")
         with tempfile.TemporaryDirectory(prefix=".key-", dir=folder) as staging:
             _, made = zmq.auth.create_certificates(staging, name)
             os.chmod(made, 0o600)
-            try:
-                os.link(made, secret)
-            except FileExistsError:
-                pass
-    public = folder / f"{name}.key"
+            _place_once(Path(made), secret)
     if not public.exists():
         public_key, _ = zmq.auth.load_certificate(secret)
         with tempfile.TemporaryDirectory(prefix=".key-", dir=folder) as staging:
@@ -148,8 +158,25 @@ def _ensure_pair(folder: Path, name: str) -> None:
             os.replace(path, public)
 
 
+def _place_once(made: Path, target: Path) -> None:
+    """Put `made` at `target` unless a file is there already (then keep that one)."""
+    try:
+        os.link(made, target)
+        return
+    except FileExistsError:
+        return
+    except OSError:  # no hard links here (SMB, some FUSE): an exclusive create instead
+        pass
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "wb") as f:  # a reader of a half-written file retries below, in load
+        f.write(made.read_bytes())
+
+
 def _ensure_folder(folder: Path) -> Path:
-    if (folder / "server.key_secret").exists():
+    if (folder / "server.key").exists():  # a host of clients may hold the public key only
         _check_private(folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -162,7 +189,7 @@ def _ensure_folder(folder: Path) -> Path:
         os.rename(staging, folder)
     except OSError:  # someone else made it first (or an empty folder is in the way)
         shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "server.key_secret").exists():
+        if not (folder / "server.key").exists():
             if folder.is_dir() and not any(folder.iterdir()):
                 folder.rmdir()
                 return ensure_keys(folder)
@@ -186,21 +213,41 @@ def load_keys(cfg: Config, role: str, worker: int | None = None) -> RunKeys | No
             f"{role} worker {worker} has no key: keys are made for envpool workers 0..{workers - 1} "
             f"(envpool.workers = {workers})"
         )
-    folder = ensure_keys(keys_dir(cfg), workers)
     own = worker_role(worker) if worker is not None else role
-    server_public, server_secret = zmq.auth.load_certificate(folder / "server.key_secret")
-    public, secret = zmq.auth.load_certificate(folder / f"{own}.key_secret")
-    assert server_secret is not None and secret is not None
-    return RunKeys(folder, own, server_public, server_secret, public, secret, _clients(folder))
+    # The binding roles (and the tools, which make nothing beyond the folder) make every
+    # worker's key; a worker only its own, so a host of workers holds no other worker's secret.
+    folder = ensure_keys(keys_dir(cfg), workers if role in ("actor", "learner") else 0)
+    if worker is not None:
+        _ensure_pair(folder, own)
+    server_public, server_secret = _load_pair(folder, "server", need_secret=False)
+    public, secret = _load_pair(folder, own, need_secret=True)
+    assert secret is not None
+    return RunKeys(folder, own, server_public, server_secret, public, secret, clients(folder))
 
 
-def _clients(folder: Path) -> dict[bytes, str]:
-    """Every client's public key in `folder` -> its identity (the roles', each worker's)."""
-    names = list(CLIENT_ROLES)
-    names += sorted(
-        p.name[: -len(".key")] for p in folder.glob("envpool-*.key") if worker_of(p.stem) is not None
-    )
-    return {zmq.auth.load_certificate(folder / f"{name}.key")[0]: name for name in names}
+def _load_pair(folder: Path, name: str, need_secret: bool) -> tuple[bytes, bytes | None]:
+    """`name`'s keys from `folder` (its secret file if there, else its public one)."""
+    path = folder / f"{name}.key_secret"
+    if not path.exists() and not need_secret:
+        path = folder / f"{name}.key"
+    public, secret = zmq.auth.load_certificate(path)
+    own_public = folder / f"{name}.key"
+    if own_public.exists() and zmq.auth.load_certificate(own_public)[0] != public:
+        raise ConfigError(f"{own_public} does not match {path.name}: the pair was copied from two sets")
+    return public, secret
+
+
+def clients(folder: Path) -> dict[bytes, str]:
+    """Every client's public key in `folder` -> its identity (the roles', each worker's); a
+    host of clients may lack some (it admits nobody: only binding roles read this)."""
+    names = [*CLIENT_ROLES, *(p.stem for p in folder.glob("envpool-*.key") if worker_of(p.stem) is not None)]
+    found = {}
+    for name in names:
+        try:
+            found[zmq.auth.load_certificate(folder / f"{name}.key")[0]] = name
+        except (OSError, ValueError):  # missing here, or being written by a racing process
+            continue
+    return found
 
 
 def _check_private(folder: Path) -> None:
@@ -227,12 +274,28 @@ class _RunAuthenticator(ThreadAuthenticator):
 
 
 class _Admit:
-    """pyzmq's credentials provider: `callback(domain, z85_key)` says whether to admit."""
+    """pyzmq's credentials provider: `callback(domain, z85_key)` says whether to admit.
 
-    def __init__(self, clients: dict[bytes, str]) -> None:
-        self.clients = clients
+    An unknown key makes it read the folder again if the folder changed since it last did (a
+    `stat`): a worker key made after this process loaded the keys (a later run with more
+    workers against an actor that stays up) is admitted at its first handshake, which matters
+    because a client that ZAP denied does not try again; a flood of unknown keys costs a stat
+    each."""
+
+    def __init__(self, known: dict[bytes, str], folder: Path) -> None:
+        self.clients, self.folder = known, folder
+        self._seen = self._stamp()
+
+    def _stamp(self) -> int:
+        try:
+            return self.folder.stat().st_mtime_ns
+        except OSError:
+            return -1
 
     def callback(self, domain: str, key: bytes) -> bool:
+        if key not in self.clients and (stamp := self._stamp()) != self._seen:
+            self._seen = stamp
+            self.clients.update(clients(self.folder))  # the same dict the naming reads
         return key in self.clients
 
 
@@ -249,11 +312,20 @@ def _authenticator(context: zmq.Context, keys: RunKeys) -> None:
                 raise RuntimeError("one process serves two runs' keys; use one set per process")
             auth.clients.update(keys.clients)  # a later load may know more workers (shared dict)
             return
-        clients = dict(keys.clients)  # one dict, read by both the admission and the naming
-        auth = _RunAuthenticator(context, clients, keys.server_public)
+        known = dict(keys.clients)  # one dict, read by both the admission and the naming
+        auth = _RunAuthenticator(context, known, keys.server_public)
         auth.start()
-        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Admit(clients))
+        auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=_Admit(known, keys.folder))
         _authenticators[id(context)] = auth
+
+
+def stop_authenticator(context: zmq.Context) -> None:
+    """Stop the ZAP handler of `context`, if it has one (before `context.term()`, which would
+    otherwise wait for the handler's sockets)."""
+    with _auth_lock:
+        auth = _authenticators.pop(id(context), None)
+    if auth is not None:
+        auth.stop()
 
 
 def secure(sock: zmq.Socket, keys: RunKeys | None, *, bind: bool) -> None:
@@ -261,6 +333,10 @@ def secure(sock: zmq.Socket, keys: RunKeys | None, *, bind: bool) -> None:
     if keys is None:
         return
     if bind:
+        if keys.server_secret is None:
+            raise ConfigError(
+                f"{keys.folder} holds no server.key_secret: this host cannot bind the run's sockets"
+            )
         _authenticator(sock.context, keys)
         # With a domain enforced, a missing ZAP handler refuses every peer (without, libzmq
         # would admit any client that knows the server's public key).
