@@ -57,7 +57,7 @@ from millstream.shared.wire import (
     WeightUpdate,
 )
 from millstream.shared.wire.transport import Channel
-from millstream.shared.wire.weightsync import await_session
+from millstream.shared.wire.weightsync import await_session, session_tag
 
 __all__ = ["LearnerLink", "WeightEngine"]
 
@@ -184,18 +184,20 @@ class LearnerLink:
             try:
                 await self.engine.join(msg)
             except Exception as exc:
-                log.exception("attaching learner session %s failed", msg.session)
+                log.exception("attaching learner %s failed", session_tag(msg.session))
                 await self._refuse(peer, ReplyCause.ATTACH_FAILED, exc)
                 return
             self.session = msg.session
-            log.info("learner session %s attached", msg.session)
+            log.info("learner %s attached", session_tag(msg.session))
             self.boundary.reply(peer, self.info())
 
     async def update(self, peer: bytes, msg: WeightUpdate) -> None:
         async with self.lock:
             started = time.monotonic()
             if msg.session != self.session:  # a stranger's update: refused, counted, no traceback
-                problem = RuntimeError(f"session {msg.session!r} is not attached ({self.session!r} is)")
+                problem = RuntimeError(
+                    f"{session_tag(msg.session)} is not attached ({session_tag(self.session)} is)"
+                )
                 await self._refuse(peer, ReplyCause.WEIGHT_UPDATE_FAILED, problem)
                 return
             try:

@@ -52,6 +52,7 @@ from millstream.shared.wire import (
     WeightUpdate,
 )
 from millstream.shared.wire.transport import Channel
+from millstream.shared.wire.weightsync import session_tag
 
 __all__ = ["ActorServer", "ActorStats", "VllmWeights"]
 
@@ -103,7 +104,12 @@ class VllmWeights:
                 msg.first_rank,
             ),
         )
-        log.info("vLLM workers joined weight group %s as ranks %s of %d", msg.session, ranks, msg.world_size)
+        log.info(
+            "vLLM workers joined weight group %s as ranks %s of %d",
+            session_tag(msg.session),
+            ranks,
+            msg.world_size,
+        )
 
     async def digest(self) -> tuple[float, float, int]:
         """What the workers loaded last; with tensor parallelism each loaded the whole buffer

@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from millstream.actor.receive import WeightReceiver
-from millstream.shared.wire.weightsync import make_group, open_store
+from millstream.shared.wire.weightsync import make_group, open_store, session_tag
 
 __all__ = ["WeightSyncExtension"]
 
@@ -124,7 +124,7 @@ class WeightSyncExtension:
         self._ms_threaded = backend == "gloo"  # see actor/receive.py for NCCL
         log.info(
             "joined weight group %s as rank %d/%d in %.2fs",
-            session,
+            session_tag(session),
             rank,
             world_size,
             time.monotonic() - started,

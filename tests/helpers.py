@@ -31,7 +31,6 @@ from millstream.shared.process.runtime import free_port
 from millstream.shared.store.trajstore import STORE_FILE
 from millstream.shared.store.trajstore import read_episodes as read_store
 from millstream.shared.wire import (
-    AttachLearner,
     Codec,
     EpisodeFailed,
     ErrorReply,
@@ -411,73 +410,6 @@ def check_accounting(run_dir: Path, workers: int = 1) -> dict:
 
 
 # --- a hostile peer on the same machine ----------------------------------------------------------
-
-
-class Attacker:
-    """While a run lives, what any local process could try, every `every_s`, bounded in count:
-    garbage frames and an attach to the actor with the envpool's key (a peer inside the run),
-    and a forged episode pushed to the learner without any key. `sent` counts each kind."""
-
-    def __init__(self, run_dir: Path, *, every_s: float = 0.5, rounds: int = 60) -> None:
-        import threading
-
-        self.run_dir, self.every_s, self.rounds = run_dir, every_s, rounds
-        self.sent: Counter = Counter()
-        self.answers: Counter = Counter()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Attacker:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(timeout=30)
-
-    def _run(self) -> None:
-        import tomllib
-
-        config = self.run_dir / "config.toml"
-        while not config.exists() and not self.stop.wait(0.2):
-            pass
-        if self.stop.is_set():
-            return
-        self.stop.wait(2.0)  # the roles bind their sockets
-        resolved = tomllib.loads(config.read_text())
-        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        actor = ctx.socket(zmq.DEALER)
-        actor.setsockopt(zmq.LINGER, 0)
-        secure(actor, keys_for("envpool", Path(resolved["transport"]["keys_dir"])), bind=False)
-        actor.connect(resolved["actor"]["connect"] or resolved["actor"]["address"])
-        learner = ctx.socket(zmq.PUSH)
-        learner.setsockopt(zmq.LINGER, 0)
-        learner.setsockopt(zmq.SNDHWM, 10)  # it never connects: keep what it queues small
-        learner.connect(resolved["learner"]["experience_address"])
-        codec = Codec()
-        forged = Trajectory(
-            "forged", "g0", 0, "x", [1, 2], [0, 1], [0.0, -0.1], [-1, 0], 1e9, [1e9], 1, 1, 0.1
-        )
-        try:
-            for _ in range(self.rounds):
-                if self.stop.wait(self.every_s):
-                    break
-                for garbage in (b"", b"\xc1", b"\x93\x01\x02", b"\x00" * 64):
-                    actor.send(garbage)
-                    self.sent["garbage_to_actor"] += 1
-                actor.send(codec.encode([AttachLearner("attacker", "127.0.0.1", 1, 2, "gloo", 5.0)]))
-                self.sent["attach_with_envpool_key"] += 1
-                try:
-                    learner.send(codec.encode([forged]), zmq.NOBLOCK)
-                    self.sent["unkeyed_episode_to_learner"] += 1
-                except zmq.Again:
-                    self.sent["unkeyed_episode_to_learner_blocked"] += 1
-                while actor.poll(0):
-                    for reply in codec.decode(actor.recv()):
-                        self.answers[str(getattr(reply, "cause", type(reply).__name__))] += 1
-        finally:
-            actor.close()
-            learner.close()
 
 
 def read_episodes(run_dir: Path) -> list[dict[str, Any]]:

@@ -198,3 +198,19 @@ def test_a_role_exits_with_its_status_its_output_and_exit_handlers_but_no_teardo
     assert "logged" in proc.stderr
     assert (tmp_path / "atexit").exists()
     assert not (tmp_path / "waited").exists()
+
+
+@pytest.mark.real
+def test_a_run_ends_cleanly_at_train_max_minutes(tiny_model_dir, tmp_path):
+    """A time-boxed run (an allocation's limit, a soak) ends as at train.steps: the last
+    episodes collected, a final checkpoint, a summary that adds up, every process gone."""
+    import orjson
+
+    run_dir = tmp_path / "run"
+    proc = synthetic_run(tiny_model_dir, run_dir, "train.max_minutes=0.25")
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out[-3000:]
+    summary = orjson.loads((run_dir / "summary.json").read_bytes())
+    assert summary["accounting_ok"] is True and 0 < summary["version"] < 1000
+    assert (run_dir / "checkpoints" / f"step_{summary['version']:06d}").is_dir()
+    assert run_processes(run_dir) == []

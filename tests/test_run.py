@@ -11,8 +11,9 @@ import subprocess
 
 import orjson
 import pytest
-from helpers import MILLSTREAM, Attacker, check_accounting, millstream_run, read_episodes, start_run, steps_of
+from helpers import MILLSTREAM, check_accounting, millstream_run, read_episodes, start_run, steps_of
 
+from millstream.bench.kit.hostile import Attacker
 from millstream.bench.learning.margins import rise
 from millstream.shared.config import load_config
 from millstream.shared.obs.metrics import read_jsonl
@@ -35,7 +36,7 @@ STEPS, BAR = 16, 0.05
 
 @pytest.fixture(scope="module")
 def learning_run(actor, tmp_path_factory):
-    """A STEPS-step run, under attack all along (helpers.Attacker)."""
+    """A STEPS-step run, under attack all along (bench/kit/hostile.py)."""
     run_dir = tmp_path_factory.mktemp("learn") / "run"
     with Attacker(run_dir) as attacker:
         proc = millstream_run(actor, run_dir, f"train.steps={STEPS}")

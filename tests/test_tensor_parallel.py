@@ -25,6 +25,7 @@ from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import ConfigError, LearnerConfig
 from millstream.shared.process.lifecycle import session_processes
 from millstream.shared.process.runtime import SETUP_FAILED, check_tensor_parallel
+from millstream.shared.wire.weightsync import session_tag
 
 
 def test_the_size_must_split_the_models_heads(tiny_model_dir, tmp_path):
@@ -113,7 +114,8 @@ def test_both_tensor_parallel_workers_load_the_learners_weights(tp_actor, tiny_m
     ref = hf_logprobs(learner, PROMPT, sampled.token_ids)
     assert max(abs(a - b) for a, b in zip(ref, sampled.logprobs)) < 1e-3
     text = log.read_text()
-    assert f"vLLM workers joined weight group {sender.session} as ranks [1, 2] of 3" in text
+    assert f"vLLM workers joined weight group {session_tag(sender.session)} as ranks [1, 2] of 3" in text
+    assert sender.session not in text  # the group's secret: logs show a digest of it
     assert "Failed to load weights" not in text
 
 

@@ -3,7 +3,8 @@
 `cpu_s(pid)` is one process's user + system seconds (bench/fleet.py, per replica);
 `tree_cpu_s(root)` sums a process and everything under it (bench/overhead.py: the engines, their
 engine cores and workers), whatever started them, by walking parent pids; `tree_rss_bytes(root)`
-is the same walk for resident memory (bench/learning/real_model.py: each role's peak, engine included).
+is the same walk for resident memory (bench/learning/real_model.py: each role's peak, engine included),
+`tree_fds(root)` for open file descriptors (bench/soak).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from millstream.envpool.stats import rss_bytes
 
-__all__ = ["cpu_s", "tree_cpu_s", "tree_rss_bytes"]
+__all__ = ["cpu_s", "tree_cpu_s", "tree_fds", "tree_rss_bytes"]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -37,6 +38,17 @@ def tree_cpu_s(root: int) -> float:
 def tree_rss_bytes(root: int) -> int:
     """Resident memory of `root` and every process under it, in bytes (0 once it has ended)."""
     return sum(_rss(pid) for pid in _tree(root))
+
+
+def tree_fds(root: int) -> int:
+    """Open file descriptors of `root` and every process under it (0 once it has ended)."""
+    total = 0
+    for pid in _tree(root):
+        try:
+            total += len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:  # ended meanwhile
+            continue
+    return total
 
 
 def _tree(root: int) -> list[int]:

@@ -12,9 +12,9 @@ in its own I/O thread meanwhile). `Leader.run` reads as its steps:
    compute advantages, take one optimizer step, push the new weights, report the step
    (learner/loop/report.py), save a checkpoint every `learner.checkpoint_every` steps;
 4. `_announce`: the version and the admission limit (the envpool gate paces episodes by it);
-5. after `train.steps` steps, `_finish`: announce `final`, collect every worker's `PoolDone`,
-   save, count what is left in the buffer as dropped ("run_ended"), check the accounting
-   identity and write the summary (learner/loop/finish.py).
+5. after `train.steps` steps (or `train.max_minutes`), `_finish`: announce `final`, collect
+   every worker's `PoolDone`, save, count what is left in the buffer as dropped ("run_ended"),
+   check the accounting identity and write the summary (learner/loop/finish.py).
 
 Other ranks only follow rank 0's commands (`learner/team.py`). The version is re-announced every
 second (a heartbeat): PUB/SUB drops messages sent before a subscriber connects, and the envpool
@@ -39,13 +39,9 @@ from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.evals import EvalLog
 from millstream.learner.loop.finish import close_run, final_wait_s, write_summary
 from millstream.learner.loop.report import StepReport, elapsed_before
+from millstream.learner.loop.saving import Saver
 from millstream.learner.loop.session import Session, aligned_base, restore_session, session_state
-from millstream.learner.persist.checkpoint import (
-    CheckpointFailed,
-    find_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from millstream.learner.persist.checkpoint import find_checkpoint
 from millstream.learner.replay import Group, ReplayBuffer
 from millstream.learner.stats import batch_metrics, buffer_metrics
 from millstream.learner.sync.fleet import Fleet
@@ -96,7 +92,7 @@ class Leader:
         self.session = Session()  # numbering and admission marks (learner/loop/session.py)
         self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
         self.evals = EvalLog()  # evaluation rounds (learner/evals.py): metrics, never trained
-        self.failed_checkpoints = [0, 0]  # in a row, in all (a full disk: see _save)
+        self.saver = Saver(cfg, run_dir, trainer, self.buffer, self.intake)  # checkpoints, journal
 
     # --- admission -------------------------------------------------------------------------
 
@@ -155,9 +151,7 @@ class Leader:
 
     def _close_records(self) -> None:
         """Best effort on the way out: the store's queued rows and the files' buffered lines."""
-        for closable in (self.records, getattr(self, "metrics", None)):
-            if closable is None:
-                continue
+        for closable in filter(None, (self.records, getattr(self, "metrics", None))):
             try:
                 closable.close()
             except Exception:  # the error that stopped the loop is the one to report
@@ -168,7 +162,8 @@ class Leader:
         self._start(ready_file)
         announced = self.limit()
         self._announce(announced)
-        while trainer.version < cfg.train.steps:
+        limit_s = cfg.train.max_minutes * 60 or float("inf")  # the run's clock: see _start
+        while trainer.version < cfg.train.steps and time.monotonic() - self.started < limit_s:
             self._receive()
             replicas_changed = self.fleet.follow(self._weights, trainer.version)
             stepped = self._maybe_step()
@@ -192,6 +187,8 @@ class Leader:
         cfg, trainer = self.cfg, self.trainer
         if cfg.run.resume:
             self._resume(find_checkpoint(cfg.run.resume))
+        else:
+            self.saver.open_journal()
         self.fleet = Fleet(cfg, self.keys, self.run_dir)
         pushed = self.fleet.start(self._weights, trainer.version)
         log.info(
@@ -284,6 +281,7 @@ class Leader:
             **self.records.statistics(),
         }
         self.records.trained(scored, self.trainer.version, version)  # first: the record counts them
+        self.saver.stepped(self.trainer.version)
         self.report.step(record, step_metrics, self.trainer.version)
         self.last_step = now
         every = self.cfg.learner.checkpoint_every
@@ -330,40 +328,19 @@ class Leader:
         return self.trainer.named_weights(copy=False)  # sent before the next step changes them
 
     def _save(self, final: bool = False) -> Path | None:
-        """A checkpoint; None if it failed and training may go on without it.
-
-        A failed checkpoint (a full disk) left `latest` at the last complete one. Training goes
-        on and tries again at the next interval, unless this was the final checkpoint or more
-        than `learner.max_failed_checkpoints` failed in a row: then the learner stops with the
-        error (a restart resumes from `latest`)."""
+        """A checkpoint; None if it failed and training may go on (learner/loop/saving.py)."""
         # Where the run's records stand at this checkpoint: a resume from it marks every record
         # after these positions rolled back (shared/store/rundir.py).
         records = {"metrics.jsonl": self.metrics.position(), **self.records.positions()}
         extra = session_state(self.session, self.run_dir, self.buffer, self.ledger, self.intake, records)
         self.team.command("save", extra)
-        step = self.trainer.version
-        try:
-            path = save_checkpoint(
-                self.run_dir, self.trainer, self.buffer, extra, keep=self.cfg.learner.keep_checkpoints
-            )
-        except CheckpointFailed as exc:
-            self.failed_checkpoints = [self.failed_checkpoints[0] + 1, self.failed_checkpoints[1] + 1]
-            self.metrics.write({"event": "checkpoint_failed", "step": step, "error": str(exc)})
-            in_a_row, allowed = self.failed_checkpoints[0], self.cfg.learner.max_failed_checkpoints
-            if final or in_a_row > allowed:
-                raise
-            log.error(
-                "%s; training goes on (%d failed in a row, the run stops after %d)", exc, in_a_row, allowed
-            )
-            return None
-        self.failed_checkpoints[0] = 0
-        self.metrics.write({"event": "checkpoint", "step": step, "path": str(path)})
-        return path
+        return self.saver.save(extra, self.metrics, final)
 
     def _resume(self, path: Path) -> None:
         self.team.command("load", str(path))
-        state = load_checkpoint(path, self.trainer, self.buffer)
+        state = self.saver.load(path)
         restore_session(self.session, state, self.ledger, self.intake)
+        self.saver.replay_journal()  # what reached the dead learner after this checkpoint
         log.info(
             "resumed from %s at policy version %d (%d groups carried, numbering from %d)",
             path,
@@ -395,7 +372,7 @@ class Leader:
         )
         # Every refusal by reason (episodes', bookkeeping's, frames'), over all sessions.
         summary["messages_refused"] = dict(self.intake.refusals.counts + self.exp.bad.counts)
-        summary["checkpoints_failed"] = self.failed_checkpoints[1]
+        summary["checkpoints_failed"] = self.saver.failed
         summary["metrics_lost"] = self.metrics.lost  # records a full disk refused
         self.team.command("stop")
         write_summary(self.run_dir, self.metrics, summary)

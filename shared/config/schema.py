@@ -94,6 +94,14 @@ class TrainConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Shared by envpool (admission) and learner (batches): both must agree on them."""
 
     steps: Annotated[int, _doc("Optimizer steps (= policy versions) the run trains.", ge=1)] = 40
+    max_minutes: Annotated[
+        float,
+        _doc(
+            "Minutes of training (the run's, across resumes) after which it ends as at train.steps: "
+            "final checkpoint and summary (0: no limit). For allocations with a time limit, soaks.",
+            ge=0,
+        ),
+    ] = 0.0
     group_size: Annotated[
         int, _doc("Episodes per group; GRPO compares episodes of one group (same seed).", ge=2)
     ] = 8

@@ -20,6 +20,7 @@ ones). The receivers take every piece into its slice of their own flat buffer
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import secrets
 import socket
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 __all__ = [
     "DTYPES",
+    "session_tag",
     "open_store",
     "listen_on",
     "make_group",
@@ -121,6 +123,12 @@ def new_session() -> str:
     or writing its keys: 128 random bits, sent to the replicas only inside the CURVE-encrypted
     `AttachLearner` (tests/test_hostile.py probes it)."""
     return f"learner-{secrets.token_hex(16)}"
+
+
+def session_tag(session: str) -> str:
+    """What logs and error replies show of a session: a short digest. The session itself is a
+    secret (see `new_session`), and logs are read by more people and tools than the run."""
+    return "session#" + hashlib.sha256(session.encode()).hexdigest()[:10]
 
 
 def _session_key(session: str) -> str:

@@ -1,0 +1,75 @@
+"""What the soak watches: each role's memory and open files over time, and whether they grow.
+
+A role is what the launcher started under one name (`actor`, `learner`, `envpool-0`, ...), found
+by its pid file in the run directory each time, so a restarted role (chaos kills them) is the
+same series under a new pid. A role's numbers are its whole process tree's: the vLLM engine's
+EngineCore and Worker count to the actor, DeepSpeed's helpers to the learner.
+
+Growth is a least-squares slope over the samples after the warm-up (MiB or descriptors per
+hour). A restart drops a role back to its starting size, which pulls a slope down, so the
+report gives each role's restarts beside it, and the last sample against the first after the
+warm-up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from millstream.bench.kit.procstat import tree_fds, tree_rss_bytes
+
+__all__ = ["Watch", "slope_per_hour"]
+
+
+@dataclass
+class Watch:
+    run_dir: Path
+    started: float = field(default_factory=time.monotonic)
+    #: per role: [(minutes since the start, RSS MiB, open descriptors)]
+    samples: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
+
+    def sample(self) -> None:
+        """One sample of every role whose pid file names a live process."""
+        minute = (time.monotonic() - self.started) / 60
+        for pid_file in sorted(self.run_dir.glob("*.pid")):
+            try:
+                pid = int(pid_file.read_text())
+            except (OSError, ValueError):
+                continue
+            rss = tree_rss_bytes(pid)
+            if rss == 0:  # between a kill and its restart
+                continue
+            self.samples.setdefault(pid_file.stem, []).append((minute, rss / 2**20, tree_fds(pid)))
+
+    def report(self, warmup_min: float, restarts: dict[str, int]) -> dict[str, Any]:
+        """Per role: slopes after the warm-up, first and last sample after it, restarts."""
+        out = {}
+        for role, points in self.samples.items():
+            after = [p for p in points if p[0] >= warmup_min]
+            if len(after) < 2:
+                continue
+            out[role] = {
+                "samples": len(after),
+                "rss_mib_first": round(after[0][1], 1),
+                "rss_mib_last": round(after[-1][1], 1),
+                "rss_mib_max": round(max(p[1] for p in after), 1),
+                "rss_mib_per_hour": round(slope_per_hour([(p[0], p[1]) for p in after]), 1),
+                "fds_first": after[0][2],
+                "fds_last": after[-1][2],
+                "fds_per_hour": round(slope_per_hour([(p[0], float(p[2])) for p in after]), 1),
+                "restarts": restarts.get(role, 0),
+            }
+        return out
+
+
+def slope_per_hour(points: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (minute, value) points, per hour; 0 for fewer than two minutes."""
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    spread = sum((t - mean_t) ** 2 for t, _ in points)
+    if spread == 0:
+        return 0.0
+    return 60 * sum((t - mean_t) * (v - mean_v) for t, v in points) / spread

@@ -1,0 +1,32 @@
+"""The soak's five-minute version (bench/soak): the real stack under chaos and attack.
+
+The hour-long run is a benchmark (bench/README.md, "Soak"); this one proves the harness and
+the run's healing in every `make test`: every kill healed, the accounting holds, the hostile
+peer's probes all ran, and no role's open descriptors grew between the end of the first minute
+and the end (memory is judged over the hour, where a slope means something).
+"""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from millstream.bench.soak.__main__ import main
+
+
+@pytest.mark.real
+@pytest.mark.timeout(900)
+def test_five_minutes_of_chaos_and_attack(tmp_path, tiny_model_dir):
+    out = tmp_path / "soak"
+    argv = ["--minutes", "4", "--sample-s", "10", "--kill-every-s", "40", "--warmup-min", "1"]
+    argv += ["--model", tiny_model_dir, "--out", str(out)]
+    assert main(argv) == 0, (out / "soak.json").read_text()[-4000:]
+    report = orjson.loads((out / "soak.json").read_bytes())
+    summary = report["summary"]
+    assert summary["accounting_ok"] is True and summary["version"] > 0
+    assert len(report["kills"]) >= 3 and sum(report["restarts"].values()) >= len(report["kills"])
+    assert report["attacks_sent"]["huge_handshake"] >= 10 and report["actor_answers"]["not_learner"] > 0
+    assert summary["messages_refused"].get("wrong_worker", 0) > 0  # the tools' key as worker 0
+    for role, numbers in report["roles"].items():
+        assert numbers["fds_last"] <= numbers["fds_first"] + 16, (role, numbers)
+    assert (out / "soak.png").stat().st_size > 10_000
