@@ -219,3 +219,27 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_only_the_disk_s_failures_let_training_go_on():
+    """learner/loop/saving.py carries on past a checkpoint the disk refused, never past a bug."""
+    import errno
+
+    from millstream.learner.loop.saving import disk_trouble
+    from millstream.learner.persist.checkpoint import CheckpointFailed
+
+    def failed(cause: BaseException) -> CheckpointFailed:
+        try:
+            raise CheckpointFailed("checkpoint step_000002 not saved") from cause
+        except CheckpointFailed as exc:
+            return exc
+
+    torch_full = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    assert disk_trouble(failed(OSError(errno.ENOSPC, "No space left on device")))
+    assert disk_trouble(failed(OSError(errno.EDQUOT, "Disk quota exceeded")))
+    assert disk_trouble(failed(torch_full))
+    safetensors_full = Exception("Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })")
+    assert disk_trouble(failed(safetensors_full))
+    assert not disk_trouble(failed(ZeroDivisionError("a bug")))
+    assert not disk_trouble(failed(OSError(errno.EACCES, "Permission denied")))
+    assert not disk_trouble(failed(RuntimeError("CUDA out of memory")))

@@ -50,6 +50,17 @@ def test_each_envpool_worker_has_a_key_of_its_own(tmp_path):
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o600 for p in (tmp_path / "keys").iterdir())
 
 
+def racing(script: str, folder, count: int) -> set[str]:
+    """What `count` processes running `script` on `folder` at once printed (each succeeded)."""
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True)
+        for _ in range(count)
+    ]
+    outputs = {p.communicate(timeout=60)[0].strip() for p in procs}
+    assert all(p.returncode == 0 for p in procs)
+    return outputs
+
+
 def test_processes_racing_to_make_a_worker_key_agree_on_one(tmp_path):
     folder = ensure_keys(tmp_path / "keys")
     script = (
@@ -57,12 +68,7 @@ def test_processes_racing_to_make_a_worker_key_agree_on_one(tmp_path):
         "f = ensure_keys(sys.argv[1], 4); "
         "print(*(zmq.auth.load_certificate(f / f'envpool-{i}.key_secret')[1].decode() for i in range(4)))"
     )
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True)
-        for _ in range(6)
-    ]
-    outputs = {p.communicate(timeout=60)[0].strip() for p in procs}
-    assert all(p.returncode == 0 for p in procs) and len(outputs) == 1
+    assert len(racing(script, folder, 6)) == 1
     for i in range(4):  # the public file matches the secret that won
         public = zmq.auth.load_certificate(folder / f"envpool-{i}.key")[0]
         assert public == zmq.auth.load_certificate(folder / f"envpool-{i}.key_secret")[0]
@@ -76,12 +82,7 @@ def test_roles_racing_to_make_the_keys_agree_on_one_set(tmp_path):
         "import sys, zmq.auth; from millstream.shared.wire.keys import ensure_keys; "
         "f = ensure_keys(sys.argv[1]); print(zmq.auth.load_certificate(f / 'server.key')[0].decode())"
     )
-    procs = [
-        subprocess.Popen([sys.executable, "-c", script, str(folder)], stdout=subprocess.PIPE, text=True)
-        for _ in range(8)
-    ]
-    outputs = {p.communicate(timeout=60)[0].strip() for p in procs}
-    assert all(p.returncode == 0 for p in procs)
+    outputs = racing(script, folder, 8)
     assert len(outputs) == 1 and len(outputs.pop()) == 40
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".keys-")]  # no staging left
 

@@ -30,3 +30,15 @@ def test_five_minutes_of_chaos_and_attack(tmp_path, tiny_model_dir):
     for role, numbers in report["roles"].items():
         assert numbers["fds_last"] <= numbers["fds_first"] + 16, (role, numbers)
     assert (out / "soak.png").stat().st_size > 10_000
+
+
+def test_growth_is_measured_within_each_process_of_a_role():
+    from millstream.bench.soak.watch import slope_per_hour
+
+    # Two processes of one role (a restart at minute 30), each flat: no growth, though the
+    # samples fall from 500 to 100 MiB; each climbing 1 MiB a minute: 60 MiB an hour.
+    flat = [(t, 500.0, 1) for t in range(10, 30)] + [(t, 100.0, 2) for t in range(30, 60)]
+    assert slope_per_hour(flat) == 0.0
+    climbing = [(t, 400.0 + t, 1) for t in range(10, 30)] + [(t, 70.0 + t, 2) for t in range(30, 60)]
+    assert abs(slope_per_hour(climbing) - 60.0) < 1e-9
+    assert slope_per_hour([(12.0, 5.0, 1)]) == 0.0

@@ -103,11 +103,14 @@ class Attacker:
         self, actor: zmq.Socket, keyless: zmq.Socket, as_tools: zmq.Socket, actor_address: str
     ) -> None:
         codec = Codec()
-        for garbage in (b"", b"\xc1", b"\x93\x01\x02", b"\x00" * 64):
-            actor.send(garbage)
-            self.sent["garbage_to_actor"] += 1
-        actor.send(codec.encode([AttachLearner("attacker", "127.0.0.1", 1, 2, "gloo", 5.0)]))
-        self.sent["attach_with_envpool_key"] += 1
+        attach = codec.encode([AttachLearner("attacker", "127.0.0.1", 1, 2, "gloo", 5.0)])
+        to_actor = [("garbage_to_actor", g) for g in (b"", b"\xc1", b"\x93\x01\x02", b"\x00" * 64)]
+        for kind, frame in [*to_actor, ("attach_with_envpool_key", attach)]:
+            try:  # never blocks: an actor that is down (a kill, the run's end) costs a count
+                actor.send(frame, zmq.NOBLOCK)
+                self.sent[kind] += 1
+            except zmq.Again:
+                self.sent[f"{kind}_blocked"] += 1
         forged = Trajectory(
             "forged", "g0", 0, "x", [1, 2], [0, 1], [0.0, -0.1], [-1, 0], 1e9, [1e9], 1, 1, 0.1
         )

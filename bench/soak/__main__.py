@@ -24,7 +24,9 @@ accounting holds, every kill was healed and the run ended by itself.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -103,14 +105,29 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
     )
     lines, watch = _Lines(proc, started), Watch(run_dir, started)
     deadline = started + (args.minutes + 15) * 60  # the last steps, the final round, the save
-    with Attacker(run_dir, every_s=5.0, rounds=int(args.minutes * 12) + 60) as attacker:
-        while proc.poll() is None and time.monotonic() < deadline:
-            watch.sample()
-            time.sleep(min(args.sample_s, max(0.0, deadline - time.monotonic())))
-    if proc.poll() is None:
-        proc.kill()
+    try:
+        with Attacker(run_dir, every_s=5.0, rounds=int(args.minutes * 12) + 60) as attacker:
+            while proc.poll() is None and time.monotonic() < deadline:
+                watch.sample()
+                try:
+                    proc.wait(timeout=min(args.sample_s, max(0.1, deadline - time.monotonic())))
+                except subprocess.TimeoutExpired:
+                    pass
+    finally:
+        _stop(proc)  # a Ctrl-C, an error or the deadline: the run's processes go with the soak
     lines.thread.join(timeout=10)
     return _report(args, out, run_dir, proc.wait(), lines, watch, attacker)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """The launcher leads its own session: SIGTERM it (it stops every role), then SIGKILL."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _report(
@@ -119,7 +136,7 @@ def _report(
     summary_path = run_dir / "summary.json"
     summary = orjson.loads(summary_path.read_bytes()) if summary_path.exists() else {}
     kills, deaths = lines.matching(_KILLED), lines.matching(_DIED)
-    restarts = Counter(role for _, role in deaths)
+    restarts, killed = Counter(role for _, role in deaths), Counter(role for _, role in kills)
     keep = (
         "accounting_ok", "version", "episodes_started", "episodes_trained", "episodes_failed",
         "episodes_dropped", "episodes_foreign", "learner_sessions", "worker_restarts", "messages_refused",
@@ -131,6 +148,8 @@ def _report(
         "exit_code": code,
         "kills": [[round(t, 2), role] for t, role in kills],
         "restarts": dict(restarts),
+        # Deaths chaos did not cause (a crash the launcher healed): each one is a finding.
+        "unplanned_deaths": dict(restarts - killed),
         "attacks_sent": dict(attacker.sent),
         "actor_answers": dict(attacker.answers),
         "summary": {k: summary.get(k) for k in keep},
@@ -138,8 +157,12 @@ def _report(
         "samples": watch.samples,
         "last_lines": [line for _, line in lines.lines[-15:]],
     }
-    # Ended by itself (train.max_minutes), every episode accounted for, every kill healed.
-    report["ok"] = code == 0 and summary.get("accounting_ok") is True and len(deaths) >= len(kills)
+    # Ended by itself (train.max_minutes), every episode accounted for, every kill healed (the
+    # launcher said "died ...; restarting" for each killed role), nothing else died.
+    healed = all(restarts[role] >= n for role, n in killed.items())
+    report["ok"] = (
+        code == 0 and summary.get("accounting_ok") is True and healed and not report["unplanned_deaths"]
+    )
     (out / "soak.json").write_bytes(orjson.dumps(report, option=orjson.OPT_INDENT_2))
     _plot(report, out / "soak.png", args.warmup_min)
     return report

@@ -6,9 +6,10 @@ same series under a new pid. A role's numbers are its whole process tree's: the 
 EngineCore and Worker count to the actor, DeepSpeed's helpers to the learner.
 
 Growth is a least-squares slope over the samples after the warm-up (MiB or descriptors per
-hour). A restart drops a role back to its starting size, which pulls a slope down, so the
-report gives each role's restarts beside it, and the last sample against the first after the
-warm-up.
+hour), fitted within each process of the role (each with its own level: a restart's drop back
+to the starting size is not counted as shrinking, nor its climb back as growth if it is only
+the warm-up of the new process). The report gives each role's restarts beside it, and the
+last sample against the first after the warm-up.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ __all__ = ["Watch", "slope_per_hour"]
 class Watch:
     run_dir: Path
     started: float = field(default_factory=time.monotonic)
-    #: per role: [(minutes since the start, RSS MiB, open descriptors)]
-    samples: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
+    #: per role: [(minutes since the start, RSS MiB, open descriptors, pid)]
+    samples: dict[str, list[tuple[float, float, int, int]]] = field(default_factory=dict)
 
     def sample(self) -> None:
         """One sample of every role whose pid file names a live process."""
@@ -41,7 +42,7 @@ class Watch:
             rss = tree_rss_bytes(pid)
             if rss == 0:  # between a kill and its restart
                 continue
-            self.samples.setdefault(pid_file.stem, []).append((minute, rss / 2**20, tree_fds(pid)))
+            self.samples.setdefault(pid_file.stem, []).append((minute, rss / 2**20, tree_fds(pid), pid))
 
     def report(self, warmup_min: float, restarts: dict[str, int]) -> dict[str, Any]:
         """Per role: slopes after the warm-up, first and last sample after it, restarts."""
@@ -55,21 +56,26 @@ class Watch:
                 "rss_mib_first": round(after[0][1], 1),
                 "rss_mib_last": round(after[-1][1], 1),
                 "rss_mib_max": round(max(p[1] for p in after), 1),
-                "rss_mib_per_hour": round(slope_per_hour([(p[0], p[1]) for p in after]), 1),
+                "rss_mib_per_hour": round(slope_per_hour([(p[0], p[1], p[3]) for p in after]), 1),
                 "fds_first": after[0][2],
                 "fds_last": after[-1][2],
-                "fds_per_hour": round(slope_per_hour([(p[0], float(p[2])) for p in after]), 1),
+                "fds_per_hour": round(slope_per_hour([(p[0], float(p[2]), p[3]) for p in after]), 1),
                 "restarts": restarts.get(role, 0),
             }
         return out
 
 
-def slope_per_hour(points: list[tuple[float, float]]) -> float:
-    """Least-squares slope of (minute, value) points, per hour; 0 for fewer than two minutes."""
-    n = len(points)
-    mean_t = sum(t for t, _ in points) / n
-    mean_v = sum(v for _, v in points) / n
-    spread = sum((t - mean_t) ** 2 for t, _ in points)
-    if spread == 0:
-        return 0.0
-    return 60 * sum((t - mean_t) * (v - mean_v) for t, v in points) / spread
+def slope_per_hour(points: list[tuple[float, float, int]]) -> float:
+    """Growth per hour of (minute, value, pid) points: one least-squares slope shared by every
+    process the role had, each with its own starting level (a restart's drop is not growth,
+    and a process's own rise is); 0 without two samples of one process."""
+    by_pid: dict[int, list[tuple[float, float]]] = {}
+    for t, v, pid in points:
+        by_pid.setdefault(pid, []).append((t, v))
+    num = den = 0.0
+    for series in by_pid.values():
+        mean_t = sum(t for t, _ in series) / len(series)
+        mean_v = sum(v for _, v in series) / len(series)
+        num += sum((t - mean_t) * (v - mean_v) for t, v in series)
+        den += sum((t - mean_t) ** 2 for t, _ in series)
+    return 60 * num / den if den else 0.0

@@ -69,11 +69,6 @@ class Intake:
         #: aligned_base); None while this session's base is not settled and earlier sessions'
         #: numbering is unknown (a checkpoint from before the rule, or another worker count).
         self.aligned_from: int | None = 0
-        #: The abandoned timeline's last version after a restart (learner/loop/saving.py): its
-        #: tokens pass the version check where the loss corrects for their policy. -1: none.
-        self.timeline_end = -1
-        #: Called with each accepted episode and its sender (the journal).
-        self.on_accepted: Callable[[Trajectory | EpisodeFailed, str | None], None] | None = None
 
     def take(
         self, message: Message, sender: str | None, *, version: int, admitted: int, greeting: bool
@@ -210,7 +205,7 @@ class Intake:
         admitted: int,
         trusted: bool = False,
     ) -> None:
-        found = self.check.problem(message, version=max(version, self.timeline_end), admitted=admitted)
+        found = self.check.problem(message, version=version, admitted=admitted)
         # A group that cannot exist (never admitted, a bad id) is said first; then who sent it.
         reporter = (
             None
@@ -224,10 +219,7 @@ class Intake:
             refusal: tuple[str, bool] | None = (reporter[0], False)
         else:
             refusal = None if found is None else (found.reason, found.closes_slot)
-        duplicates = self.buffer.duplicates
         reason = self.buffer.accept(message, refusal, remember=expected)
-        if reason is None and self.buffer.duplicates == duplicates and self.on_accepted is not None:
-            self.on_accepted(message, sender)
         closes = reporter is None and found is not None and found.closes_slot
         if reason is None or closes:
             self.ledger.reported(message.episode_id, message.group_id)  # its slot is closed

@@ -92,7 +92,7 @@ class Leader:
         self.session = Session()  # numbering and admission marks (learner/loop/session.py)
         self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
         self.evals = EvalLog()  # evaluation rounds (learner/evals.py): metrics, never trained
-        self.saver = Saver(cfg, run_dir, trainer, self.buffer, self.intake)  # checkpoints, journal
+        self.saver = Saver(cfg, run_dir, trainer, self.buffer)  # checkpoints and their failures
 
     # --- admission -------------------------------------------------------------------------
 
@@ -187,8 +187,6 @@ class Leader:
         cfg, trainer = self.cfg, self.trainer
         if cfg.run.resume:
             self._resume(find_checkpoint(cfg.run.resume))
-        else:
-            self.saver.open_journal()
         self.fleet = Fleet(cfg, self.keys, self.run_dir)
         pushed = self.fleet.start(self._weights, trainer.version)
         log.info(
@@ -281,7 +279,6 @@ class Leader:
             **self.records.statistics(),
         }
         self.records.trained(scored, self.trainer.version, version)  # first: the record counts them
-        self.saver.stepped(self.trainer.version)
         self.report.step(record, step_metrics, self.trainer.version)
         self.last_step = now
         every = self.cfg.learner.checkpoint_every
@@ -340,7 +337,6 @@ class Leader:
         self.team.command("load", str(path))
         state = self.saver.load(path)
         restore_session(self.session, state, self.ledger, self.intake)
-        self.saver.replay_journal()  # what reached the dead learner after this checkpoint
         log.info(
             "resumed from %s at policy version %d (%d groups carried, numbering from %d)",
             path,

@@ -24,12 +24,13 @@ next save removes: a `step_*` folder is always whole. Pruning runs last and remo
 checkpoints, so `latest` never names a deleted one.
 
 A save that fails (a full disk, most often: DeepSpeed's torch.save reports it as a RuntimeError,
-our own writes as OSError) removes its `.tmp-*` folder, which gives the space back, and raises
-`CheckpointFailed` naming the step, the cause and the space left; `latest` still names the last
-complete checkpoint. With one learner rank the loop carries on training and tries again at the
-next interval (learner/loop/leader.py); with several, a rank that failed cannot leave the
-others' collectives, so the error ends the learner as before, and a restart resumes from
-`latest`.
+our own writes as OSError) removes what it wrote (its `.tmp-*` folder, or the renamed folder if
+`latest` could not be pointed at it), which gives the space back, and raises `CheckpointFailed`
+naming the step, the cause and the space left; `latest` still names the last complete
+checkpoint. With one learner rank the loop carries on training after a disk's failure and tries
+again at the next interval (learner/loop/saving.py); with several, a rank that failed cannot
+leave the others' collectives, so the error ends the learner as before, and a restart resumes
+from `latest`.
 
 Resuming restores the policy, not the initial weights (slime's resume pushed the reference
 model): the engine's weights, optimizer state and global step come back from DeepSpeed, and
@@ -179,12 +180,17 @@ def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> P
     if rank == 0:
         try:
             _publish(root, final, tmp, name)
-        except OSError as exc:  # `name` may be whole but unnamed: `latest` names the last one
+        except OSError as exc:
             if _ranks() > 1:
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
+            if _latest_name(root) != name:  # whole but unnamed: its space back, `latest` as it was
+                shutil.rmtree(final, ignore_errors=True)
             raise CheckpointFailed(f"checkpoint {name} not published: {exc}") from exc
-        _prune(root, version, keep)
+        try:
+            _prune(root, version, keep)
+        except OSError as exc:  # the checkpoint is saved and named: older ones stay a while
+            log.warning("pruning older checkpoints in %s failed: %s", root, exc)
         log.info("checkpoint %s saved", final)
     _barrier()
     return final
@@ -208,6 +214,13 @@ def _write(root: Path, tmp: Path, trainer, rank: int, state: bytes) -> None:
     _barrier()
     if rank == 0:
         _fsync_tree(tmp)
+
+
+def _latest_name(root: Path) -> str:
+    try:
+        return (root / "latest").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _publish(root: Path, final: Path, tmp: Path, name: str) -> None:
