@@ -69,30 +69,13 @@ class Intake:
         #: aligned_base); None while this session's base is not settled and earlier sessions'
         #: numbering is unknown (a checkpoint from before the rule, or another worker count).
         self.aligned_from: int | None = 0
-        #: Called with each message taken (and whether it was held): the journal.
-        self.on_taken: Callable[[Message, str | None, bool], None] | None = None
 
     def take(
         self, message: Message, sender: str | None, *, version: int, admitted: int, greeting: bool
     ) -> None:
         """One message: held while `greeting` (episodes only, up to a bound), else handled."""
-        held = (
-            greeting and isinstance(message, (Trajectory, EpisodeFailed)) and len(self.held) < self.max_held
-        )
-        if self.on_taken is not None:
-            self.on_taken(message, sender, held)
-        if held:
-            self.held.append((message, sender))  # type: ignore[arg-type]  # an episode: see `held`
-        else:
-            self.handle(message, sender, version=version, admitted=admitted)
-
-    def replay(
-        self, message: Message, sender: str | None, held: bool, *, version: int, admitted: int
-    ) -> None:
-        """A message a dead learner took after its checkpoint (learner/persist/journal.py), as it
-        took it: an episode it held for its greeting is its workers' backlog (trusted)."""
-        if held and isinstance(message, (Trajectory, EpisodeFailed)):
-            self._episode(message, sender, version, admitted, trusted=True)
+        if greeting and isinstance(message, (Trajectory, EpisodeFailed)) and len(self.held) < self.max_held:
+            self.held.append((message, sender))
         else:
             self.handle(message, sender, version=version, admitted=admitted)
 

@@ -92,7 +92,7 @@ class Leader:
         self.session = Session()  # numbering and admission marks (learner/loop/session.py)
         self.greeting_until: float | None = 0.0  # admission waits for every worker's hello until then
         self.evals = EvalLog()  # evaluation rounds (learner/evals.py): metrics, never trained
-        self.saver = Saver(cfg, run_dir, trainer, self.buffer, self.intake)  # checkpoints, journal
+        self.saver = Saver(cfg, run_dir, trainer, self.buffer)  # checkpoints and their failures
 
     # --- admission -------------------------------------------------------------------------
 
@@ -232,8 +232,6 @@ class Leader:
 
     def _announce(self, limit: int) -> None:
         session = self.session
-        if limit > session.admitted:
-            self.saver.admitted(limit)  # a restart must admit what this session did
         session.admitted = max(session.admitted, limit)
         self.exp.announce(
             self.trainer.version,
@@ -266,7 +264,6 @@ class Leader:
             return False
         scored = self._score(batch)
         step_metrics = self._train(scored)
-        self.saver.stepped(self.trainer.version)  # before the push: its tokens carry this version
         self.session.trained_groups += sum(1 for g in batch if group_number(g.group_id) >= self.buffer.floor)
         sync_metrics = self._push_weights()
         now = time.monotonic()
@@ -340,7 +337,6 @@ class Leader:
         self.team.command("load", str(path))
         state = self.saver.load(path)
         restore_session(self.session, state, self.ledger, self.intake)
-        self.saver.replay_journal(self.intake, self.session, self.ledger)  # what the dead one took
         log.info(
             "resumed from %s at policy version %d (%d groups carried, numbering from %d)",
             path,
@@ -376,7 +372,7 @@ class Leader:
         summary["metrics_lost"] = self.metrics.lost  # records a full disk refused
         self.team.command("stop")
         write_summary(self.run_dir, self.metrics, summary)
-        for closable in (self.records, self.metrics, self.fleet, self.exp, self.saver):
+        for closable in (self.records, self.metrics, self.fleet, self.exp):
             closable.close()
         return summary
 
