@@ -238,6 +238,9 @@ def test_only_the_disk_s_failures_let_training_go_on():
     assert disk_trouble(failed(OSError(errno.ENOSPC, "No space left on device")))
     assert disk_trouble(failed(OSError(errno.EDQUOT, "Disk quota exceeded")))
     assert disk_trouble(failed(torch_full))
+    assert disk_trouble(
+        failed(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534"))
+    )
     safetensors_full = Exception("Error while serializing: IoError(Os { code: 28, kind: StorageFull, ... })")
     assert disk_trouble(failed(safetensors_full))
     assert not disk_trouble(failed(ZeroDivisionError("a bug")))

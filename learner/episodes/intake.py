@@ -206,13 +206,13 @@ class Intake:
         trusted: bool = False,
     ) -> None:
         found = self.check.problem(message, version=version, admitted=admitted)
-        # A group that cannot exist (never admitted, a bad id) is said first; then who sent it.
-        reporter = (
-            None
-            if found is not None and not found.closes_slot
-            else self._reporter_problem(message, sender, trusted)
-        )
+        # Who sent it decides whether it is the run's (a refused forgery must not be remembered
+        # as a member's, or the member's own report would be a duplicate); the reason said is
+        # the group's own first when it cannot exist (never admitted, a bad id).
+        reporter = self._reporter_problem(message, sender, trusted)
         expected = reporter is None and (trusted or self.ledger.expects(message.episode_id, message.group_id))
+        if found is not None and not found.closes_slot:
+            reporter = None
         cause = str(message.cause) if isinstance(message, EpisodeFailed) else ""
         before = self.buffer.failed.get(cause, 0)
         if reporter is not None:  # closes no slot: it was not this sender's to close

@@ -28,6 +28,8 @@ _DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
 # (RuntimeError "... file write failed"), safetensors' (SafetensorError "... StorageFull ...").
 _DISK_WORDS = (
     "file write failed",
+    "unexpected pos",  # torch's writer on a full disk (its context: "iostream error")
+    "iostream error",
     "No space left",
     "Disk quota exceeded",
     "StorageFull",

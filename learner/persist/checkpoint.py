@@ -172,8 +172,8 @@ def save_checkpoint(run_dir: Path, trainer, buffer, extra: dict, keep: int) -> P
     except Exception as exc:
         if _ranks() > 1:
             raise  # the other ranks are in the save's collectives: the learner ends (see above)
+        free = shutil.disk_usage(root).free / 2**20 if root.exists() else float("nan")  # as it failed
         shutil.rmtree(tmp, ignore_errors=True)  # its space back; `latest` was not touched
-        free = shutil.disk_usage(root).free / 2**20 if root.exists() else float("nan")
         raise CheckpointFailed(
             f"checkpoint {name} not saved: {type(exc).__name__}: {exc} ({free:.0f} MiB free in {root})"
         ) from exc
