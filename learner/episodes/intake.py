@@ -64,7 +64,6 @@ class Intake:
         #: counts them as received, the accounting leaves them out of the run's episodes.
         self.foreign = 0
         self.max_held = cfg.envpool.max_concurrent_episodes * cfg.envpool.workers
-        self.workers = cfg.envpool.workers
         #: Group numbers from here on belong to worker (number % workers) (learner/loop/session.py
         #: aligned_base); None while this session's base is not settled and earlier sessions'
         #: numbering is unknown (a checkpoint from before the rule, or another worker count).
@@ -92,6 +91,11 @@ class Intake:
         except Exception as exc:  # a bug of ours or a message no check foresaw: the learner goes on
             kind = type(message).__name__
             self.refusals.event("bad_message", "could not take a %s: %r", kind, exc)
+
+    @property
+    def workers(self) -> int:
+        """The run's envpool worker count (the ledger's, the one source of it)."""
+        return self.ledger.workers
 
     def sent_by_its_worker(self, message: Message, sender: str | None) -> bool:
         """Whether worker-named bookkeeping came with that worker's key (always without CURVE);
