@@ -21,6 +21,12 @@ trajectory then concatenates the contexts and lists where each begins (`segment_
 
 Sampling seeds derive from the group seed, the member index and the turn, so a run is
 reproducible and the members of a group still sample differently.
+
+Time limits: an episode has one cancel scope. Its own deadline (`episode_timeout_s`) and that of
+the environment call in progress (`step_timeout_s`) are kept by the worker's timer wheel
+(envpool/deadlines.py), which cancels the scope and says why (`_Clock`); a turn's generation has
+its deadline in the client. A scope with a deadline per call, two a turn, cost a worker more CPU
+than anything else it did.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import anyio
 from millstream.envpool.actors.client import TurnClient
 from millstream.envpool.actors.generation import GenerationFailed, Retry, Sampling
 from millstream.envpool.chat import ChatFormat
+from millstream.envpool.deadlines import Deadlines, running_deadlines
 from millstream.envpool.envs import Env, Observation, StepResult
 from millstream.envpool.record import EpisodeRecord, EpisodeSpec
 from millstream.envpool.seeds import sampling_seed
@@ -47,7 +54,46 @@ class EnvFailure(Exception):
         self.cause = cause
 
 
+class _Clock:
+    """An episode's deadlines on its one cancel scope: whichever expires first cancels it and
+    leaves its cause and message in `expired`."""
+
+    __slots__ = ("deadlines", "scope", "limit_s", "expired", "calling")
+
+    def __init__(self, deadlines: Deadlines, scope: anyio.CancelScope, limit_s: float) -> None:
+        self.deadlines, self.scope, self.limit_s = deadlines, scope, limit_s
+        self.expired: tuple[Cause, str] | None = None
+        self.calling: tuple[str, float] = ("", 0.0)  # the env call in progress, and its limit
+
+    def expire(self, cause: Cause, message: str) -> None:
+        if self.expired is None:
+            self.expired = cause, message
+            self.scope.cancel()
+
+    def episode_timed_out(self) -> None:
+        self.expire(Cause.EPISODE_TIMEOUT, f"episode took longer than {self.limit_s}s")
+
+    def _call_timed_out(self) -> None:
+        what, timeout_s = self.calling
+        self.expire(Cause.ENV_TIMEOUT, f"env.{what} took longer than {timeout_s}s")
+
+    async def env_call(self, what: str, coro_fn, arg, timeout_s: float):
+        """`await coro_fn(arg)` within `timeout_s`: the environment's exception becomes an
+        `EnvFailure` (env_error); running out of time cancels the episode (env_timeout)."""
+        self.calling = what, timeout_s
+        timer = self.deadlines.call_at(anyio.current_time() + timeout_s, self._call_timed_out)
+        try:
+            return await coro_fn(arg)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:  # the environment's bug ends this episode, nothing else
+            raise EnvFailure(Cause.ENV_ERROR, f"env.{what} raised {type(exc).__name__}: {exc}") from None
+        finally:
+            self.deadlines.cancel(timer)
+
+
 async def call_env(what: str, coro_fn, arg, timeout_s: float):
+    """One environment call with its own timed scope (the debugger's; episodes use `_Clock`)."""
     try:
         # A class-based scope rather than `fail_after` (cheaper, and this runs twice a turn).
         with anyio.CancelScope(deadline=anyio.current_time() + timeout_s) as scope:
@@ -70,17 +116,30 @@ async def run_episode(
     starting: anyio.CapacityLimiter | None = None,
     *,
     sampling: Sampling | None = None,
+    deadlines: Deadlines | None = None,
 ) -> Trajectory | EpisodeFailed:
     """Play one episode; `starting` (optional) bounds how many environments reset at once.
 
     `sampling` is the worker's, built once (`Sampling.for_turns`); without it, built here.
+    `deadlines` is the worker's running wheel; without one, the episode runs its own.
     """
+    if deadlines is None:
+        async with running_deadlines() as own:
+            return await run_episode(
+                spec, env, chat, client, cfg, max_model_len, starting, sampling=sampling, deadlines=own
+            )
     turn = sampling or Sampling.for_turns(cfg, chat.stop_token_ids)
     record = EpisodeRecord(spec)
     try:
-        with anyio.CancelScope(deadline=anyio.current_time() + cfg.episode_timeout_s):
-            return await _play(record, env, chat, client, cfg, turn, max_model_len, starting)
-        return record.failed(Cause.EPISODE_TIMEOUT, f"episode took longer than {cfg.episode_timeout_s}s")
+        with anyio.CancelScope() as scope:
+            clock = _Clock(deadlines, scope, cfg.episode_timeout_s)
+            timer = deadlines.call_at(anyio.current_time() + clock.limit_s, clock.episode_timed_out)
+            try:
+                return await _play(record, env, chat, client, cfg, turn, max_model_len, starting, clock)
+            finally:
+                deadlines.cancel(timer)
+        assert clock.expired is not None  # only the clock cancels this scope
+        return record.failed(*clock.expired)
     except EnvFailure as exc:
         return record.failed(exc.cause, str(exc))
     except GenerationFailed as exc:
@@ -96,11 +155,12 @@ async def _play(
     sampling: Sampling,
     max_model_len: int,
     starting: anyio.CapacityLimiter | None,
+    clock: _Clock,
 ) -> Trajectory:
     """Reset, then generate and step until the environment is done or the context is full."""
     spec = record.spec
     async with starting or nullcontext():  # bounds envs starting at once (sandboxes, containers)
-        obs = await call_env("reset", env.reset, spec.seed, cfg.step_timeout_s)
+        obs = await clock.env_call("reset", env.reset, spec.seed, cfg.step_timeout_s)
     system = getattr(env, "system_prompt", "")
     record.add_prompt(chat.first_prompt(system, obs.text))
     record.texts.append(obs.text)
@@ -123,7 +183,7 @@ async def _play(
         record.add_reply(gen, trained=obs.trained, anchor=obs.anchor)
         response = chat.decode(gen.token_ids)
         record.texts.append(response)
-        result = await call_env("step", env.step, response, cfg.step_timeout_s)
+        result = await clock.env_call("step", env.step, response, cfg.step_timeout_s)
         _take_step(record, result)
         if result.done:
             break

@@ -267,6 +267,7 @@ class Worker:
                     self.max_model_len,
                     self.starting,
                     sampling=self.sampling,
+                    deadlines=self.client.deadlines,
                 )
             if self.judge is not None and isinstance(result, Trajectory):
                 result = await self.judge.score(result, sampling_seed(spec.seed, spec.member, -1))
@@ -284,8 +285,11 @@ class Worker:
             self.live_ids.discard(spec.episode_id)
             self.client.release(spec.episode_id)
             self.slots.release()
-            with anyio.CancelScope(shield=True):  # a cancelled episode still reports its end
-                await self.push.send(result)
+            try:  # the common case, room in the queue, needs no scope
+                self.push.send_nowait(result)
+            except anyio.WouldBlock:
+                with anyio.CancelScope(shield=True):  # a cancelled episode still reports its end
+                    await self.push.send(result)
         streak = self.stats.actor_failure_streak
         if streak > self.pool.max_consecutive_actor_failures and isinstance(result, EpisodeFailed):
             raise ActorUnavailable(

@@ -1,9 +1,15 @@
 """The envpool side of the actor connection: many episodes, one DEALER socket.
 
-Every episode task calls `client.generate(...)` and reads its own stream of `TokenDelta`s; all of
-them share one socket, one reader task and one writer task (`shared.wire.transport.Channel`), which
-packs the requests of a tick into one frame. Replies are routed back to the right episode by
-request id into a per-request inbox (`_Inbox`, below).
+Every episode task calls `client.generate(...)`; all of them share one socket, one reader task
+and one writer task (`shared.wire.transport.Channel`), which packs the requests of a tick into one
+frame. Replies are routed by request id into the request's `_Pending` record (below), which
+collects the generation and wakes its episode once, when the request ends.
+
+Turn deadlines are kept by a timer wheel (envpool/deadlines.py, `client.deadlines`), not by a
+cancel scope per request: at thousands of turns a second the scopes' deadline heap was a large
+share of a worker's CPU. A request past its deadline is failed as `actor_timeout` by the wheel,
+the way a dropped connection fails it as `actor_lost`. The wheel is the client's own (run by
+`run()`), or the router's, which all its replicas' clients share.
 
 Request ids are `<worker>-<counter>`, so they never repeat within a worker and a late reply for a
 finished request is recognised and counted (`late_replies`), never delivered to the wrong episode.
@@ -24,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -41,6 +46,7 @@ from millstream.envpool.actors.generation import (
     Sampling,
     with_retries,
 )
+from millstream.envpool.deadlines import Deadlines
 from millstream.shared.obs.metrics import LatencyHistogram
 from millstream.shared.obs.ratelog import RateLog
 from millstream.shared.wire import (
@@ -100,41 +106,67 @@ class TurnClient(Protocol):
     ) -> Generation: ...
 
 
-class _Inbox:
-    """Replies of one live request, in order, and the event its episode waits on.
+class _Pending:
+    """One live request: the generation its deltas fill in, how it ended, and its waiter.
 
-    A plain deque, not a memory stream: it needs no bound of its own, because the actor sends at
-    most `max_tokens / stream_interval + 1` deltas per request, and it is several times cheaper
-    to create and to wake than a stream, which matters at 10,000 live requests.
+    The reply router appends each delta's tokens here as it arrives and wakes the episode once,
+    when the request ends (a final delta, a failure, its deadline): an episode needs the whole
+    generation, and one wake-up per turn instead of one per delta matters at 10,000 live
+    requests. Memory is bounded by the request's own `max_tokens` (more fails it).
     """
 
-    __slots__ = ("replies", "wake")
+    __slots__ = ("out", "max_tokens", "timeout_s", "sent_at", "failure", "finished", "timed_out", "wake")
 
-    def __init__(self) -> None:
-        self.replies: deque[TokenDelta | GenerateError | GenerationFailed] = deque()
+    def __init__(self, request_id: str, sampling: Sampling, sent_at: float) -> None:
+        self.out = Generation(request_id=request_id)
+        self.max_tokens, self.timeout_s = sampling.max_tokens, sampling.timeout_s
+        self.sent_at = sent_at
+        self.failure: GenerationFailed | None = None
+        self.finished = False
+        self.timed_out = False
         self.wake: anyio.Event | None = None
+
+    def end(self) -> None:
+        self.finished = True
+        if self.wake is not None:
+            self.wake.set()
+
+    def fail(self, failure: GenerationFailed) -> None:
+        if not self.finished:
+            self.failure = failure
+            self.end()
+
+    def time_out(self) -> None:
+        """Its deadline passed (called by the client's `Deadlines`)."""
+        if not self.finished:
+            self.timed_out = True
+            self.fail(GenerationFailed(Cause.ACTOR_TIMEOUT, f"no final delta within {self.timeout_s}s"))
 
 
 class ActorClient:
     """Multiplexes generation requests of many tasks over one DEALER `Channel`.
 
-    Run `client.run()` in a task group; it reads replies and routes them into each live
-    request's `_Inbox`. The router never waits on an episode, so a slow episode cannot stall the
-    others; an actor that sends a request more than `MAX_DELTAS` deltas (far beyond what its
-    `max_tokens` allows) gets that request failed as `actor_protocol`, which bounds memory.
+    Run `client.run()` in a task group; it reads replies and adds them to each live request's
+    `_Pending` record. The router never waits on an episode, so a slow episode cannot stall the
+    others; an actor that sends a request more tokens than its `max_tokens` gets that request
+    failed as `actor_protocol`, which bounds memory.
+
+    `deadlines`: a wheel someone else runs (the router's); None gives the client its own, which
+    `run()` runs.
     """
 
-    MAX_DELTAS = 4096
     #: What `watch_connection` reads; open the channel with `monitor_events=MONITOR_EVENTS` so
     #: that the first handshake cannot pass before the monitor exists (`connected` would stay
     #: False, and the router would never use the replica).
     MONITOR_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
-    def __init__(self, channel: Channel, worker: str) -> None:
+    def __init__(self, channel: Channel, worker: str, deadlines: Deadlines | None = None) -> None:
         self.channel = channel
         self.worker = worker
+        self.deadlines = deadlines or Deadlines()
+        self._runs_deadlines = deadlines is None
         self._ids = itertools.count()
-        self._routes: dict[str, _Inbox] = {}
+        self._routes: dict[str, _Pending] = {}
         self.stats = ClientStats()
         self.info: ActorInfo | None = None
         self._info_event = anyio.Event()
@@ -148,28 +180,20 @@ class ActorClient:
         self.on_change: Callable[[], None] = lambda: None
 
     async def run(self) -> None:
+        """Route replies until cancelled (and run the client's own deadlines, if it has them)."""
+        if not self._runs_deadlines:
+            await self._route_replies()
+            return
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.deadlines.run)
+            await self._route_replies()
+            tg.cancel_scope.cancel()
+
+    async def _route_replies(self) -> None:
         async for _, messages in self.channel:
             for message in messages:
                 if isinstance(message, (TokenDelta, GenerateError)):
-                    inbox = self._routes.get(message.request_id)
-                    if inbox is None:
-                        self.stats.late_replies += 1  # its episode ended meanwhile
-                        continue
-                    reply: TokenDelta | GenerateError | GenerationFailed = message
-                    problem = _delta_problem(message) if isinstance(message, TokenDelta) else None
-                    if problem is not None:
-                        self.stats.protocol_errors += 1
-                        self._bad.event("actor_protocol", "request %s: %s", message.request_id, problem)
-                        reply = GenerationFailed(Cause.ACTOR_PROTOCOL, problem)
-                    elif len(inbox.replies) >= self.MAX_DELTAS:
-                        self.stats.error_replies += 1
-                        reply = GenerationFailed(
-                            Cause.ACTOR_PROTOCOL, f"over {self.MAX_DELTAS} deltas unread"
-                        )
-                        inbox.replies.clear()
-                    inbox.replies.append(reply)
-                    if inbox.wake is not None:
-                        inbox.wake.set()
+                    self._take_reply(message)
                 elif isinstance(message, ActorInfo):
                     self.info = message
                     self._info_event.set()
@@ -181,6 +205,40 @@ class ActorClient:
                 else:
                     self.stats.unexpected_replies += 1
                     self._bad.event("unexpected", "unexpected %s from the actor", type(message).__name__)
+
+    def _take_reply(self, reply: TokenDelta | GenerateError) -> None:
+        """One reply into its request's record; a reply that breaks the protocol fails only it."""
+        pending = self._routes.get(reply.request_id)
+        if pending is None or pending.finished:
+            self.stats.late_replies += 1  # its episode ended meanwhile
+            return
+        if isinstance(reply, GenerateError):
+            pending.fail(GenerationFailed(TURN_CAUSE[reply.cause], reply.message))
+            return
+        problem = _delta_problem(reply)
+        out = pending.out
+        if problem is None and len(out.token_ids) + len(reply.token_ids) > pending.max_tokens:
+            problem = (
+                f"{len(out.token_ids) + len(reply.token_ids)} tokens for max_tokens={pending.max_tokens}"
+            )
+        if problem is not None:
+            self.stats.protocol_errors += 1
+            self._bad.event("actor_protocol", "request %s: %s", reply.request_id, problem)
+            pending.fail(GenerationFailed(Cause.ACTOR_PROTOCOL, problem))
+            return
+        if reply.token_ids:
+            if out.first_token_s is None:
+                out.first_token_s = anyio.current_time() - pending.sent_at
+            out.token_ids += reply.token_ids
+            out.logprobs += reply.logprobs
+            if reply.top_logprobs:
+                out.top_logprobs += reply.top_logprobs
+            out.versions += [reply.version] * len(reply.token_ids)
+        if reply.finish_reason is not None:
+            out.finish_reason = reply.finish_reason
+            if reply.load >= 0:  # the actor's live requests, ours among them
+                self.others_load = max(0, reply.load - self.stats.live)
+            pending.end()
 
     async def watch_connection(self, every_s: float = 0.1) -> None:
         """Fail every live turn as `actor_lost` (retryable) when the connection to the actor
@@ -204,11 +262,8 @@ class ActorClient:
 
     def _actor_lost(self) -> None:
         self.stats.disconnects += 1
-        lost = GenerationFailed(Cause.ACTOR_LOST, "the connection to the actor dropped")
-        for inbox in self._routes.values():
-            inbox.replies.append(lost)
-            if inbox.wake is not None:
-                inbox.wake.set()
+        for pending in self._routes.values():
+            pending.fail(GenerationFailed(Cause.ACTOR_LOST, "the connection to the actor dropped"))
         if self._routes:
             log.warning(
                 "%s: the actor's connection dropped; retrying %d turns", self.worker, len(self._routes)
@@ -220,13 +275,11 @@ class ActorClient:
         return latency
 
     def statistics(self) -> dict:
-        """Counters, plus the deltas received and not yet read by their episodes."""
+        """Counters, and the client's deadlines (pending, fired)."""
         counters = {k: v for k, v in vars(self.stats).items() if k != "latency"}
-        return {
-            **counters,
-            "queued_deltas": sum(len(i.replies) for i in self._routes.values()),
-            "queued_deltas_max_per_request": self.MAX_DELTAS,
-        }
+        if self._runs_deadlines:
+            counters["deadlines"] = self.deadlines.statistics()
+        return counters
 
     async def handshake(self, *, timeout_s: float, retries: int, backoff_s: float) -> ActorInfo:
         """Say `Hello` until the actor answers; raises `ActorUnreachable` after `retries` more tries.
@@ -284,85 +337,65 @@ class ActorClient:
     async def generate_once(
         self, prompt_token_ids: list[int], sampling: Sampling, *, seed: int | None
     ) -> Generation:
-        """One request, no retry: its stream collected, or `GenerationFailed`."""
+        """One request, no retry: its generation, or `GenerationFailed`."""
         request_id = f"{self.worker}-{next(self._ids)}"
-        inbox = _Inbox()
-        self._routes[request_id] = inbox
+        sent_at = anyio.current_time()
+        pending = self._routes[request_id] = _Pending(request_id, sampling, sent_at)
         self.stats.requests += 1
         self.stats.live += 1
-        out = Generation(request_id=request_id)
-        done = False
-        sent_at = anyio.current_time()
+        timer = self.deadlines.call_at(sent_at + sampling.timeout_s, pending.time_out)
         try:
-            # A class-based scope, not `fail_after` (a generator context manager): at 10,000
-            # live episodes the difference shows in profiles.
-            with anyio.CancelScope(deadline=sent_at + sampling.timeout_s) as scope:
-                await self.channel.send(
-                    GenerateRequest(
-                        request_id,
-                        prompt_token_ids,
-                        sampling.max_tokens,
-                        sampling.temperature,
-                        sampling.top_p,
-                        seed,
-                        list(sampling.stop_token_ids),
-                        sampling.ignore_eos,
-                        sampling.min_tokens,
-                        sampling.top_logprobs,
-                    )
-                )
-                while not done:
-                    if not inbox.replies:
-                        inbox.wake = anyio.Event()
-                        await inbox.wake.wait()
-                    reply = inbox.replies.popleft()
-                    if isinstance(reply, GenerationFailed):
-                        done = True
-                        raise reply
-                    if isinstance(reply, GenerateError):
-                        done = True
-                        raise GenerationFailed(TURN_CAUSE[reply.cause], reply.message)
-                    if out.first_token_s is None and reply.token_ids:
-                        out.first_token_s = anyio.current_time() - sent_at
-                    out.token_ids += reply.token_ids
-                    out.logprobs += reply.logprobs
-                    if reply.top_logprobs:
-                        out.top_logprobs += reply.top_logprobs
-                    out.versions += [reply.version] * len(reply.token_ids)
-                    if len(out.token_ids) > sampling.max_tokens:
-                        done = True
-                        self.stats.protocol_errors += 1
-                        raise GenerationFailed(
-                            Cause.ACTOR_PROTOCOL,
-                            f"{len(out.token_ids)} tokens for max_tokens={sampling.max_tokens}",
-                        )
-                    if reply.finish_reason is not None:
-                        out.finish_reason = reply.finish_reason
-                        done = True
-                        if reply.load >= 0:  # the actor's live requests, ours among them
-                            self.others_load = max(0, reply.load - self.stats.live)
-            if scope.cancelled_caught:
-                raise GenerationFailed(Cause.ACTOR_TIMEOUT, f"no final delta within {sampling.timeout_s}s")
-            if out.finish_reason == "abort":
+            await self._send_request(pending, prompt_token_ids, sampling, seed)
+            if not pending.finished:
+                pending.wake = anyio.Event()
+                await pending.wake.wait()  # bounded: the deadline above ends it
+            if pending.failure is not None:
+                raise pending.failure
+            if pending.out.finish_reason == "abort":
                 raise GenerationFailed(Cause.ACTOR_ABORT, "the actor aborted the request")
             self.stats.completed += 1
             self.stats.latency.add(anyio.current_time() - sent_at)
-            return out
+            return pending.out
         except GenerationFailed as exc:
-            exc.request_id, exc.partial = request_id, out
+            exc.request_id, exc.partial = request_id, pending.out
             raise
         finally:
+            self.deadlines.cancel(timer)
             del self._routes[request_id]
             self.stats.live -= 1
-            if not done:
-                # Cancelled or timed out: tell the actor to stop generating for nobody.
-                self.stats.aborted += 1
-                try:
-                    self.channel.send_nowait(Abort(request_id))
-                except anyio.WouldBlock:
-                    pass
-            elif out.finish_reason is None or out.finish_reason == "abort":
-                self.stats.failed += 1
+            self._settle(request_id, pending)
+
+    async def _send_request(
+        self, pending: _Pending, prompt_token_ids: list[int], sampling: Sampling, seed: int | None
+    ) -> None:
+        request = GenerateRequest(
+            pending.out.request_id,
+            prompt_token_ids,
+            sampling.max_tokens,
+            sampling.temperature,
+            sampling.top_p,
+            seed,
+            list(sampling.stop_token_ids),
+            sampling.ignore_eos,
+            sampling.min_tokens,
+            sampling.top_logprobs,
+        )
+        try:
+            await self.channel.send(request, timeout=sampling.timeout_s)
+        except TimeoutError:
+            pending.time_out()  # the send queue stayed full for the whole turn
+
+    def _settle(self, request_id: str, pending: _Pending) -> None:
+        """Count how the request ended; one cancelled (its episode ended) or timed out tells the
+        actor to stop generating for nobody."""
+        if not pending.finished or pending.timed_out:
+            self.stats.aborted += 1
+            try:
+                self.channel.send_nowait(Abort(request_id))
+            except anyio.WouldBlock:
+                pass
+        elif pending.failure is not None or pending.out.finish_reason == "abort":
+            self.stats.failed += 1
 
 
 #: Finish reasons an actor may send (None: the request still runs).

@@ -47,6 +47,7 @@ from millstream.envpool.actors.generation import (
     Sampling,
     with_retries,
 )
+from millstream.envpool.deadlines import Deadlines
 from millstream.shared.config import TransportConfig
 from millstream.shared.obs.metrics import LatencyHistogram
 from millstream.shared.wire import ActorInfo, Cause, ReplicaRef
@@ -120,6 +121,8 @@ class Router:
         self.moved = 0  # episodes that changed replica
         self.latency = LatencyHistogram()
         self.info: ActorInfo | None = None
+        #: Every replica's turn deadlines, and the episodes' (envpool/deadlines.py); `run` runs it.
+        self.deadlines = Deadlines()
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -127,6 +130,7 @@ class Router:
         """Hosts every replica's socket tasks; until the first `update`, the configured one."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            tg.start_soon(self.deadlines.run)
             self.update(self._pending)
             await anyio.sleep_forever()
 
@@ -165,7 +169,7 @@ class Router:
             recv_queue=4096,
             monitor_events=ActorClient.MONITOR_EVENTS,
         )
-        client = ActorClient(channel, self.worker)
+        client = ActorClient(channel, self.worker, self.deadlines)
         client.on_change = lambda: self._on_connection(ref.name)
         replica = _Replica(ref.name, ref.address, ref.epoch, client)
         before = self.gone.pop(ref.name, None)
@@ -318,6 +322,7 @@ class Router:
             **totals,
             "retries_by_cause": {str(k): v for k, v in self.retries_by_cause.items()},
             "episodes_moved": self.moved,
+            "deadlines": self.deadlines.statistics(),
             "replicas": {**self.gone, **{n: r.statistics() for n, r in self.replicas.items()}},
         }
 
@@ -331,5 +336,5 @@ class Router:
 def _counters(stats: dict[str, Any], levels: bool = True) -> dict[str, int]:
     """The numbers of a client's statistics that add up across replicas; `levels=False` leaves
     out what is a level now (live requests, queued deltas), not a count (a closed client's)."""
-    skip = {"queued_deltas_max_per_request"} | (set() if levels else {"live", "queued_deltas"})
+    skip = set() if levels else {"live"}
     return {k: v for k, v in stats.items() if isinstance(v, int) and k not in skip}

@@ -230,7 +230,15 @@ class Evaluator:
         async with self.limiter:
             env = _Recording(make_env(self.env_name, self.env_args))
             try:
-                result = await run_episode(spec, env, self.chat, self.client, self.pool, self.max_model_len())
+                result = await run_episode(
+                    spec,
+                    env,
+                    self.chat,
+                    self.client,
+                    self.pool,
+                    self.max_model_len(),
+                    deadlines=self.client.deadlines,
+                )
             except Exception as exc:  # a bug of ours: counted, the round goes on
                 log.exception("eval episode %s crashed", spec.episode_id)
                 result = EpisodeFailed(spec.episode_id, gid, self.ev.samples, Cause.ENVPOOL_ERROR, str(exc))

@@ -1,0 +1,94 @@
+"""The envpool's timer wheel (envpool/deadlines.py): never early, about a tick late, cancellable."""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+from millstream.envpool.deadlines import Deadlines, running_deadlines
+
+
+def run(fn):
+    return anyio.run(fn, backend="trio")
+
+
+def test_deadlines_fire_once_never_early_and_within_a_few_ticks():
+    rng = random.Random(7)
+    fired: dict[int, float] = {}
+    late: list[float] = []
+
+    async def main():
+        async with running_deadlines() as wheel:
+            start = anyio.current_time()
+            due = {i: start + rng.uniform(0.0, 0.4) for i in range(2000)}
+
+            def fire(i: int) -> None:
+                assert i not in fired, "a deadline fired twice"
+                fired[i] = anyio.current_time()
+                late.append(fired[i] - due[i])
+
+            for i, when in due.items():
+                wheel.call_at(when, lambda i=i: fire(i))
+            await anyio.sleep(0.4 + 10 * wheel.tick_s)
+            assert wheel.statistics()["pending"] == 0 and wheel.statistics()["buckets"] == 0
+
+    run(main)
+    assert len(fired) == 2000
+    assert min(late) >= 0, "a deadline fired before its time"
+    # A tick late at most, plus the scheduler: generous, the bound is about order, not speed.
+    assert sorted(late)[len(late) // 2] < 0.5
+
+
+def test_a_cancelled_deadline_never_fires_and_cancel_is_idempotent():
+    calls: list[str] = []
+
+    async def main():
+        async with running_deadlines() as wheel:
+            now = anyio.current_time()
+            keep = wheel.call_at(now + 0.05, lambda: calls.append("kept"))
+            drop = wheel.call_at(now + 0.05, lambda: calls.append("dropped"))
+            wheel.cancel(drop)
+            wheel.cancel(drop)
+            assert wheel.statistics()["pending"] == 1
+            await anyio.sleep(0.3)
+            wheel.cancel(keep)  # fired already: no error, nothing counted twice
+            assert wheel.statistics() == {"pending": 0, "buckets": 0, "fired": 1}
+
+    run(main)
+    assert calls == ["kept"]
+
+
+def test_a_deadline_in_the_past_fires_at_the_next_tick_and_an_idle_wheel_wakes_for_it():
+    seen: list[float] = []
+
+    async def main():
+        async with running_deadlines() as wheel:
+            await anyio.sleep(0.2)  # the wheel is idle: it waits for a deadline, up to a second
+            added = anyio.current_time()
+            wheel.call_at(added - 5.0, lambda: seen.append(anyio.current_time() - added))
+            with anyio.fail_after(0.9):  # well before its idle wait ends by itself
+                while not seen:
+                    await anyio.sleep(0.01)
+
+    run(main)
+    assert len(seen) == 1
+
+
+def test_a_deadline_cancels_a_scope_from_the_wheel_task():
+    """What the envpool does with it: a scope without a deadline, cancelled by the wheel."""
+
+    async def main():
+        async with running_deadlines() as wheel:
+            with anyio.CancelScope() as scope:
+                wheel.call_at(anyio.current_time() + 0.1, scope.cancel)
+                await anyio.sleep(5)
+            assert scope.cancelled_caught
+
+    run(main)
+
+
+def test_tick_must_be_positive():
+    with pytest.raises(ValueError, match="tick_s"):
+        Deadlines(tick_s=0)
