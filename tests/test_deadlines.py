@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import anyio
@@ -30,7 +31,7 @@ def test_deadlines_fire_once_never_early_and_within_a_few_ticks():
                 late.append(fired[i] - due[i])
 
             for i, when in due.items():
-                wheel.call_at(when, lambda i=i: fire(i))
+                wheel.call_at(when, functools.partial(fire, i))
             await anyio.sleep(0.4 + 10 * wheel.tick_s)
             assert wheel.statistics()["pending"] == 0 and wheel.statistics()["buckets"] == 0
 
