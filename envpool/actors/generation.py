@@ -9,11 +9,12 @@ own. The worker builds it once from `[envpool]` with `Sampling.for_turns`, and t
 and the debugger do the same; the endpoint changes only a call's `max_tokens` (with
 `msgspec.structs.replace`). The judge samples by its own `[judge]` section, so it builds its own.
 
-`Retry` is the one retry policy of a generation, used by `ActorClient.generate` (one actor) and
-`Router.generate` (the run's replicas) alike through `with_retries`: a request that got no final
-delta in time, or that the actor refused as overloaded, or that a lost connection took down
-(`RETRYABLE_CAUSES`), is sent again up to `retries` more times after `backoff_s`, then twice
-that, and so on. The retry carries the same seed, so the run stays reproducible. Other failures
+`Retry` is the one retry policy of a generation, used by `ActorClient.generate` (one actor,
+through `with_retries`) and `Router.generate` (the run's replicas, in a loop of its own: the hot
+path) alike: a request that got no final delta in time, or that the actor refused as
+overloaded, or that a lost connection took down (`RETRYABLE_CAUSES`), is sent again up to
+`retries` more times after `backoff_s`, then twice that, and so on (`Retry.allows`). The retry
+carries the same seed, so the run stays reproducible. Other failures
 are never retried: resending a bad request, or one that killed the engine, helps nobody.
 """
 
@@ -116,6 +117,10 @@ class Retry(msgspec.Struct, frozen=True):
         """The wait before retry number `attempt + 1` (exponential backoff)."""
         return self.backoff_s * 2**attempt
 
+    def allows(self, failure: GenerationFailed, attempt: int) -> bool:
+        """Whether try number `attempt` (0 the first) that failed so may be sent again."""
+        return failure.retryable and failure.cause in RETRYABLE_CAUSES and attempt < self.retries
+
 
 NO_RETRY = Retry()
 
@@ -134,7 +139,7 @@ async def with_retries(
         try:
             return await attempt()
         except GenerationFailed as exc:
-            if not exc.retryable or exc.cause not in RETRYABLE_CAUSES or n == retry.retries:
+            if not retry.allows(exc, n):
                 raise
             await before_retry(exc, retry.delay(n))
     raise AssertionError("unreachable")

@@ -45,7 +45,6 @@ from millstream.envpool.actors.generation import (
     GenerationFailed,
     Retry,
     Sampling,
-    with_retries,
 )
 from millstream.envpool.deadlines import Deadlines
 from millstream.shared.config import TransportConfig
@@ -218,6 +217,13 @@ class Router:
 
     # --- routing ------------------------------------------------------------------------------
 
+    def _pick_now(self, affinity: str | None) -> _Replica | None:
+        """The episode's own replica when it can take the turn now (most turns), else None."""
+        sticky = self.replicas.get(self._sticky.get(affinity, "")) if affinity else None
+        if sticky is not None and self.usable(sticky) and anyio.current_time() >= sticky.shed_until:
+            return sticky
+        return None
+
     async def _pick(self, affinity: str | None, deadline: float) -> _Replica:
         """The episode's replica if it is usable, else the least loaded usable one (not shed if
         any is not); waits for one until `deadline`."""
@@ -255,32 +261,33 @@ class Router:
         retry: Retry = NO_RETRY,
         affinity: str | None = None,
     ) -> Generation:
-        """As `ActorClient.generate`, on the episode's replica; a retry may go to another."""
-        tried: list[_Replica] = []
+        """As `ActorClient.generate`, on the episode's replica; a retry may go to another.
 
-        async def attempt() -> Generation:
-            replica = await self._pick(affinity, anyio.current_time() + sampling.timeout_s)
-            tried.append(replica)
+        The retry loop is written out rather than `with_retries` with closures: this is every
+        turn's path, and each coroutine level costs on every wake-up of the episode.
+        """
+        for attempt in range(retry.retries + 1):
+            replica = self._pick_now(affinity)
+            if replica is None:
+                replica = await self._pick(affinity, anyio.current_time() + sampling.timeout_s)
             replica.requests += 1
             started = anyio.current_time()
             try:
                 gen = await replica.client.generate_once(prompt_token_ids, sampling, seed=seed)
             except GenerationFailed as exc:
                 replica.failed[exc.cause] += 1
-                raise
+                if not retry.allows(exc, attempt):
+                    raise
+                self.retries_by_cause[exc.cause] += 1
+                await self._before_retry(replica, exc.cause, retry.delay(attempt))
+                continue
             replica.tokens += len(gen.token_ids)
             self.completed += 1
-            replica.latency.add(anyio.current_time() - started)
-            self.latency.add(anyio.current_time() - started)
+            took = anyio.current_time() - started
+            replica.latency.add(took)
+            self.latency.add(took)
             return gen
-
-        async def before_retry(exc: GenerationFailed, delay_s: float) -> None:
-            # Only a request a replica failed is retried (a failed pick is final), so `tried`
-            # holds the replica that failed it.
-            self.retries_by_cause[exc.cause] += 1
-            await self._before_retry(tried[-1], exc.cause, delay_s)
-
-        return await with_retries(attempt, retry, before_retry)
+        raise AssertionError("unreachable: the last try returns or raises")
 
     async def _before_retry(self, replica: _Replica, cause: Cause, backoff_s: float) -> None:
         """Overloaded: pass the replica over for a moment (no wait if another is usable); lost:
