@@ -5,11 +5,12 @@ Layout:
     worker.py    the worker process: admission, concurrency, reporting to the learner
     episode.py   one episode: reset, generate, step, ... -> Trajectory or EpisodeFailed
     record.py    the token record of an episode (text, agent and debug episodes alike)
-    chat.py      token-in/token-out chat context (the envpool owns tokenization)
+    deadlines.py the timer wheel that keeps the turns', env calls' and episodes' time limits
     gate.py      the staleness-bounded admission gate
     seeds.py     where every random choice of an episode comes from
     stats.py     what a worker counts
     preflight.py `millstream envpool --check`: a config's envpool side, before a run starts
+    chat/        token-in/token-out chat context (the envpool owns tokenization)
     envs/        environments (text in, text out) by kind, and their registry
     actors/      the link to the actor replicas: client, router, sampling and retries
     agents/      the OpenAI-compatible endpoint per episode, for agent environments

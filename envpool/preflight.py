@@ -9,7 +9,7 @@ the envpool can answer these questions (the launcher lives in `shared/` and impo
 - does the model directory hold a tokenizer and a chat template the envpool can use, and does
   that template accept the environment's conversation (a Gemma-style template refuses a system
   prompt with `raise_exception`: caught here, not in the first episode)? A template that
-  re-renders earlier turns (envpool/chat.py) is logged as a warning, not refused.
+  re-renders earlier turns (envpool/chat/format.py) is logged as a warning, not refused.
 - does the first prompt of a sample episode leave room for `envpool.max_tokens` within
   `actor.max_model_len`? (Prompts differ by seed, so this can only catch a budget that cannot
   fit; a longer prompt at run time ends its episode as the counted cause `prompt_too_long`.)
@@ -81,7 +81,7 @@ def check_envpool(cfg: Config) -> str | None:
         with_system = ", which has a system prompt," if system else ""
         return f"model.path: {exc} (rendering the conversation of envpool.env = {pool.env!r}{with_system})"
     if chat.rerenders:
-        log.warning("%s (see envpool/chat.py)", chat.rerenders)
+        log.warning("%s (see envpool/chat/format.py)", chat.rerenders)
     if prompt + pool.max_tokens > cfg.actor.max_model_len:
         return (
             f"envpool.max_tokens = {pool.max_tokens}: the first prompt of {pool.env!r} "

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_chat_templates import write_tokenizer_dir
 
 from millstream.envpool.agents.messages import template_message
@@ -247,3 +249,46 @@ def test_a_call_whose_marker_is_a_special_token_is_parsed(families, family, tiny
         ("get_weather", {"city": "Paris"})
     ]
     assert not seen["message"].content
+
+
+#: The families that put a user turn's text verbatim between fixed text (their next prompt is
+#: spliced, not rendered); Llama, Gemma and Command-R trim it, so theirs is rendered every time.
+SPLICED = {
+    "qwen2.5",
+    "qwen3",
+    "smollm2",
+    "smollm3",
+    "granite3",
+    "phi3.5",
+    "deepseek-r1",
+    "mistral-v0.3",
+    "mistral-nemo",
+}
+
+any_text = st.text(
+    st.sampled_from("ab XY 01 .,:;'\"{}<>&\\/\n\t\u00e9\u4e2d\U0001f642"), max_size=40
+) | st.sampled_from(["  padded  ", "\n", "<tool_response>\nx\n</tool_response>", "<|im_end|>", "[INST]"])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_spliced_next_prompt_is_the_rendered_one(families, family):
+    """Whatever the text (whitespace at its ends, markup, tags, special tokens), the next
+    prompt's ids are those of a full render of the template, spliced or not."""
+    chat, _ = families[family]
+
+    def rendered(text: str, role: str) -> list[int]:
+        return chat.encode(chat._after_reply(role, None, text)[len(chat.eos_text) :])
+
+    @settings(max_examples=60, deadline=None)
+    @given(any_text, st.sampled_from(["user", "tool"]))
+    def check(text, role):
+        try:
+            expected = rendered(text, role)
+        except ChatTemplateError:
+            with pytest.raises(ChatTemplateError):
+                chat.next_prompt(text, role=role)
+            return
+        assert chat.next_prompt(text, role=role) == expected
+
+    check()
+    assert (chat._verbatim("user") is not None) == (family in SPLICED), family

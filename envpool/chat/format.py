@@ -24,147 +24,50 @@ envpool keeps appending (every turn's context is exactly the tokens the model sa
 what the learner trains on); `ChatFormat` probes for it when it loads (`rerenders`, a sentence
 naming what changes, or None), preflight logs it, and nothing fails mid-run.
 
-Rendering follows transformers (transformers/utils/chat_template_utils.py): a sandboxed jinja
-environment with `trim_blocks`/`lstrip_blocks`, loop controls, its `tojson` (no HTML escaping),
-`raise_exception`, `strftime_now` and `{% generation %}`; the tokenizer's named special tokens
-(`bos_token`, `eos_token`, ...) passed to the template; templates looked up in transformers'
-order (`chat_template.jinja` and `additional_chat_templates/*.jinja` beside the tokenizer, else
-`tokenizer_config.json`'s `chat_template`, a string or a list of named templates; `tool_use` is
-picked when tools are given); the rendered text encoded without adding special tokens. A
-template that refuses a conversation (`raise_exception`) raises `ChatTemplateError` naming the
-template and its message.
-
-This module uses `tokenizers` and `jinja2` only: the envpool never imports torch.
+This module uses `tokenizers` only (the templates' jinja is envpool/chat/templates.py): the
+envpool never imports torch.
 """
 
 from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-if TYPE_CHECKING:
-    from millstream.shared.config import Config
 from tokenizers import Tokenizer
 
-__all__ = ["ChatFormat", "ChatTemplateError", "load_chat_templates", "tokenizer_dir"]
-
-SPECIAL_TOKEN_NAMES = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
+from millstream.envpool.chat.templates import (
+    ChatTemplateError,
+    compile_template,
+    load_chat_templates,
+    special_tokens,
 )
-# What transformers' tokenizer classes of the main families use for a token that
-# tokenizer_config.json leaves out (their __init__ defaults).
-_CLASS_DEFAULTS = {
-    "Qwen2Tokenizer": {
-        "unk_token": "<|endoftext|>",
-        "eos_token": "<|endoftext|>",
-        "pad_token": "<|endoftext|>",
-    },
-    "LlamaTokenizer": {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
-    "GemmaTokenizer": {
-        "unk_token": "<unk>",
-        "bos_token": "<bos>",
-        "eos_token": "<eos>",
-        "pad_token": "<pad>",
-        "mask_token": "<mask>",
-    },
-}
+
+__all__ = ["ChatFormat"]
+
 _PROBE_SYSTEM, _PROBE_USER = "\x00system-probe\x00", "\x00user-probe\x00"
 _PROBE_TOOL = "millstream_tool_probe"
 _PROBE_ASSISTANT = "\x00assistant-probe\x00"
 _PROBE_THINKING = "<think>\n\x00reasoning-probe\x00\n</think>\n\n\x00answer-probe\x00"
-
-
-class ChatTemplateError(ValueError):
-    """The model's chat template refused a conversation (`raise_exception`) or failed on it."""
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
-    # transformers' own filter: jinja's escapes HTML characters, which would change the text.
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-class _Generation(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' assistant masks): renders its body."""
-
-    tags = {"generation"}  # noqa: RUF012 (jinja's own attribute, typed as a set)
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    def _body(self, caller: Any) -> str:
-        return caller()
-
-
-_ENV = ImmutableSandboxedEnvironment(
-    trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, jinja2.ext.loopcontrols]
+#: Texts a template might not render verbatim: surrounding whitespace (trimmed), markup and
+#: quotes (escaped), tags some templates look for (tool responses, reasoning), special tokens,
+#: jinja syntax, non-ASCII, nothing at all.
+_VERBATIM_PROBES = (
+    "",
+    " ",
+    "  both ends  ",
+    "\n\nnewlines\n",
+    "\ttab",
+    "<tool_response>\nx\n</tool_response>",
+    "<think>\nx\n</think>\n\ny",
+    "<|im_end|><|eot_id|><end_of_turn></s>",
+    "{{ x }}{% if %}",
+    "&<>\"'\\",
+    "\u00e9\u4e2d\U0001f642",
+    "[TOOL_RESULTS] [INST]",
 )
-_ENV.filters["tojson"] = _tojson
-_ENV.globals["raise_exception"] = _raise_exception
-_ENV.globals["strftime_now"] = _strftime_now
-
-
-def load_chat_templates(path: str | Path) -> tuple[dict[str, str], str]:
-    """The model's chat templates by name, and where they came from, in transformers' order.
-
-    Template files beside the tokenizer (`chat_template.jinja` is "default",
-    `additional_chat_templates/NAME.jinja` is NAME) replace tokenizer_config.json's entry.
-    """
-    path = Path(path)
-    templates: dict[str, str] = {}
-    if (path / "chat_template.jinja").is_file():
-        templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    extra = path / "additional_chat_templates"
-    if extra.is_dir():
-        for file in sorted(extra.glob("*.jinja")):
-            templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
-    if templates:
-        return templates, str(path / "chat_template.jinja" if "default" in templates else extra)
-    config_file = path / "tokenizer_config.json"
-    entry = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
-    if isinstance(entry, str) and entry:
-        return {"default": entry}, str(config_file)
-    if isinstance(entry, list) and entry:
-        return {t["name"]: t["template"] for t in entry}, str(config_file)
-    raise ValueError(f"{path} has no chat template (no chat_template.jinja, none in tokenizer_config.json)")
-
-
-def _special_tokens(path: Path, config: dict) -> dict[str, str]:
-    """The named special tokens transformers passes to the template (its `special_tokens_map`)."""
-    values = dict(_CLASS_DEFAULTS.get(str(config.get("tokenizer_class", "")).removesuffix("Fast"), {}))
-    values.update({k: config[k] for k in SPECIAL_TOKEN_NAMES if k in config})
-    legacy = path / "special_tokens_map.json"
-    if "added_tokens_decoder" not in config and legacy.is_file():  # transformers' legacy branch
-        values.update({k: v for k, v in json.loads(legacy.read_text()).items() if k in SPECIAL_TOKEN_NAMES})
-    out = {}
-    for name, value in values.items():
-        value = value.get("content") if isinstance(value, dict) else value
-        if value is not None:
-            out[name] = str(value)
-    return out
 
 
 class ChatFormat:
@@ -198,7 +101,7 @@ class ChatFormat:
         self._templates: dict[str, jinja2.Template] = {}
         for name, text in templates.items():
             try:
-                self._templates[name] = _ENV.from_string(text)
+                self._templates[name] = compile_template(text)
             except jinja2.TemplateError as exc:
                 raise ChatTemplateError(
                     f"chat template {name!r} ({source}) does not compile: {exc}"
@@ -230,6 +133,7 @@ class ChatFormat:
         # The members of a group share their first prompt; rendering a template is the
         # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
         self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self._around: dict[str, tuple[str, str] | None] = {}  # `_verbatim`, by role
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatFormat:
@@ -244,7 +148,7 @@ class ChatFormat:
         return cls(
             Tokenizer.from_file(str(path / "tokenizer.json")),
             templates,
-            _special_tokens(path, config),
+            special_tokens(path, config),
             stop_token_ids=stops,
             source=source,
         )
@@ -335,7 +239,14 @@ class ChatFormat:
     def next_prompt(
         self, observation: str, *, role: str = "user", tools: list[dict] | None = None
     ) -> list[int]:
-        """Ids after a closed assistant turn: one more `role` turn and the generation prompt."""
+        """Ids after a closed assistant turn: one more `role` turn and the generation prompt.
+
+        Where the template puts a `role` turn's text verbatim between fixed text (`_verbatim`),
+        that text is spliced in without rendering: a render per turn was a tenth of a worker's
+        CPU. The splice is the same string the render gives, so the ids are the same."""
+        around = self._verbatim(role) if tools is None else None
+        if around is not None:
+            return self.encode(around[0] + observation + around[1])
         after = self._after_reply(role, tools, observation)
         if not after.startswith(self.eos_text):
             raise ChatTemplateError(
@@ -343,6 +254,28 @@ class ChatFormat:
                 f"differently ({after[:20]!r}) than before a user turn ({self.eos_text!r})"
             )
         return self.encode(after[len(self.eos_text) :])
+
+    def _verbatim(self, role: str) -> tuple[str, str] | None:
+        """(before, after): the text around a `role` turn's content after a closed reply, when
+        the template renders that content verbatim; else None (it trims, escapes or branches on
+        what the content says). Decided once per role by rendering probes of the kinds of text
+        templates treat specially, each of which must come out exactly spliced."""
+        if role in self._around:
+            return self._around[role]
+        around: tuple[str, str] | None = None
+        try:
+            marked = self._after_reply(role, None, _PROBE_USER)
+            before, _, after = marked.partition(_PROBE_USER)
+            if marked.startswith(self.eos_text) and _PROBE_USER in marked:
+                around = before[len(self.eos_text) :], after
+                for text in _VERBATIM_PROBES:
+                    if self._after_reply(role, None, text) != self.eos_text + around[0] + text + around[1]:
+                        around = None
+                        break
+        except ChatTemplateError:
+            around = None  # the slow path says what is wrong, each time
+        self._around[role] = around
+        return around
 
     def _after_reply(self, role: str, tools: list[dict] | None, observation: str) -> str:
         """The text a full render puts after an assistant's reply that a `role` turn follows."""
@@ -404,17 +337,3 @@ def _rewrite(appended: str, fresh: str, what: str) -> str:
         return "moves the system prompt to the latest user turn"
     at = next((i for i, (a, b) in enumerate(zip(appended, fresh)) if a != b), min(len(appended), len(fresh)))
     return f"renders {what} differently (appended {appended[at : at + 24]!r}, fresh {fresh[at : at + 24]!r})"
-
-
-def tokenizer_dir(cfg: Config) -> str:
-    """The model directory whose tokenizer and chat template the envpool uses.
-
-    The envpool never builds the tiny model (that needs torch); the launcher or actor does.
-    """
-    path = Path(cfg.model.path or cfg.model.tiny_dir).expanduser()
-    if not (path / "tokenizer.json").exists():
-        raise FileNotFoundError(
-            f"no tokenizer.json in {path}: set model.path (the launcher does) or build the tiny "
-            "model first with `millstream tiny-model DIR`"
-        )
-    return str(path)
