@@ -252,6 +252,15 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         float, _doc("Longest one generation may take; beyond: episode fails, 'actor_timeout'.", gt=0)
     ] = 120.0
     episode_timeout_s: Annotated[float, _doc("Longest one whole episode may take.", gt=0)] = 600.0
+    gc_full_every_s: Annotated[
+        float,
+        _doc(
+            "Seconds between the worker's full garbage collections; the start's objects are "
+            "frozen and CPython's own full-collection rule is off (envpool/heap.py says why). "
+            "0 keeps CPython's schedule.",
+            ge=0,
+        ),
+    ] = 30.0
     actor_retries: Annotated[
         int,
         _doc(
