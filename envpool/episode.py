@@ -200,7 +200,7 @@ async def _play(
             continue
         carried = []
         bridge = chat.close_turn(gen.token_ids) + chat.next_prompt(obs.text)
-        if len(record.visible()) + len(bridge) + sampling.max_tokens > max_model_len:
+        if record.visible_length() + len(bridge) + sampling.max_tokens > max_model_len:
             record.truncated = Truncation.CONTEXT_FULL  # no room for a whole turn: trained, not failed
             break
         record.add_prompt(bridge)

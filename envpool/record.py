@@ -1,9 +1,14 @@
 """The token record of one episode, whichever way it is played: env turns, agent calls, the debugger.
 
-An episode's record is four parallel token lists (ids, loss mask, behaviour logprobs, policy
-versions) over every context the episode used, concatenated, plus per turn: where its reply
-starts and ends, its reward, the request that made it, and `texts` alternating observation and
-reply. `segment` is where the context the model currently sees begins: 0 unless the environment
+An episode's record is the token ids of every context the episode used, concatenated, and the
+generated spans within them (each reply's logprobs and policy versions, and whether it is
+trained), plus per turn: where its reply starts and ends, its reward, the request that made it,
+and `texts` alternating observation and reply. The per-token loss mask, logprobs and versions
+are laid out only when the episode ends (`token_lists`): while it runs, three lists as long as
+its context would mostly repeat "no loss, 0.0, -1" for prompt tokens, and at 10,000 live
+episodes that is megabytes.
+
+`segment` is where the context the model currently sees begins: 0 unless the environment
 asked for a fresh context (Delethink) or an agent's call did not extend the context so far; each
 new segment's start is listed in `segment_starts`, and the learner trains each segment as its
 own sequence.
@@ -47,13 +52,31 @@ def episode_failed(
 class EpisodeRecord:
     """The growing record of one episode (see the module docstring for its layout)."""
 
+    __slots__ = (
+        "spec",
+        "started",
+        "ids",
+        "spans",
+        "segment",
+        "segment_starts",
+        "rewards",
+        "turn_starts",
+        "turn_ends",
+        "texts",
+        "request_ids",
+        "anchors",
+        "invalid_actions",
+        "truncated",
+        "success",
+        "closed",
+    )
+
     def __init__(self, spec: EpisodeSpec) -> None:
         self.spec = spec
         self.started = time.monotonic()
         self.ids: list[int] = []
-        self.mask: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []
+        #: Generated tokens: (start and end in `ids`, trained, their logprobs, their versions).
+        self.spans: list[tuple[int, int, bool, list[float], list[int]]] = []
         self.segment = 0
         self.segment_starts: list[int] = []
         self.rewards: list[float] = []
@@ -76,8 +99,12 @@ class EpisodeRecord:
         return len(self.turn_starts)
 
     def visible(self) -> list[int]:
-        """The context the model currently sees."""
+        """The context the model currently sees (a copy)."""
         return self.ids[self.segment :]
+
+    def visible_length(self) -> int:
+        """How many tokens the model currently sees."""
+        return len(self.ids) - self.segment
 
     def extends(self, prompt_ids: list[int]) -> bool:
         """Does `prompt_ids` continue the current context token for token?"""
@@ -90,22 +117,31 @@ class EpisodeRecord:
         self.segment_starts.append(self.segment)
 
     def add_prompt(self, ids: list[int]) -> None:
-        """Tokens the model reads and is not trained on."""
+        """Tokens the model reads and is not trained on (no loss, logprob 0.0, version -1)."""
         self.ids.extend(ids)
-        self.mask.extend([0] * len(ids))
-        self.logprobs.extend([0.0] * len(ids))
-        self.versions.extend([-1] * len(ids))
 
     def add_reply(self, gen: Generation, *, trained: bool = True, anchor: str = "") -> None:
-        """One turn's generated tokens, with their logprobs and versions."""
-        self.turn_starts.append(len(self.ids))
+        """One turn's generated tokens, with their logprobs and versions (kept, not copied)."""
+        start = len(self.ids)
+        self.turn_starts.append(start)
         self.request_ids.append(gen.request_id)
         self.anchors.append(anchor)
         self.ids.extend(gen.token_ids)
-        self.mask.extend([1 if trained else 0] * len(gen.token_ids))
-        self.logprobs.extend(gen.logprobs)
-        self.versions.extend(gen.versions)
+        self.spans.append((start, len(self.ids), trained, gen.logprobs, gen.versions))
         self.turn_ends.append(len(self.ids))
+
+    def token_lists(self) -> tuple[list[int], list[float], list[int]]:
+        """Per token of `ids`: the loss mask, the behaviour logprobs and the policy versions."""
+        n = len(self.ids)
+        mask, logprobs, versions = [0] * n, [0.0] * n, [-1] * n
+        for start, end, trained, span_logprobs, span_versions in self.spans:
+            if trained:
+                mask[start:end] = [1] * (end - start)
+            # Cut to the span, so a generation whose lists disagree cannot shift the others.
+            span_logprobs, span_versions = span_logprobs[: end - start], span_versions[: end - start]
+            logprobs[start : start + len(span_logprobs)] = span_logprobs
+            versions[start : start + len(span_versions)] = span_versions
+        return mask, logprobs, versions
 
     def add_call(self, prompt_ids: list[int], gen: Generation, text: str) -> bool:
         """One model call of an agent: its prompt (only what extends the context) and reply.
@@ -117,7 +153,7 @@ class EpisodeRecord:
         fresh = bool(self.ids) and not self.extends(prompt_ids)
         if fresh:
             self.start_segment()
-        self.add_prompt(prompt_ids[len(self.visible()) :])
+        self.add_prompt(prompt_ids[self.visible_length() :])
         self.add_reply(gen, anchor=f"call{self.turns}")
         self.rewards.append(0.0)  # the agent's reward is the episode's, set on the last call
         # `texts` alternates observation and reply; an agent's "observation" is the messages it
@@ -137,13 +173,14 @@ class EpisodeRecord:
         if not self.ids and failed is None and not always:
             return None
         request = failed.as_request(len(self.rewards)) if failed is not None else None
+        mask, logprobs, versions = self.token_lists()
         return Scene(
             self.spec.env_name,
             self.spec.seed,
             self.ids,
-            self.mask,
-            self.logprobs,
-            self.versions,
+            mask,
+            logprobs,
+            versions,
             self.rewards,
             self.turn_starts,
             self.turn_ends,
@@ -161,15 +198,16 @@ class EpisodeRecord:
         """The finished episode; the record is closed (the trajectory holds its lists)."""
         self.closed = True
         spec = self.spec
+        mask, logprobs, versions = self.token_lists()
         return Trajectory(
             episode_id=spec.episode_id,
             group_id=spec.group_id,
             seed=spec.seed,
             env=spec.env_name,
             token_ids=self.ids,
-            loss_mask=self.mask,
-            logprobs=self.logprobs,
-            versions=self.versions,
+            loss_mask=mask,
+            logprobs=logprobs,
+            versions=versions,
             reward=sum(self.rewards),
             turn_rewards=self.rewards,
             num_turns=len(self.rewards),

@@ -228,7 +228,7 @@ class Worker:
             self.live_ids.add(spec.episode_id)
             self.stats.started += 1
             self.stats.live += 1
-            episodes.start_soon(self._episode, spec)
+            episodes.start_soon(self._episode, spec, name="episode")  # a name, not one made per task
 
     async def _follow_versions(self, stop_admitting: anyio.CancelScope) -> None:
         async for _, messages in self.sub:

@@ -261,6 +261,7 @@ class DebugEpisode:
         ]
         rewards = [t.reward for t in self.turns if t.reward is not None]
         first_edit = min((e["turn"] for e in self.edits), default=None)
+        mask, logprobs, versions = record.token_lists()
         return EpisodeRow(
             episode_id=episode_id,
             group_id="debug",
@@ -269,9 +270,9 @@ class DebugEpisode:
             fate=fate,
             step=-1,
             token_ids=record.ids,
-            loss_mask=record.mask,
-            logprobs=record.logprobs,
-            versions=record.versions,
+            loss_mask=mask,
+            logprobs=logprobs,
+            versions=versions,
             turns=turns,
             cause=None if self.failure is None else str(self.failure[0]),
             message=None if self.failure is None else self.failure[1],
