@@ -50,11 +50,13 @@ class ScriptedPeer:
         self.script, self.codec = script, Codec()
         self.requests: list[GenerateRequest] = []
         self.aborts: list[str] = []
+        self.peer = b""  # the last sender's routing id
 
     async def serve(self):
         while True:
             while self.sock.poll(0):
                 peer, frame = self.sock.recv_multipart()
+                self.peer = peer
                 for m in self.codec.decode(frame):
                     if isinstance(m, GenerateRequest):
                         self.requests.append(m)
@@ -66,8 +68,8 @@ class ScriptedPeer:
             await anyio.sleep(0.005)
 
 
-def with_client(address, body):
-    return anyio.run(helpers.with_client, address, body, backend="trio")
+def with_client(address, body, backend="trio"):
+    return anyio.run(helpers.with_client, address, body, backend=backend)
 
 
 def final(request, ids=(5, 6)):
@@ -111,16 +113,41 @@ def test_overloaded_refusal_is_retried_with_the_same_request():
     assert (first.prompt_token_ids, first.seed) == (second.prompt_token_ids, second.seed) == ([1, 2, 3], 7)
 
 
-def test_a_timed_out_request_is_aborted_then_retried():
+# The client parks a waiting request with trio's own API on trio and an anyio Event elsewhere:
+# both ways are played.
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_timed_out_request_is_aborted_then_retried(backend):
     peer = ScriptedPeer(lambda n, r: None if n == 0 else final(r))  # the first one is lost
 
     async def body(client, tg):
         tg.start_soon(peer.serve)
         return await client.generate([1, 2], turn(0.3), seed=7, retry=Retry(1, 0.01))
 
-    gen = with_client(peer.address, body)
+    gen = with_client(peer.address, body, backend)
     assert gen.token_ids == [5, 6]
     assert peer.aborts == [peer.requests[0].request_id]
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_a_cancelled_wait_aborts_its_request_and_its_late_reply_is_only_counted(backend):
+    replies: list[TokenDelta] = []
+    peer = ScriptedPeer(lambda n, r: replies.append(final(r)))  # held back until the wait ends
+
+    async def body(client, tg):
+        tg.start_soon(peer.serve)
+        with anyio.move_on_after(0.3):
+            await client.generate([1, 2], turn(5), seed=7)
+        assert client.stats.live == 0 and client.stats.aborted == 1
+        peer.sock.send_multipart([peer.peer, peer.codec.encode(replies)])  # now it answers
+        with anyio.fail_after(5):
+            while client.stats.late_replies < 1:
+                await anyio.sleep(0.01)
+        # The client still serves: the next request completes.
+        peer.script = lambda n, r: final(r, (7,))
+        return await client.generate([3], turn(5), seed=8)
+
+    gen = with_client(peer.address, body, backend)
+    assert gen.token_ids == [7] and peer.aborts == [peer.requests[0].request_id]
 
 
 def failure_cause(peer, retries):

@@ -32,9 +32,12 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import anyio
+import sniffio
+import trio
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -124,17 +127,36 @@ class _Pending:
         self.failure: GenerationFailed | None = None
         self.finished = False
         self.timed_out = False
-        self.wake: anyio.Event | None = None
+        self.wake: Callable[[], object] | None = None  # wakes the waiting episode, once
 
     def end(self) -> None:
         self.finished = True
         if self.wake is not None:
-            self.wake.set()
+            wake, self.wake = self.wake, None
+            wake()
 
     def fail(self, failure: GenerationFailed) -> None:
         if not self.finished:
             self.failure = failure
             self.end()
+
+    async def wait(self) -> None:
+        """Until the request ends. On trio the task parks itself (trio's low-level API): an
+        anyio Event is three objects and a parking lot per wait, about 700 bytes and the
+        most of a waiting episode's memory after its own frames, at 10,000 live requests."""
+        if self.finished:
+            return
+        if sniffio.current_async_library() != "trio":
+            event = anyio.Event()
+            self.wake = event.set
+            await event.wait()
+            return
+        self.wake = partial(trio.lowlevel.reschedule, trio.lowlevel.current_task())
+        await trio.lowlevel.wait_task_rescheduled(self._abort)
+
+    def _abort(self, _: object) -> trio.lowlevel.Abort:
+        self.wake = None  # cancelled: nothing may reschedule the task any more
+        return trio.lowlevel.Abort.SUCCEEDED
 
     def time_out(self) -> None:
         """Its deadline passed (called by the client's `Deadlines`)."""
@@ -346,9 +368,7 @@ class ActorClient:
         timer = self.deadlines.call_at(sent_at + sampling.timeout_s, pending.time_out)
         try:
             await self._send_request(pending, prompt_token_ids, sampling, seed)
-            if not pending.finished:
-                pending.wake = anyio.Event()
-                await pending.wake.wait()  # bounded: the deadline above ends it
+            await pending.wait()  # bounded: the deadline above ends it
             if pending.failure is not None:
                 raise pending.failure
             if pending.out.finish_reason == "abort":
