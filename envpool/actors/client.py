@@ -2,8 +2,9 @@
 
 Every episode task calls `client.generate(...)`; all of them share one socket, one reader task
 and one writer task (`shared.wire.transport.Channel`), which packs the requests of a tick into one
-frame. Replies are routed by request id into the request's `_Pending` record (below), which
-collects the generation and wakes its episode once, when the request ends.
+frame. Replies are routed by request id into the request's `PendingRequest` record
+(envpool/actors/pending.py), which collects the generation and wakes its episode once, when the
+request ends.
 
 Turn deadlines are kept by a timer wheel (envpool/deadlines.py, `client.deadlines`), not by a
 cancel scope per request: at thousands of turns a second the scopes' deadline heap was a large
@@ -32,12 +33,9 @@ import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Protocol
 
 import anyio
-import sniffio
-import trio
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -49,6 +47,7 @@ from millstream.envpool.actors.generation import (
     Sampling,
     with_retries,
 )
+from millstream.envpool.actors.pending import PendingRequest
 from millstream.envpool.deadlines import Deadlines
 from millstream.shared.obs.metrics import LatencyHistogram
 from millstream.shared.obs.ratelog import RateLog
@@ -109,67 +108,11 @@ class TurnClient(Protocol):
     ) -> Generation: ...
 
 
-class _Pending:
-    """One live request: the generation its deltas fill in, how it ended, and its waiter.
-
-    The reply router appends each delta's tokens here as it arrives and wakes the episode once,
-    when the request ends (a final delta, a failure, its deadline): an episode needs the whole
-    generation, and one wake-up per turn instead of one per delta matters at 10,000 live
-    requests. Memory is bounded by the request's own `max_tokens` (more fails it).
-    """
-
-    __slots__ = ("out", "max_tokens", "timeout_s", "sent_at", "failure", "finished", "timed_out", "wake")
-
-    def __init__(self, request_id: str, sampling: Sampling, sent_at: float) -> None:
-        self.out = Generation(request_id=request_id)
-        self.max_tokens, self.timeout_s = sampling.max_tokens, sampling.timeout_s
-        self.sent_at = sent_at
-        self.failure: GenerationFailed | None = None
-        self.finished = False
-        self.timed_out = False
-        self.wake: Callable[[], object] | None = None  # wakes the waiting episode, once
-
-    def end(self) -> None:
-        self.finished = True
-        if self.wake is not None:
-            wake, self.wake = self.wake, None
-            wake()
-
-    def fail(self, failure: GenerationFailed) -> None:
-        if not self.finished:
-            self.failure = failure
-            self.end()
-
-    async def wait(self) -> None:
-        """Until the request ends. On trio the task parks itself (trio's low-level API): an
-        anyio Event is three objects and a parking lot per wait, about 700 bytes and the
-        most of a waiting episode's memory after its own frames, at 10,000 live requests."""
-        if self.finished:
-            return
-        if sniffio.current_async_library() != "trio":
-            event = anyio.Event()
-            self.wake = event.set
-            await event.wait()
-            return
-        self.wake = partial(trio.lowlevel.reschedule, trio.lowlevel.current_task())
-        await trio.lowlevel.wait_task_rescheduled(self._abort)
-
-    def _abort(self, _: object) -> trio.lowlevel.Abort:
-        self.wake = None  # cancelled: nothing may reschedule the task any more
-        return trio.lowlevel.Abort.SUCCEEDED
-
-    def time_out(self) -> None:
-        """Its deadline passed (called by the client's `Deadlines`)."""
-        if not self.finished:
-            self.timed_out = True
-            self.fail(GenerationFailed(Cause.ACTOR_TIMEOUT, f"no final delta within {self.timeout_s}s"))
-
-
 class ActorClient:
     """Multiplexes generation requests of many tasks over one DEALER `Channel`.
 
     Run `client.run()` in a task group; it reads replies and adds them to each live request's
-    `_Pending` record. The router never waits on an episode, so a slow episode cannot stall the
+    `PendingRequest` record. The router never waits on an episode, so a slow episode cannot stall the
     others; an actor that sends a request more tokens than its `max_tokens` gets that request
     failed as `actor_protocol`, which bounds memory.
 
@@ -188,7 +131,7 @@ class ActorClient:
         self.deadlines = deadlines or Deadlines()
         self._runs_deadlines = deadlines is None
         self._ids = itertools.count()
-        self._routes: dict[str, _Pending] = {}
+        self._routes: dict[str, PendingRequest] = {}
         self.stats = ClientStats()
         self.info: ActorInfo | None = None
         self._info_event = anyio.Event()
@@ -362,7 +305,7 @@ class ActorClient:
         """One request, no retry: its generation, or `GenerationFailed`."""
         request_id = f"{self.worker}-{next(self._ids)}"
         sent_at = anyio.current_time()
-        pending = self._routes[request_id] = _Pending(request_id, sampling, sent_at)
+        pending = self._routes[request_id] = PendingRequest(request_id, sampling, sent_at)
         self.stats.requests += 1
         self.stats.live += 1
         timer = self.deadlines.call_at(sent_at + sampling.timeout_s, pending.time_out)
@@ -386,7 +329,7 @@ class ActorClient:
             self._settle(request_id, pending)
 
     async def _send_request(
-        self, pending: _Pending, prompt_token_ids: list[int], sampling: Sampling, seed: int | None
+        self, pending: PendingRequest, prompt_token_ids: list[int], sampling: Sampling, seed: int | None
     ) -> None:
         request = GenerateRequest(
             pending.out.request_id,
@@ -405,7 +348,7 @@ class ActorClient:
         except TimeoutError:
             pending.time_out()  # the send queue stayed full for the whole turn
 
-    def _settle(self, request_id: str, pending: _Pending) -> None:
+    def _settle(self, request_id: str, pending: PendingRequest) -> None:
         """Count how the request ended; one cancelled (its episode ended) or timed out tells the
         actor to stop generating for nobody."""
         if not pending.finished or pending.timed_out:
