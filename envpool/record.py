@@ -30,7 +30,7 @@ from millstream.shared.wire import Cause, EpisodeFailed, Scene, Trajectory, Trun
 __all__ = ["EpisodeSpec", "EpisodeRecord", "episode_failed"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EpisodeSpec:
     """Which episode this is: its ids, its group, the seed that picks its task."""
 

@@ -41,6 +41,7 @@ from millstream.envpool.envs import make_env
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.envpool.gate import AdmissionGate
 from millstream.envpool.heap import Heap
+from millstream.envpool.record import episode_failed
 from millstream.envpool.scoring.evaluator import Evaluator
 from millstream.envpool.scoring.judge import Judge
 from millstream.envpool.seeds import group_seed, sampling_seed
@@ -262,13 +263,7 @@ class Worker:
 
     async def _episode(self, spec: EpisodeSpec) -> None:
         """Play one episode; whatever happens, count it and report exactly one result."""
-        result: Trajectory | EpisodeFailed = EpisodeFailed(
-            spec.episode_id,
-            spec.group_id,
-            spec.group_size,
-            Cause.RUN_ENDED,
-            "the learner finished (or the worker stopped) while this episode ran",
-        )
+        result: Trajectory | EpisodeFailed | None = None
         try:
             env = make_env(self.pool.env, self.pool.env_args)
             if self.endpoint is not None:
@@ -296,7 +291,13 @@ class Worker:
                 Cause.ENVPOOL_ERROR,
                 f"{type(exc).__name__}: {exc}"[:500],
             )
-        finally:  # cancellation (the run ended) lands here with the default result above
+        finally:  # cancellation (the run ended) lands here without a result
+            if result is None:
+                result = episode_failed(
+                    spec,
+                    Cause.RUN_ENDED,
+                    "the learner finished (or the worker stopped) while this episode ran",
+                )
             self.stats.settle(result)
             self.live_ids.discard(spec.episode_id)
             self.client.release(spec.episode_id)
