@@ -142,6 +142,7 @@ def write_outcome(outcome: Outcome, folder: Path, name: str, extra: dict[str, An
         "samples": outcome.samples,
         **(extra or {}),
     }
+    folder.mkdir(parents=True, exist_ok=True)  # `--out` may name a folder not made yet
     path = folder / f"{name}.json"
     path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))
     _plot(outcome, folder / f"{name}.png", name)
