@@ -1,6 +1,7 @@
 """envpool against the asyncio + HTTP pattern: turns/s, p99 turn latency, memory per episode.
 
     python -m millstream.bench.pool_vs_http [--quick] [--rounds 3] [--concurrency 100,1000,10000]
+                                            [--against OTHER_CHECKOUT]
 
 Both sides play the same episodes (the `echo` environment, 2 turns, 24 tokens a reply) against
 the same engine: the synthetic actor's engine model (actor/synthetic.py), set so that it is never
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -63,7 +65,7 @@ ENGINE = [
 ]
 
 
-def through_envpool(model: Path, concurrency: int, episodes: int) -> dict[str, float]:
+def _envpool_args(model: Path, concurrency: int, episodes: int) -> list[str]:
     args = ["--env", "echo", "--episodes", str(episodes), "--concurrency", str(concurrency)]
     args += [
         "--actor",
@@ -75,7 +77,34 @@ def through_envpool(model: Path, concurrency: int, episodes: int) -> dict[str, f
     ]
     for setting in ENGINE:
         args += ["--set", setting]
-    report = stress_once(args)
+    return args
+
+
+def through_envpool(model: Path, concurrency: int, episodes: int) -> dict[str, float]:
+    return _envpool_numbers(stress_once(_envpool_args(model, concurrency, episodes)))
+
+
+def through_checkout(tree: Path, model: Path, concurrency: int, episodes: int) -> dict[str, float]:
+    """The same run by another checkout's envpool (its own `.venv`): before and after a change,
+    interleaved in the same minutes."""
+    code = (
+        "import json; from millstream.bench.stress import stress_once; "
+        f"print(json.dumps(stress_once({_envpool_args(model, concurrency, episodes)!r})))"
+    )
+    done = subprocess.run(
+        [str(tree / ".venv" / "bin" / "python"), "-c", code],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    import json
+
+    return _envpool_numbers(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _envpool_numbers(report: dict) -> dict[str, float]:
     per_episode = report["bytes_per_live_episode"] or 0.0
     return {
         "turns_s": float(report["steady"]["turns_per_s"]),
@@ -167,6 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="100,1000,10000")
     p.add_argument("--episodes", type=int, default=0, help="per sample (default 10,000, or 2x concurrency)")
     p.add_argument("--out", type=Path, default=None, help="default bench/results/<date>-<host>")
+    p.add_argument(
+        "--against",
+        type=Path,
+        default=None,
+        help="another checkout (with its .venv) whose envpool runs as a third system, 'envpool-before'",
+    )
     ns = p.parse_args(argv)
     levels = [100, 1000] if ns.quick else [int(c) for c in ns.concurrency.split(",")]
     least = ns.episodes or (3000 if ns.quick else 10_000)
@@ -185,16 +220,27 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{port}/generate"
         for concurrency in levels:
             episodes = max(least, 2 * concurrency)
+            systems: dict[str, Callable[[], dict[str, float]]] = {
+                "envpool": partial(through_envpool, model, concurrency, episodes),
+                "asyncio-http": partial(through_http, url, model, concurrency, episodes),
+            }
+            if ns.against is not None:
+                before = partial(through_checkout, ns.against, model, concurrency, episodes)
+                systems["envpool-before"] = before
             outcome = compare(
-                {
-                    "envpool": partial(through_envpool, model, concurrency, episodes),
-                    "asyncio-http": partial(through_http, url, model, concurrency, episodes),
-                },
+                systems,
                 rounds=ns.rounds,
                 metric="turns_s",
-                settings={"concurrency": concurrency, "episodes": episodes, "env": "echo", "turns": TURNS},
+                settings={
+                    "concurrency": concurrency,
+                    "episodes": episodes,
+                    "env": "echo",
+                    "turns": TURNS,
+                    "against": str(ns.against) if ns.against else None,
+                },
             )
             name = f"pool-vs-http-c{concurrency}" + ("-quick" if ns.quick else "")
+            name += "-ab" if ns.against else ""
             write_outcome(outcome, out, name)
             e, h = (outcome.summary()["systems"][s] for s in ("envpool", "asyncio-http"))
             print(
