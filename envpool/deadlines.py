@@ -15,29 +15,38 @@ and removing one is a dict operation, and one task wakes every tick and fires th
 buckets.
 
 A deadline fires never before its time and at most about one tick after it (plus the wait for
-the scheduler). What it fires is a plain function, run in the wheel's task: it must not block
-(cancelling a scope, or handing a failure to a waiting request, is what the envpool does).
-Waits that must be exact, or that are rare, keep their own scopes.
+the scheduler); within a bucket, in the order the deadlines were added. What it fires is a
+plain function, run in the wheel's task: it must not block (cancelling a scope, or handing a
+failure to a waiting request, is what the envpool does), and one that raises is counted and
+logged, never the end of the wheel. Waits that must be exact, or that are rare, keep their own
+scopes.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
 
-__all__ = ["Deadlines", "Timer", "TICK_S", "running_deadlines"]
+from millstream.shared.obs.ratelog import RateLog
+
+__all__ = ["Deadlines", "NEVER", "Timer", "TICK_S", "running_deadlines"]
 
 #: The wheel's resolution: how late a deadline may fire. The envpool's timeouts are seconds.
 TICK_S = 0.05
 #: How long an empty wheel sleeps before it looks again (a deadline added meanwhile wakes it).
 IDLE_WAIT_S = 1.0
 
+log = logging.getLogger(__name__)
+
 Timer = tuple[int, int]
 """A deadline's handle: (its bucket, its number within the bucket)."""
+#: The handle of a deadline that never fires (an infinite limit); cancelling it does nothing.
+NEVER: Timer = (-1, -1)
 
 
 class Deadlines:
@@ -58,10 +67,14 @@ class Deadlines:
         self._pending = 0
         self._added: anyio.Event | None = None  # set when an empty wheel gets a deadline
         self.fired = 0
-        self.running = False
+        self.failed = 0  # callbacks that raised (logged; the wheel goes on)
+        self._bad = RateLog(log)
 
     def call_at(self, when: float, fire: Callable[[], None]) -> Timer:
-        """Call `fire()` once the clock (anyio.current_time) passes `when`, unless cancelled."""
+        """Call `fire()` once the clock (anyio.current_time) passes `when`, unless cancelled.
+        An infinite `when` (a limit set to inf) never fires."""
+        if not math.isfinite(when):
+            return NEVER
         bucket = math.ceil(when / self.tick_s)
         if self._next is None:
             self._next = math.ceil(anyio.current_time() / self.tick_s)
@@ -87,19 +100,15 @@ class Deadlines:
 
     async def run(self) -> None:
         """Fire expired deadlines until cancelled (a task of whoever owns the waits)."""
-        self.running = True
-        try:
-            while True:
-                if self._pending:
-                    await anyio.sleep(self.tick_s)
-                else:
-                    self._added = anyio.Event()
-                    with anyio.move_on_after(IDLE_WAIT_S):
-                        await self._added.wait()
-                    self._added = None
-                self._fire_expired(anyio.current_time())
-        finally:
-            self.running = False
+        while True:
+            if self._pending:
+                await anyio.sleep(self.tick_s)
+            else:
+                self._added = anyio.Event()
+                with anyio.move_on_after(IDLE_WAIT_S):
+                    await self._added.wait()
+                self._added = None
+            self._fire_expired(anyio.current_time())
 
     def _fire_expired(self, now: float) -> None:
         last = math.floor(now / self.tick_s)  # buckets up to this one are due
@@ -113,11 +122,20 @@ class Deadlines:
                 self._pending -= len(entries)
                 self.fired += len(entries)
                 for fire in entries.values():
-                    fire()
+                    try:
+                        fire()
+                    except Exception as exc:  # a bug of one waiter must not end every wait
+                        self.failed += 1
+                        self._bad.event("callback", "a deadline's callback raised: %r", exc)
 
     def statistics(self) -> dict[str, float]:
         """Pending deadlines, buckets holding them, and deadlines fired so far."""
-        return {"pending": self._pending, "buckets": len(self._buckets), "fired": self.fired}
+        return {
+            "pending": self._pending,
+            "buckets": len(self._buckets),
+            "fired": self.fired,
+            "failed": self.failed,
+        }
 
 
 @asynccontextmanager

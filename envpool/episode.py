@@ -55,8 +55,14 @@ class EnvFailure(Exception):
 
 
 class _Clock:
-    """An episode's deadlines on its one cancel scope: whichever expires first cancels it and
-    leaves its cause and message in `expired`."""
+    """An episode's deadlines on its one cancel scope: whichever fires first cancels it and
+    leaves its cause and message in `expired`.
+
+    The wheel fires a deadline in its own task, up to a tick late. A call that returns in the
+    same scheduler pass as its deadline fires (it took its whole limit, to within a tick) still
+    ends the episode as timed out: the scope is cancelled, and a cancel cannot be taken back.
+    Two deadlines in one tick fire in the order they were set (the episode's first).
+    """
 
     __slots__ = ("deadlines", "scope", "limit_s", "expired", "calling")
 
@@ -138,7 +144,8 @@ async def run_episode(
                 return await _play(record, env, chat, client, cfg, turn, max_model_len, starting, clock)
             finally:
                 deadlines.cancel(timer)
-        assert clock.expired is not None  # only the clock cancels this scope
+        if clock.expired is None:  # only the clock cancels this scope
+            raise RuntimeError("the episode's scope was cancelled without a deadline")
         return record.failed(*clock.expired)
     except EnvFailure as exc:
         return record.failed(exc.cause, str(exc))

@@ -58,7 +58,8 @@ class Heap:
         gc.set_threshold(YOUNG_THRESHOLD, self._saved[1], _NEVER)
 
     def restore(self) -> None:
-        """CPython's own schedule again (the worker is done; a test process goes on)."""
+        """CPython's own schedule again (the worker is done; a test process goes on). It
+        unfreezes everything, also what someone froze before `settle`."""
         if self._saved is not None:
             gc.set_threshold(*self._saved)
             gc.unfreeze()

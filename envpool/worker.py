@@ -132,6 +132,8 @@ class Worker:
         )
 
     async def run(self, ready_file: str | None = None) -> WorkerStats:
+        """The worker until the learner's last version; on trio only (its episodes run on a trio
+        nursery, and `millstream envpool` runs it on trio)."""
         self.heap.settle()
         try:
             async with anyio.create_task_group() as io:

@@ -411,3 +411,19 @@ def test_nothing_follows_the_last_reply(tiny_model_dir, fresh):
     assert len(traj.token_ids) == traj.turn_ends[-1]
     bounds = [*traj.segment_starts, len(traj.token_ids)]
     assert all(any(a < t < b for t in traj.turn_starts) for a, b in zip(bounds, bounds[1:]))
+
+
+def test_infinite_limits_mean_no_limit(synthetic, tiny_model_dir):
+    """A limit set to inf (step, turn, episode) is no deadline at all, as before the wheel."""
+    inf = float("inf")
+    env = make_env("evenchars", {"turns": 2})
+    traj, _, _ = play_recorded(
+        synthetic,
+        tiny_model_dir,
+        env,
+        max_tokens=8,
+        step_timeout_s=inf,
+        turn_timeout_s=inf,
+        episode_timeout_s=inf,
+    )
+    assert isinstance(traj, Trajectory) and traj.num_turns == 2

@@ -48,7 +48,7 @@ from millstream.envpool.actors.generation import (
     with_retries,
 )
 from millstream.envpool.actors.pending import PendingRequest
-from millstream.envpool.deadlines import Deadlines
+from millstream.envpool.deadlines import NEVER, Deadlines
 from millstream.shared.obs.metrics import LatencyHistogram
 from millstream.shared.obs.ratelog import RateLog
 from millstream.shared.wire import (
@@ -175,7 +175,7 @@ class ActorClient:
         """One reply into its request's record; a reply that breaks the protocol fails only it."""
         pending = self._routes.get(reply.request_id)
         if pending is None or pending.finished:
-            self.stats.late_replies += 1  # its episode ended meanwhile
+            self.stats.late_replies += 1  # the request ended already (finished, failed, or its episode gone)
             return
         if isinstance(reply, GenerateError):
             pending.fail(GenerationFailed(TURN_CAUSE[reply.cause], reply.message))
@@ -308,8 +308,9 @@ class ActorClient:
         pending = self._routes[request_id] = PendingRequest(request_id, sampling, sent_at)
         self.stats.requests += 1
         self.stats.live += 1
-        timer = self.deadlines.call_at(sent_at + sampling.timeout_s, pending.time_out)
+        timer = NEVER
         try:
+            timer = self.deadlines.call_at(sent_at + sampling.timeout_s, pending.time_out)
             await self._send_request(pending, prompt_token_ids, sampling, seed)
             await pending.wait()  # bounded: the deadline above ends it
             if pending.failure is not None:

@@ -243,7 +243,10 @@ class ChatFormat:
 
         Where the template puts a `role` turn's text verbatim between fixed text (`_verbatim`),
         that text is spliced in without rendering: a render per turn was a tenth of a worker's
-        CPU. The splice is the same string the render gives, so the ids are the same."""
+        CPU. For every kind of text the probes try, the splice is the string the render gives;
+        a template that branched on something else in the content (its length, a word no probe
+        holds) would not be caught, which is why the probes hold what real templates test for
+        (tests/test_real_templates.py compares splice and render on random text)."""
         around = self._verbatim(role) if tools is None else None
         if around is not None:
             return self.encode(around[0] + observation + around[1])
