@@ -17,6 +17,7 @@ import torch
 
 from millstream.actor.receive import WeightReceiver
 from millstream.learner.sync.layout import DIRECT_MIN_BYTES, FlatWeights, LayoutChanged
+from millstream.shared.process.runtime import free_port
 from millstream.shared.wire.weightsync import (
     flat_digest,
     make_group,
@@ -175,20 +176,8 @@ def test_a_buffer_the_engine_kept_is_released_with_its_digest():
     assert not receiver.shares_memory_with([kept])  # the next update receives elsewhere
 
 
-LISTENERS = """
-import json, os, sys
-from concurrent.futures import ThreadPoolExecutor
-from datetime import timedelta
-import torch.distributed as dist
-from millstream.shared.wire.weightsync import make_group, open_store
-store = open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=20)
-def member(rank):
-    own = store if rank == 0 else open_store("127.0.0.1", store.port, 2, is_master=False, timeout_s=20)
-    if sys.argv[1] == "gloo-default":
-        return dist.ProcessGroupGloo(dist.PrefixStore("p", own), rank, 2, timedelta(seconds=20))
-    return make_group(own, rank, 2, "gloo", 20, "s")
-with ThreadPoolExecutor(2) as pool:
-    groups = list(pool.map(member, [0, 1]))
+#: Appended to a script: `out`, the IPv4 addresses this process listens on (TCP).
+OWN_LISTENERS = """
 inodes = set()
 for fd in os.listdir("/proc/self/fd"):
     try:
@@ -203,8 +192,24 @@ for line in open("/proc/net/tcp").read().splitlines()[1:]:
     if f[3] == "0A" and f[9] in inodes:  # listening, and this process's
         ip = f[1].split(":")[0]
         out.append(".".join(str(int(ip[i : i + 2], 16)) for i in (6, 4, 2, 0)))
-print(json.dumps(out))
 """
+
+LISTENERS = """
+import json, os, sys
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+import torch.distributed as dist
+from millstream.shared.wire.weightsync import make_group, open_store
+store = open_store("127.0.0.1", 0, 2, is_master=True, timeout_s=20)
+def member(rank):
+    own = store if rank == 0 else open_store("127.0.0.1", store.port, 2, is_master=False, timeout_s=20)
+    if sys.argv[1] == "gloo-default":
+        return dist.ProcessGroupGloo(dist.PrefixStore("p", own), rank, 2, timedelta(seconds=20))
+    return make_group(own, rank, 2, "gloo", 20, "s")
+with ThreadPoolExecutor(2) as pool:
+    groups = list(pool.map(member, [0, 1]))
+"""
+LISTENERS += OWN_LISTENERS + "print(json.dumps(out))\n"
 
 
 def listening_addresses(kind: str, interface: str) -> list[str]:
@@ -237,3 +242,38 @@ def test_the_weight_group_listens_on_loopback_when_its_store_does():
     if others:  # the control: gloo's own default, same environment, listens on the interface
         default = listening_addresses("gloo-default", interface)
         assert any(address != "127.0.0.1" for address in default), default
+
+
+RANK = """
+import json, os, sys
+rank, port, interface = sys.argv[1], sys.argv[2], sys.argv[3]
+os.environ.update(
+    RANK=rank, LOCAL_RANK=rank, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+    GLOO_SOCKET_IFNAME=interface,
+)
+from millstream.learner.train.dssetup import import_deepspeed, init_distributed
+ours = init_distributed(import_deepspeed())
+"""
+RANK += OWN_LISTENERS + 'print(json.dumps({"listening": out, "ours": ours}))\n'
+
+
+@pytest.mark.real
+def test_a_data_parallel_learners_group_listens_on_loopback_when_it_meets_there():
+    """The learner's own group (learner.ranks > 1, DeepSpeed's gloo groups): gloo listens on
+    GLOO_SOCKET_IFNAME or where the host's name resolves, and a default group takes no options,
+    so a loopback learner pins the interface to loopback while its groups form and hands the
+    variable back as it was (here set to a LAN interface, as a LAN-resolving hostname would)."""
+    others = [name for _, name in socket.if_nameindex() if name != "lo" and ipv4_of(name)]
+    interface = others[0] if others else "lo"
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK, str(rank), port, interface], stdout=subprocess.PIPE, text=True
+        )
+        for rank in (0, 1)
+    ]
+    outs = [json.loads(p.communicate(timeout=240)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    for out in outs:
+        assert out["listening"] and set(out["listening"]) == {"127.0.0.1"}, out
+        assert out["ours"] == {"GLOO_SOCKET_IFNAME": interface}  # put back by the trainer

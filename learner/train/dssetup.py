@@ -8,11 +8,17 @@ on a CPU machine, kept apart from the training step itself.
 - Without torchrun/deepspeed setting RANK and friends, DeepSpeed falls back to MPI discovery;
   we pose as rank 0 of a world of 1 instead, and the caller removes those variables again so
   child processes do not inherit them. The group's store is ours, listening on loopback only.
+- gloo's own sockets listen where the host's name resolves (or on `GLOO_SOCKET_IFNAME`), and a
+  default group's options cannot say otherwise. A learner whose group meets on loopback pins
+  `GLOO_SOCKET_IFNAME` to the loopback interface while the group and DeepSpeed's groups form,
+  and the caller puts the variable back as it was: on a machine whose name resolves to a LAN
+  address, a data-parallel learner's group listened there, open and unauthenticated.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import torch
@@ -20,9 +26,9 @@ import torch.distributed as dist
 
 from millstream.shared.config import LearnerConfig
 from millstream.shared.process.runtime import free_port
-from millstream.shared.wire.weightsync import open_store
+from millstream.shared.wire.weightsync import on_loopback, open_store
 
-__all__ = ["import_deepspeed", "init_distributed", "ds_config"]
+__all__ = ["import_deepspeed", "init_distributed", "ds_config", "loopback_interface"]
 
 
 def import_deepspeed() -> Any:
@@ -39,32 +45,52 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def init_distributed(deepspeed: Any) -> list[str]:
-    """Join (or, with no launcher, create) the default process group; return env keys we set.
+def init_distributed(deepspeed: Any) -> dict[str, str | None]:
+    """Join (or, with no launcher, create) the default process group; return the env keys we
+    set, each with the value it had before (None: unset), for the caller to put back.
 
     The group's TCPStore is ours, listening on MASTER_ADDR only: DeepSpeed's env:// store, like
     any TCPStore that opens its own socket, would listen on every interface. `millstream run`
     starts the ranks of a data-parallel learner itself for this reason (torchrun's agent store
     has the same problem); under torchrun its store is used as it is.
     """
-    ours: list[str] = []
+    ours: dict[str, str | None] = {}
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized() and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # No launcher: be rank 0 of 1 (else DeepSpeed tries MPI discovery through mpi4py).
         env = dict(
             RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
         )
+        ours = {k: None for k in env if k != "LOCAL_RANK"}  # every engine init reads LOCAL_RANK
         os.environ.update(env)
-        ours = [k for k in env if k != "LOCAL_RANK"]  # every engine init reads LOCAL_RANK
+        ours.update(_gloo_on_loopback(backend, "127.0.0.1"))
         store = open_store("127.0.0.1", 0, 1, is_master=True, timeout_s=300)
         dist.init_process_group(backend, store=store, rank=0, world_size=1)
     elif not dist.is_initialized() and "TORCHELASTIC_RUN_ID" not in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        ours.update(_gloo_on_loopback(backend, host))
         store = open_store(host, port, world, is_master=rank == 0, timeout_s=300)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     deepspeed.init_distributed(dist_backend=backend)
     return ours
+
+
+def _gloo_on_loopback(backend: str, host: str) -> dict[str, str | None]:
+    """Pin gloo's sockets to the loopback interface when the group meets on loopback (module
+    docstring); returns what was changed, with its value before."""
+    interface = loopback_interface()
+    if backend != "gloo" or not on_loopback(host) or interface is None:
+        return {}
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+    return {"GLOO_SOCKET_IFNAME": before}
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback interface ("lo" on Linux, "lo0" on macOS), or None."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in ("lo", "lo0") if name in names), None)
 
 
 def ds_config(cfg: LearnerConfig, dtype: str) -> dict[str, Any]:

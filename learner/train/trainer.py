@@ -138,9 +138,13 @@ class Trainer:
                 self.reference = ref.to(self.engine.device).eval().requires_grad_(False)
         finally:
             # Our stand-in launcher variables must not leak into child processes (an actor or
-            # a learner started from here would try to join this process's group).
-            for key in ours:
-                os.environ.pop(key, None)
+            # a learner started from here would try to join this process's group), and gloo's
+            # interface goes back to what it was (a weight group to another host picks its own).
+            for key, before in ours.items():
+                if before is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = before
         self.device = self.engine.device
         self._zero3 = learner_cfg.zero_stage == 3
 
