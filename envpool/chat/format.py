@@ -70,6 +70,10 @@ _VERBATIM_PROBES = (
 )
 
 
+_Splice = tuple[list[int], str, str, list[int]]
+"""A turn's content spliced: (ids before, text before, text after, ids after) it."""
+
+
 class ChatFormat:
     """One model's chat template and tokenizer: whole-conversation ids and an episode's appends.
 
@@ -133,7 +137,9 @@ class ChatFormat:
         # The members of a group share their first prompt; rendering a template is the
         # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
         self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
-        self._around: dict[str, tuple[str, str] | None] = {}  # `_verbatim`, by role
+        self._around: dict[str, _Splice | None] = {}  # `_verbatim`, by role
+        #: The tokenizer's added tokens (special or not): it splits text at them first.
+        self._added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatFormat:
@@ -247,9 +253,10 @@ class ChatFormat:
         a template that branched on something else in the content (its length, a word no probe
         holds) would not be caught, which is why the probes hold what real templates test for
         (tests/test_real_templates.py compares splice and render on random text)."""
-        around = self._verbatim(role) if tools is None else None
-        if around is not None:
-            return self.encode(around[0] + observation + around[1])
+        splice = self._verbatim(role) if tools is None else None
+        if splice is not None:
+            head, before, after, tail = splice
+            return head + self.encode(before + observation + after) + tail
         after = self._after_reply(role, tools, observation)
         if not after.startswith(self.eos_text):
             raise ChatTemplateError(
@@ -258,27 +265,44 @@ class ChatFormat:
             )
         return self.encode(after[len(self.eos_text) :])
 
-    def _verbatim(self, role: str) -> tuple[str, str] | None:
-        """(before, after): the text around a `role` turn's content after a closed reply, when
-        the template renders that content verbatim; else None (it trims, escapes or branches on
+    def _verbatim(self, role: str) -> _Splice | None:
+        """How to splice a `role` turn's content after a closed reply, when the template renders
+        that content verbatim between fixed text; else None (it trims, escapes or branches on
         what the content says). Decided once per role by rendering probes of the kinds of text
         templates treat specially, each of which must come out exactly spliced."""
         if role in self._around:
             return self._around[role]
-        around: tuple[str, str] | None = None
+        splice: _Splice | None = None
         try:
             marked = self._after_reply(role, None, _PROBE_USER)
             before, _, after = marked.partition(_PROBE_USER)
             if marked.startswith(self.eos_text) and _PROBE_USER in marked:
-                around = before[len(self.eos_text) :], after
-                for text in _VERBATIM_PROBES:
-                    if self._after_reply(role, None, text) != self.eos_text + around[0] + text + around[1]:
-                        around = None
-                        break
+                before = before[len(self.eos_text) :]
+                rendered = (self._after_reply(role, None, t) for t in _VERBATIM_PROBES)
+                if all(r == self.eos_text + before + t + after for r, t in zip(rendered, _VERBATIM_PROBES)):
+                    splice = self._pieces(before, after)
         except ChatTemplateError:
-            around = None  # the slow path says what is wrong, each time
-        self._around[role] = around
-        return around
+            splice = None  # the slow path says what is wrong, each time
+        self._around[role] = splice
+        return splice
+
+    def _pieces(self, before: str, after: str) -> _Splice:
+        """The fixed text's ids encoded once, where special tokens bound them: a tokenizer splits
+        at its added tokens before anything else, so the text up to the last one before the
+        content, and from the first one after it, encodes the same alone. Only the stretch that
+        holds the content is encoded per turn. Checked on the probes; if a tokenizer's tokens
+        strip whitespace around them (or anything else joins across them), everything is
+        encoded per turn instead."""
+        cut_before = max((before.rfind(t) + len(t) for t in self._added if t in before), default=0)
+        cut_after = min((after.find(t) for t in self._added if t in after), default=len(after))
+        head, rest_before = before[:cut_before], before[cut_before:]
+        rest_after, tail = after[:cut_after], after[cut_after:]
+        pieces = (self.encode(head), rest_before, rest_after, self.encode(tail))
+        for text in (*_VERBATIM_PROBES, _PROBE_USER):
+            spliced = pieces[0] + self.encode(rest_before + text + rest_after) + pieces[3]
+            if spliced != self.encode(before + text + after):
+                return [], before, after, []
+        return pieces
 
     def _after_reply(self, role: str, tools: list[dict] | None, observation: str) -> str:
         """The text a full render puts after an assistant's reply that a `role` turn follows."""
