@@ -228,16 +228,17 @@ class Router:
         """The episode's replica if it is usable, else the least loaded usable one (not shed if
         any is not); waits for one until `deadline`."""
         while True:
-            sticky = self.replicas.get(self._sticky.get(affinity, "")) if affinity else None
-            if sticky is not None and self.usable(sticky) and anyio.current_time() >= sticky.shed_until:
-                return sticky
+            own = self._pick_now(affinity)
+            if own is not None:
+                return own
+            had = affinity is not None and self._sticky.get(affinity) in self.replicas
             candidates = [r for r in self.replicas.values() if self.usable(r)]
             if candidates:
                 now = anyio.current_time()
                 fresh = [r for r in candidates if now >= r.shed_until] or candidates
                 chosen = min(fresh, key=lambda r: r.load())
                 if affinity is not None:
-                    if sticky is not None:
+                    if had:
                         self.moved += 1
                     self._sticky[affinity] = chosen.name
                 return chosen
