@@ -43,7 +43,7 @@ import anyio
 import httpx
 
 from millstream.bench.baselines.overhead_load import prompt_ids, run_load
-from millstream.bench.kit.procstat import tree_cpu_s
+from millstream.bench.kit.procstat import thread_cpu_s, tree_cpu_s, tree_thread_cpu_s
 from millstream.bench.kit.rounds import compare, results_dir, write_outcome
 from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
@@ -57,6 +57,8 @@ __all__ = ["main"]
 
 #: Transport errors retried per HTTP request, as the official OpenAI client does by default.
 HTTP_RETRIES = 2
+#: Busiest threads kept per sample in `threads_ms_per_ktok`.
+THREADS_KEPT = 12
 
 
 class Load:
@@ -117,17 +119,31 @@ class OneAwake:
         return alone
 
 
-def with_cpu(system: Any) -> Any:
-    """`system` with the CPU it used per thousand tokens, and how many cores were busy."""
+def with_cpu(system: Any, roots: dict[str, int]) -> Any:
+    """`system` with the CPU it used per thousand tokens, how many cores were busy, and where.
 
-    def measured() -> dict[str, float]:
-        before = tree_cpu_s(os.getpid())
+    `threads_ms_per_ktok` splits that CPU by thread ("ROOT:process/thread", ROOT one of
+    `roots`, "bench" this process's own threads, the client's), the busiest first, so a sample
+    says which thread of which process pays for the hop, not only that something does."""
+
+    def threads() -> dict[str, float]:
+        split = {f"bench:{k}": v for k, v in thread_cpu_s(os.getpid()).items()}
+        for label, root in roots.items():
+            split.update({f"{label}:{k}": v for k, v in tree_thread_cpu_s(root).items()})
+        return split
+
+    def measured() -> dict[str, Any]:
+        before, split_before = tree_cpu_s(os.getpid()), threads()
         result = system()
         cpu = tree_cpu_s(os.getpid()) - before
+        tokens = max(result["tokens"], 1)
+        used = {k: v - split_before.get(k, 0.0) for k, v in threads().items()}
+        busiest = sorted((k for k in used if used[k] > 0), key=used.__getitem__, reverse=True)
         return {
             **result,
-            "cpu_ms_per_ktok": 1e6 * cpu / max(result["tokens"], 1),
+            "cpu_ms_per_ktok": 1e6 * cpu / tokens,
             "busy_cores": cpu / result["wall_s"],
+            "threads_ms_per_ktok": {k: round(1e6 * used[k] / tokens, 1) for k in busiest[:THREADS_KEPT]},
         }
 
     return measured
@@ -340,14 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with ExitStack() as stack:
         actor, engine, url, server = start_engines(stack, cfg, config_path, work)
-        awake = OneAwake({"asyncllm": engine.pid, "millstream": actor.pid, "vllm-serve": server.pid})
+        roots = {"asyncllm": engine.pid, "millstream": actor.pid, "vllm-serve": server.pid}
+        awake = OneAwake(roots)
         stack.callback(awake.wake_all)
         for shape in ns.shapes.split(","):
             for concurrency in levels:
                 load = Load(shape, concurrency, ns, vocab)
                 outcome = compare(
                     {
-                        name: awake.measuring(name, with_cpu(system))
+                        name: awake.measuring(name, with_cpu(system, roots))
                         for name, system in (
                             ("asyncllm", partial(through_asyncllm, engine, load)),
                             ("millstream", partial(through_millstream, cfg, load)),

@@ -140,6 +140,65 @@ def test_one_awake_stops_every_engine_but_the_measured_one():
             p.wait()
 
 
+def test_thread_split_names_the_busy_thread_of_each_process():
+    """bench/overhead.py says which thread pays for the hop: a named thread's CPU must land
+    under its own name, and the tree's split must cover a child process's threads too."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from millstream.bench.kit.procstat import thread_cpu_s, tree_thread_cpu_s
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    spun, done = threading.Event(), threading.Event()
+
+    def named_spin() -> None:  # the kernel's thread name, as vLLM's and ZeroMQ's threads set it
+        Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text("busy-probe")
+        spin(0.3)
+        spun.set()
+        done.wait(10)
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile time.process_time() < 0.3: pass\ntime.sleep(30)"]
+    )
+    alive = threading.Thread(target=named_spin)
+    alive.start()
+    try:
+        assert spun.wait(10)
+        deadline = time.monotonic() + 10
+        while sum(thread_cpu_s(child.pid).values()) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        mine, tree = thread_cpu_s(os.getpid()), tree_thread_cpu_s(os.getpid())
+        named = [k for k in mine if k.endswith("/busy-probe")]
+        assert len(named) == 1 and mine[named[0]] >= 0.25, mine
+        assert tree[named[0]] >= mine[named[0]]  # this process is in its own tree
+        child_s = sum(thread_cpu_s(child.pid).values())
+        assert child_s >= 0.25
+        assert sum(tree.values()) >= sum(mine.values()) + child_s - 0.05  # the child's CPU counted
+    finally:
+        done.set()
+        alive.join()
+        child.kill()
+        child.wait()
+
+
+def test_rounds_keep_a_breakdown_beside_the_numbers_they_summarize():
+    """A sample may carry a breakdown (the overhead benchmark's per-thread CPU): kept per
+    sample as it came, left out of the medians, which cover the numbers only."""
+    from millstream.bench.kit.rounds import compare
+
+    samples = iter([{"rate": 2, "split": {"x": 1.0}}, {"rate": 4, "split": {"x": 3.0}}])
+    outcome = compare({"a": lambda: next(samples)}, rounds=2, metric="rate", say=lambda _: None)
+    assert [s["split"] for s in outcome.samples["a"]] == [{"x": 1.0}, {"x": 3.0}]
+    assert set(outcome.summary()["systems"]["a"]) == {"rate"}
+    assert outcome.median("a") == 3.0
+
+
 @pytest.mark.real
 def test_pool_vs_http_plays_both_sides_against_the_same_engine(tmp_path):
     """envpool (real worker + synthetic actor) and the asyncio + HTTP baseline (the synthetic

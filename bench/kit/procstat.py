@@ -4,7 +4,9 @@
 `tree_cpu_s(root)` sums a process and everything under it (bench/overhead.py: the engines, their
 engine cores and workers), whatever started them, by walking parent pids; `tree_rss_bytes(root)`
 is the same walk for resident memory (bench/learning/real_model.py: each role's peak, engine included),
-`tree_fds(root)` for open file descriptors (bench/soak).
+`tree_fds(root)` for open file descriptors (bench/soak). `tree_thread_cpu_s(root)` splits the
+tree's CPU by process and thread name (bench/overhead.py: which thread of which process pays the
+hop), as `top -H` would, from /proc/PID/task.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from millstream.envpool.stats import rss_bytes
 
-__all__ = ["cpu_s", "tree_cpu_s", "tree_fds", "tree_rss_bytes"]
+__all__ = ["cpu_s", "tree_cpu_s", "tree_fds", "thread_cpu_s", "tree_rss_bytes", "tree_thread_cpu_s"]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -33,6 +35,40 @@ def cpu_s(pid: int) -> float:
 def tree_cpu_s(root: int) -> float:
     """CPU seconds used so far by `root` and every process under it."""
     return sum(_cpu(pid) for pid in _tree(root))
+
+
+def tree_thread_cpu_s(root: int) -> dict[str, float]:
+    """CPU seconds used so far under `root`, summed by "process name/thread name".
+
+    Names are the kernel's (`comm`, 15 characters): vLLM names its processes (`VLLM::EngineCor`,
+    `VLLM::Worker`), Python threads keep their process's name unless they set one, and OpenMP's
+    threads share their process's. Threads that ended are gone from the sum: compare two
+    readings of long-lived threads only."""
+    totals: dict[str, float] = {}
+    for pid in _tree(root):
+        for key, seconds in thread_cpu_s(pid).items():
+            totals[key] = totals.get(key, 0.0) + seconds
+    return totals
+
+
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """One process's CPU seconds so far, summed by "process name/thread name" (empty once ended)."""
+    totals: dict[str, float] = {}
+    try:
+        process = Path(f"/proc/{pid}/comm").read_text().strip()
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:  # ended meanwhile
+        return totals
+    for tid in tids:
+        try:
+            task = Path(f"/proc/{pid}/task/{tid}")
+            thread = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        key = f"{process}/{thread}"
+        totals[key] = totals.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return totals
 
 
 def tree_rss_bytes(root: int) -> int:

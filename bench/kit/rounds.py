@@ -43,7 +43,7 @@ class Outcome:
     """Every sample of every system, by round; `metric` is the one the ratios are taken of."""
 
     metric: str
-    samples: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    samples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     settings: dict[str, Any] = field(default_factory=dict)
 
     def median(self, system: str, metric: str | None = None) -> float:
@@ -61,11 +61,15 @@ class Outcome:
             "reference": next(iter(self.samples), None),
             "ratios": self.ratios(),
             "systems": {
-                name: {key: spread([s[key] for s in rows]) for key in rows[0]}
+                name: {key: spread([s[key] for s in rows]) for key in rows[0] if _numeric(rows[0][key])}
                 for name, rows in self.samples.items()
                 if rows
             },
         }
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def spread(values: list[float]) -> dict[str, float]:
@@ -79,7 +83,7 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def compare(
-    systems: dict[str, Callable[[], dict[str, float]]],
+    systems: dict[str, Callable[[], dict[str, Any]]],
     *,
     rounds: int,
     metric: str,
@@ -104,7 +108,8 @@ def compare(
             sample = systems[name]()
             if metric not in sample:
                 raise KeyError(f"system {name!r} returned no {metric!r}: {sorted(sample)}")
-            outcome.samples[name].append({k: float(v) for k, v in sample.items()})
+            # Numbers are summarized over rounds; anything else (a breakdown) is kept as it came.
+            outcome.samples[name].append({k: float(v) if _numeric(v) else v for k, v in sample.items()})
             say(f"round {round_ + 1}/{rounds} {name}: {metric} {sample[metric]:.4g}")
     return outcome
 
