@@ -187,6 +187,29 @@ def test_thread_split_names_the_busy_thread_of_each_process():
         child.wait()
 
 
+def test_pss_counts_a_forked_childs_shared_pages_once():
+    """The soak reads a role's memory as PSS too: 64 MiB that a forked child shares with its
+    parent count twice in the tree's RSS and once in its PSS."""
+    import os
+    import signal
+
+    from millstream.bench.kit.procstat import tree_pss_bytes, tree_rss_bytes
+
+    shared = bytearray(os.urandom(64 * 2**20))  # touched: resident before the fork
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child only waits to be killed
+        signal.pause()
+        os._exit(0)
+    try:
+        time.sleep(0.2)
+        rss, pss = tree_rss_bytes(os.getpid()), tree_pss_bytes(os.getpid())
+        assert rss - pss >= 48 * 2**20, (rss / 2**20, pss / 2**20)
+        assert pss >= len(shared)  # counted once, not zero times
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+
+
 def test_rounds_keep_a_breakdown_beside_the_numbers_they_summarize():
     """A sample may carry a breakdown (the overhead benchmark's per-thread CPU): kept per
     sample as it came, left out of the medians, which cover the numbers only."""

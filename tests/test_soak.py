@@ -29,6 +29,7 @@ def test_five_minutes_of_chaos_and_attack(tmp_path, tiny_model_dir):
     assert summary["messages_refused"].get("wrong_worker", 0) > 0  # the tools' key as worker 0
     for role, numbers in report["roles"].items():
         assert numbers["fds_last"] <= numbers["fds_first"] + 16, (role, numbers)
+        assert 0 < numbers["pss_mib_last"] <= numbers["rss_mib_last"], (role, numbers)
     assert (out / "soak.png").stat().st_size > 10_000
 
 

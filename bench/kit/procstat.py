@@ -4,9 +4,10 @@
 `tree_cpu_s(root)` sums a process and everything under it (bench/overhead.py: the engines, their
 engine cores and workers), whatever started them, by walking parent pids; `tree_rss_bytes(root)`
 is the same walk for resident memory (bench/learning/real_model.py: each role's peak, engine included),
-`tree_fds(root)` for open file descriptors (bench/soak). `tree_thread_cpu_s(root)` splits the
-tree's CPU by process and thread name (bench/overhead.py: which thread of which process pays the
-hop), as `top -H` would, from /proc/PID/task.
+`tree_fds(root)` for open file descriptors (bench/soak), `tree_pss_bytes(root)` for proportional
+memory (bench/soak: forked processes share pages, which RSS counts once per process).
+`tree_thread_cpu_s(root)` splits the tree's CPU by process and thread name (bench/overhead.py:
+which thread of which process pays the hop), as `top -H` would, from /proc/PID/task.
 """
 
 from __future__ import annotations
@@ -16,7 +17,15 @@ from pathlib import Path
 
 from millstream.envpool.stats import rss_bytes
 
-__all__ = ["cpu_s", "tree_cpu_s", "tree_fds", "thread_cpu_s", "tree_rss_bytes", "tree_thread_cpu_s"]
+__all__ = [
+    "cpu_s",
+    "tree_cpu_s",
+    "tree_fds",
+    "thread_cpu_s",
+    "tree_pss_bytes",
+    "tree_rss_bytes",
+    "tree_thread_cpu_s",
+]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -76,6 +85,13 @@ def tree_rss_bytes(root: int) -> int:
     return sum(_rss(pid) for pid in _tree(root))
 
 
+def tree_pss_bytes(root: int) -> int:
+    """Proportional memory of `root` and every process under it, in bytes (0 once it has ended):
+    each page shared by n processes counts 1/n to each, so the sum counts it once (RSS summed
+    over a vLLM engine's forked EngineCore and Worker counts their shared pages twice)."""
+    return sum(_pss(pid) for pid in _tree(root))
+
+
 def tree_fds(root: int) -> int:
     """Open file descriptors of `root` and every process under it (0 once it has ended)."""
     total = 0
@@ -111,6 +127,17 @@ def _cpu(pid: int) -> float:
         return _stat(pid)[1]
     except OSError:  # ended meanwhile
         return 0.0
+
+
+def _pss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # ended meanwhile, or no smaps_rollup (kernels before 4.14)
+        pass
+    return 0
 
 
 def _rss(pid: int) -> int:

@@ -177,13 +177,17 @@ def _plot(report: dict, path: Path, warmup_min: float) -> None:
     fig, (mem, fds) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
     for role, points in sorted(report["samples"].items()):
         minutes = [p[0] for p in points]
-        mem.plot(minutes, [p[1] for p in points], marker=".", label=role)
+        line = mem.plot(minutes, [p[1] for p in points], marker=".", label=f"{role} RSS")[0]
+        if all(len(p) > 4 for p in points):  # PSS: dashed, same colour
+            mem.plot(
+                minutes, [p[4] for p in points], linestyle="--", color=line.get_color(), label=f"{role} PSS"
+            )
         fds.plot(minutes, [p[2] for p in points], marker=".", label=role)
     for axis in (mem, fds):
         for minute, _ in report["kills"]:
             axis.axvline(minute, color="grey", alpha=0.3, linewidth=0.8)
         axis.axvline(warmup_min, color="black", linestyle="--", linewidth=0.8)
-    mem.set_ylabel("resident memory, MiB (process tree)")
+    mem.set_ylabel("memory, MiB (process tree): RSS, PSS dashed")
     fds.set_ylabel("open file descriptors")
     fds.set_xlabel("minutes (grey: a chaos kill; dashed: end of warm-up)")
     mem.legend(loc="upper left", fontsize=8)
@@ -205,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for role, numbers in sorted(report["roles"].items()):
         print(
             f"  {role:12s} RSS {numbers['rss_mib_first']:8.1f} -> {numbers['rss_mib_last']:8.1f} MiB "
-            f"({numbers['rss_mib_per_hour']:+.1f} MiB/h), "
+            f"({numbers['rss_mib_per_hour']:+.1f} MiB/h), PSS {numbers['pss_mib_first']:.1f} -> "
+            f"{numbers['pss_mib_last']:.1f} MiB ({numbers['pss_mib_per_hour']:+.1f} MiB/h), "
             f"fds {numbers['fds_first']} -> {numbers['fds_last']} ({numbers['fds_per_hour']:+.1f}/h), "
             f"restarts {numbers['restarts']}"
         )

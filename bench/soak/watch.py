@@ -1,5 +1,9 @@
 """What the soak watches: each role's memory and open files over time, and whether they grow.
 
+Memory is sampled two ways: resident (RSS, summed over the tree) and proportional (PSS: a page
+shared by n processes counts 1/n to each, so pages a forked EngineCore or Worker shares with the
+actor count once).
+
 A role is what the launcher started under one name (`actor`, `learner`, `envpool-0`, ...), found
 by its pid file in the run directory each time, so a restarted role (chaos kills them) is the
 same series under a new pid. A role's numbers are its whole process tree's: the vLLM engine's
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from millstream.bench.kit.procstat import tree_fds, tree_rss_bytes
+from millstream.bench.kit.procstat import tree_fds, tree_pss_bytes, tree_rss_bytes
 
 __all__ = ["Watch", "slope_per_hour"]
 
@@ -28,8 +32,8 @@ __all__ = ["Watch", "slope_per_hour"]
 class Watch:
     run_dir: Path
     started: float = field(default_factory=time.monotonic)
-    #: per role: [(minutes since the start, RSS MiB, open descriptors, pid)]
-    samples: dict[str, list[tuple[float, float, int, int]]] = field(default_factory=dict)
+    #: per role: [(minutes since the start, RSS MiB, open descriptors, pid, PSS MiB)]
+    samples: dict[str, list[tuple[float, float, int, int, float]]] = field(default_factory=dict)
 
     def sample(self) -> None:
         """One sample of every role whose pid file names a live process."""
@@ -42,7 +46,8 @@ class Watch:
             rss = tree_rss_bytes(pid)
             if rss == 0:  # between a kill and its restart
                 continue
-            self.samples.setdefault(pid_file.stem, []).append((minute, rss / 2**20, tree_fds(pid), pid))
+            pss = tree_pss_bytes(pid) / 2**20
+            self.samples.setdefault(pid_file.stem, []).append((minute, rss / 2**20, tree_fds(pid), pid, pss))
 
     def report(self, warmup_min: float, restarts: dict[str, int]) -> dict[str, Any]:
         """Per role: slopes after the warm-up, first and last sample after it, restarts."""
@@ -57,6 +62,10 @@ class Watch:
                 "rss_mib_last": round(after[-1][1], 1),
                 "rss_mib_max": round(max(p[1] for p in after), 1),
                 "rss_mib_per_hour": round(slope_per_hour([(p[0], p[1], p[3]) for p in after]), 1),
+                # PSS counts a page shared by the role's forked processes once (RSS: once each).
+                "pss_mib_first": round(after[0][4], 1),
+                "pss_mib_last": round(after[-1][4], 1),
+                "pss_mib_per_hour": round(slope_per_hour([(p[0], p[4], p[3]) for p in after]), 1),
                 "fds_first": after[0][2],
                 "fds_last": after[-1][2],
                 "fds_per_hour": round(slope_per_hour([(p[0], float(p[2]), p[3]) for p in after]), 1),
