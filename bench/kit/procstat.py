@@ -32,7 +32,12 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def _stat(pid: int) -> tuple[int, float]:
     """(parent pid, user + system CPU seconds) of `pid`."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return _stat_file(Path(f"/proc/{pid}/stat"))
+
+
+def _stat_file(path: Path) -> tuple[int, float]:
+    """(parent pid, user + system CPU seconds) from a process's or a thread's `stat` file."""
+    fields = path.read_text().rsplit(")", 1)[1].split()  # the name may hold spaces and ")"
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
@@ -72,11 +77,11 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
         try:
             task = Path(f"/proc/{pid}/task/{tid}")
             thread = (task / "comm").read_text().strip()
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            seconds = _stat_file(task / "stat")[1]
         except OSError:
             continue
         key = f"{process}/{thread}"
-        totals[key] = totals.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / CLK_TCK
+        totals[key] = totals.get(key, 0.0) + seconds
     return totals
 
 

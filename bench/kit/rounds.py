@@ -69,7 +69,7 @@ class Outcome:
 
 
 def _numeric(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float))  # a bool too, as float() always took it
 
 
 def spread(values: list[float]) -> dict[str, float]:

@@ -178,10 +178,8 @@ def _plot(report: dict, path: Path, warmup_min: float) -> None:
     for role, points in sorted(report["samples"].items()):
         minutes = [p[0] for p in points]
         line = mem.plot(minutes, [p[1] for p in points], marker=".", label=f"{role} RSS")[0]
-        if all(len(p) > 4 for p in points):  # PSS: dashed, same colour
-            mem.plot(
-                minutes, [p[4] for p in points], linestyle="--", color=line.get_color(), label=f"{role} PSS"
-            )
+        pss = [p[4] for p in points]  # dashed, in the same colour
+        mem.plot(minutes, pss, linestyle="--", color=line.get_color(), label=f"{role} PSS")
         fds.plot(minutes, [p[2] for p in points], marker=".", label=role)
     for axis in (mem, fds):
         for minute, _ in report["kills"]:
