@@ -42,6 +42,7 @@ from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.envpool.gate import AdmissionGate
 from millstream.envpool.heap import Heap
 from millstream.envpool.record import episode_failed
+from millstream.envpool.redelivery import Unsettled
 from millstream.envpool.scoring.evaluator import Evaluator
 from millstream.envpool.scoring.judge import Judge
 from millstream.envpool.seeds import group_seed, sampling_seed
@@ -114,6 +115,8 @@ class Worker:
         self.incarnation = uuid.uuid4().hex[:12]
         #: Episodes running now (their ids), for the hello to a restarted learner.
         self.live_ids: set[str] = set()
+        #: Pushed results no learner checkpoint holds yet, for a restarted learner.
+        self.unsettled = Unsettled(worker_index, self.incarnation, int(pool.redeliver_mib * 2**20))
         self.stats = WorkerStats()
         #: The context episodes are cut to: the config's, or the actor's own if it is smaller
         #: (an actor started by hand may hold a shorter one); set again after the handshake.
@@ -238,13 +241,25 @@ class Worker:
             for message in messages:
                 if isinstance(message, PolicyVersion):
                     if message.session != self.gate.session:
+                        await self._redeliver(message)
                         await self._say_hello(message)
+                    self.unsettled.hear(message)
                     self.gate.update(message)
                     self.client.update(message.replicas)
                     if self.evaluator is not None and not message.final:
                         self.evaluator.notice(message.version)
             if self.gate.final:
                 stop_admitting.cancel()
+
+    async def _redeliver(self, first: PolicyVersion) -> None:
+        """Push again, before the hello, what a new learner session's checkpoint lacks: it
+        holds them with the backlog of its restart (envpool/redelivery.py)."""
+        again = 0
+        for resent in self.unsettled.unsaved(first):
+            await self.push.send(resent)
+            again += 1
+        if again:
+            log.info("%s: pushed %d results again to learner session %s", self.name, again, first.session)
 
     async def _say_hello(self, first: PolicyVersion) -> None:
         """Introduce this process to a new learner session (the first, or a restarted one): what
@@ -304,6 +319,7 @@ class Worker:
             self.live_ids.discard(spec.episode_id)
             self.client.release(spec.episode_id)
             self.slots.release()
+            self.unsettled.keep(result)
             try:  # the common case, room in the queue, needs no scope
                 self.push.send_nowait(result)
             except anyio.WouldBlock:
@@ -338,6 +354,7 @@ class Worker:
                 **({"judge": self.judge.statistics()} if self.judge is not None else {}),
                 "learner_socket": self.push.statistics().counters(),
                 "gc": self.heap.statistics(),
+                "redelivery": self.unsettled.statistics(),
             }
         )
 

@@ -6,6 +6,7 @@ stays cheap):
     main        the role's process: build the trainer and the ranks, run the loop, exit status
     loop/       rank 0's loop as named steps: receive, step, report, save and resume, finish
     replay      staleness-bounded buffer of GRPO groups, with exact episode accounting
+    groups      what the buffer holds: complete and waiting groups, a trajectory's staleness
     episodes/   arriving episodes: sockets, checks, the worker ledger, records, the accounts
     train/      one optimizer step: advantages, samples, loss, the DeepSpeed trainer, LoRA
     sync/       weights to the actor replicas: the broadcast, the fleet of replicas

@@ -47,8 +47,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
+from millstream.learner.groups import BufferFull, Group, Pending, oldest_version
 from millstream.learner.seen import SeenEpisodes, number_of
 from millstream.shared.wire import Cause, DropCause, EpisodeFailed, Trajectory
 
@@ -60,48 +60,6 @@ _OVERFLOW = DropCause.GROUP_OVERFLOW
 
 # Where an arriving episode goes (see ReplayBuffer._admit).
 _OPEN, _LATE, _DUPLICATE = 0, 1, 2
-
-
-class BufferFull(RuntimeError):
-    """More groups than `max_groups` would be buffered: the upstream admission gate failed."""
-
-
-@dataclass
-class Group:
-    """A complete group, as handed to the trainer."""
-
-    group_id: str
-    #: The successful members, in arrival order.
-    trajectories: list[Trajectory]
-    #: Members that ended as `EpisodeFailed` (or arrived malformed: see `ReplayBuffer.add`).
-    failed: int
-    #: Min policy version over all generated tokens (loss_mask == 1) of the trajectories.
-    oldest_version: int
-
-
-@dataclass
-class Pending:
-    """A group still waiting for members."""
-
-    trajectories: list[Trajectory] = field(default_factory=list)
-    failed: int = 0
-    #: Min version over generated tokens so far; None while no trajectory has arrived.
-    oldest: int | None = None
-    #: (env, seed) of its first trajectory: every member plays the same environment and seed.
-    identity: tuple[str, int] | None = None
-
-    @property
-    def members(self) -> int:
-        return len(self.trajectories) + self.failed
-
-
-def _oldest_version(traj: Trajectory) -> int | None:
-    """Min version over generated tokens, or None if the trajectory is malformed or has none."""
-    n = len(traj.token_ids)
-    if not (len(traj.loss_mask) == len(traj.logprobs) == len(traj.versions) == n):
-        return None
-    generated = [v for v, m in zip(traj.versions, traj.loss_mask) if m]
-    return min(generated) if generated else None
 
 
 class ReplayBuffer:
@@ -142,6 +100,8 @@ class ReplayBuffer:
         self.received = 0
         self.trained = 0
         self.duplicates = 0
+        #: Duplicates among results pushed again after a learner restart (expected: `accept`).
+        self.resent_duplicates = 0
         self.buffered = 0
         self.dropped_groups = 0
         #: Groups numbered below `floor` were admitted by an earlier learner session; the
@@ -167,7 +127,7 @@ class ReplayBuffer:
             self._settle(traj.group_id)
             return
         group = self._pending[traj.group_id]
-        oldest = _oldest_version(traj)
+        oldest = oldest_version(traj)
         if oldest is None:
             # Mismatched lengths or no generated token: nothing to train on and no defined
             # staleness. The member slot still closes, like a failure, so the group can complete.
@@ -199,6 +159,7 @@ class ReplayBuffer:
         refusal: tuple[str, bool] | None = None,
         *,
         remember: bool = True,
+        resent: bool = False,
     ) -> str | None:
         """The learner's entry, which never raises: `add` or `fail` the message, or refuse it.
 
@@ -206,16 +167,23 @@ class ReplayBuffer:
         `remember=False` (an episode no worker of the run started) keeps no trace of a refused
         message's id: a peer sending endless forged episodes costs counters, not memory. Sent
         again, it is refused and counted again, as foreign again, so the accounting still adds up.
-        Returns the reason it was refused for, or None.
+        `resent` (pushed again after a learner restart): a finished group's member is a duplicate,
+        not a refusal (else the group had not finished). Returns the reason refused for, or None.
         """
         # The learner's identity refusals first (even before "a duplicate": not its sender's to
         # send); a message of no admitted group is not asked about any group.
         identity = refusal[0] if refusal is not None and not refusal[1] else None
-        if identity is None and self._seen.has(message.group_id, message.episode_id):
-            self.duplicates += 1
+        gid = message.group_id
+        if identity is None and (
+            self._seen.has(gid, message.episode_id) or (resent and self._seen.finished(gid))
+        ):
+            if resent:
+                self.resent_duplicates += 1
+            else:
+                self.duplicates += 1
             return None
         identity = identity or self._identity_problem(message)
-        if identity is None and refusal is None and self._seen.finished(message.group_id):
+        if identity is None and refusal is None and self._seen.finished(gid):
             identity = "group_finished"  # every slot in and gone: a re-send, or not the run's
         if identity is None and refusal is None:
             if isinstance(message, Trajectory):
@@ -409,6 +377,7 @@ class ReplayBuffer:
             "failed": dict(self.failed),
             "refused": dict(self.refused),
             "duplicates": self.duplicates,
+            "resent_duplicates": self.resent_duplicates,
             "buffered": self.buffered,
             "dropped_groups": self.dropped_groups,
             "complete_groups": len(self._complete),

@@ -1,6 +1,7 @@
 """A run heals (shared/launch/healing.py): the launcher restarts an envpool worker, the actor and the
 learner, each killed once with SIGKILL; nothing is lost, and every episode the dead processes
-left behind is counted by cause (`worker_lost`, `learner_lost`). The actor here is the synthetic
+left behind is counted by cause (`worker_lost`), and what reached the dead learner after its
+checkpoint is pushed again by the workers (no `learner_lost`). The actor here is the synthetic
 one (the restart path is the same for vLLM; its start-up takes a minute on this CPU); the
 learner is real.
 """
@@ -83,6 +84,13 @@ def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, 
     assert summary["learner_sessions"] == 2  # resumed from step 20, the later steps rolled back
     assert summary["episodes_failed"].get("worker_lost", 0) == summary["worker_lost"]
     assert summary["open_groups"] == 0
+    # What reached the dead learner after its checkpoint was pushed again by the workers that
+    # kept it (envpool/redelivery.py): nothing is learner_lost, and nothing of the abandoned
+    # timeline is refused for its versions: relabeled, it is trained or dropped as stale.
+    assert "learner_lost" not in summary["episodes_failed"], summary["episodes_failed"]
+    assert "version" not in summary["messages_refused"], summary["messages_refused"]
+    envpool_log = "".join((run_dir / "logs" / f"envpool-{w}.log").read_text() for w in (0, 1))
+    assert re.search(r"pushed \d+ results again to learner session", envpool_log)
     # Turns in flight on the dead actor were retried at once (the connection dropped), not
     # after envpool.turn_timeout_s (120 s), and none of their episodes failed for it.
     assert not {"actor_timeout", "actor_lost"} & set(summary["episodes_failed"])

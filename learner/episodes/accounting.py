@@ -5,10 +5,11 @@
     received == trained + dropped + failed + buffered (0 after the final drain)
 
 A worker that died is covered by its `worker_lost` failures, synthesized when its successor said
-hello. A learner that died took with it the results that reached it after its last checkpoint;
-after a restart (`resumed`) they are the difference between what the workers started and what
-the restored learner received, counted as `learner_lost`. In a session that was not resumed that
-difference must be 0: anything else is a bug, and `accounting_ok` says so.
+hello. The results that reached a dead learner after its last checkpoint are pushed again by the
+workers that kept them (envpool/redelivery.py); what no worker kept (past its bound, or a worker
+that died too) is, after a restart (`resumed`), the difference between what the workers started
+and what the restored learner received, counted as `learner_lost`. In a session that was not
+resumed that difference must be 0: anything else is a bug, and `accounting_ok` says so.
 
 Each worker's final `PoolDone` must also agree with the ledger about how many episodes its
 process started.
@@ -58,6 +59,8 @@ def close_accounts(
         "episodes_failed": stats["failed"],
         "episodes_refused": stats["refused"],
         "duplicates": stats["duplicates"],
+        # Second copies of results a worker pushed again to a restarted learner (expected).
+        "resent_duplicates": stats["resent_duplicates"],
         **ledger.statistics(),
         "accounting_ok": (
             len(done) == workers

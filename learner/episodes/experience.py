@@ -31,6 +31,7 @@ from millstream.shared.wire import (
     ReplicaJoin,
     ReplicaLeave,
     ReplicaRef,
+    Settled,
 )
 from millstream.shared.wire.keys import RunKeys, secure
 from millstream.shared.wire.transport import limit_socket
@@ -68,8 +69,11 @@ class Experience:
         next_groups: list[int] | None = None,
         session: str = "",
         replicas: list[ReplicaRef] | None = None,
+        settled: list[Settled] | None = None,
     ) -> None:
-        message = PolicyVersion(version, limit, group_base, final, next_groups or [], session, replicas)
+        message = PolicyVersion(
+            version, limit, group_base, final, next_groups or [], session, replicas, settled
+        )
         self.pub.send(self.codec.encode([message]))
         self.last_announce = time.monotonic()
 

@@ -8,8 +8,17 @@ messages feed the ledger (learner/episodes/workers.py): `GroupStarted`, `WorkerH
 predecessor's unreported members come back as `worker_lost` failures) and `PoolDone`.
 
 Episodes that arrive while the learner still greets its workers (after a learner restart: the
-results queued while it was down) are held until every worker said hello, because only the
-hellos tell which groups the workers started; `release` then handles them.
+results queued while it was down, and those the workers push again, `Resent`, because the
+checkpoint lacks them: envpool/redelivery.py) are held until every worker said hello, because
+only the hellos tell which groups the workers started; `release` then handles them. Their tokens
+may come from the dead learner's later versions, a timeline this session abandoned:
+`onto_this_timeline` relabels them so that their staleness is their distance to this session's
+policy. The learner takes no step while it greets, so no held token is of this session's later
+versions.
+
+The intake also counts, per worker process, the results it took from that process in the order
+it pushed them (`WorkerLedger.credit`): a checkpoint's counts tell each worker what it may
+forget. A count may fall short (the backlog of a restart is not counted), never run ahead.
 
 Who may say what (with CURVE; `sender` is the key's identity, shared/wire/keys.py): worker i's
 `WorkerHello`, `GroupStarted`, `PoolDone` and `EvalResult` only from worker i's key, and an
@@ -23,6 +32,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
 
 from millstream.learner.episodes.validate import EpisodeCheck
 from millstream.learner.episodes.workers import WorkerLedger
@@ -35,6 +47,7 @@ from millstream.shared.wire import (
     GroupStarted,
     Message,
     PoolDone,
+    Resent,
     Trajectory,
     WorkerHello,
     group_number,
@@ -44,6 +57,23 @@ from millstream.shared.wire.keys import worker_of
 __all__ = ["Intake"]
 
 log = logging.getLogger("learner")
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """Where an episode message comes from, as far as the intake's rules care."""
+
+    #: Held through a greeting, or `Resent`: it may name a group the ledger does not know, and is
+    #: not foreign for that.
+    trusted: bool = False
+    #: `Resent`: the incarnation of the worker process that pushed it first.
+    resent_by: str | None = None
+    #: False for the learner's own `worker_lost` failures: no worker pushed them.
+    pushed: bool = True
+
+
+_HELD = _Origin(trusted=True)
+_OWN = _Origin(pushed=False)
 
 
 class Intake:
@@ -59,7 +89,7 @@ class Intake:
         self.record_failed = record_failed
         self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
         self.done_workers: dict[str, PoolDone] = {}
-        self.held: list[tuple[Trajectory | EpisodeFailed, str | None]] = []
+        self.held: list[tuple[Trajectory | EpisodeFailed | Resent, str | None]] = []
         #: Refused episodes that no worker announced (forged, or a bug upstream): the buffer
         #: counts them as received, the accounting leaves them out of the run's episodes.
         self.foreign = 0
@@ -68,12 +98,20 @@ class Intake:
         #: aligned_base); None while this session's base is not settled and earlier sessions'
         #: numbering is unknown (a checkpoint from before the rule, or another worker count).
         self.aligned_from: int | None = 0
+        #: The policy version this session resumed at (None: not resumed).
+        self.resumed_at: int | None = None
+        #: Trajectories taken with versions relabeled (`onto_this_timeline`).
+        self.relabeled = 0
 
     def take(
         self, message: Message, sender: str | None, *, version: int, admitted: int, greeting: bool
     ) -> None:
         """One message: held while `greeting` (episodes only, up to a bound), else handled."""
-        if greeting and isinstance(message, (Trajectory, EpisodeFailed)) and len(self.held) < self.max_held:
+        if (
+            greeting
+            and isinstance(message, (Trajectory, EpisodeFailed, Resent))
+            and len(self.held) < self.max_held
+        ):
             self.held.append((message, sender))
         else:
             self.handle(message, sender, version=version, admitted=admitted)
@@ -82,7 +120,24 @@ class Intake:
         """Handle the held episodes (the greeting is over, or the run ends)."""
         held, self.held = self.held, []
         for message, sender in held:  # the workers' results from before their hellos: not foreign
-            self._episode(message, sender, version, admitted, trusted=True)
+            if isinstance(message, Resent):
+                self._dispatch(message, sender, version, admitted)
+            else:
+                self._episode(message, sender, version, admitted, _HELD)
+
+    def onto_this_timeline(self, traj: Trajectory) -> Trajectory:
+        """A trajectory with versions past the one this session resumed at (C) has tokens of the
+        dead learner's policies C+1, C+2, ...: a branch this session abandoned. Version v becomes
+        2C - v, so staleness (the policy's version minus the token's) is the distance from that
+        policy to this session's along the tree, and the staleness bound decides (a label below
+        -1 is such a distance too: only generated tokens' versions are read). Asked of held and
+        resent trajectories, and of any with a version past the learner's own (`_episode`)."""
+        base = self.resumed_at
+        if base is None or max(traj.versions, default=-1) <= base:
+            return traj
+        return msgspec.structs.replace(
+            traj, versions=[2 * base - v if v > base else v for v in traj.versions]
+        )
 
     def handle(self, message: Message, sender: str | None, *, version: int, admitted: int) -> None:
         """One message, refused and counted rather than raised whatever it holds."""
@@ -123,6 +178,8 @@ class Intake:
     def _dispatch(self, message: Message, sender: str | None, version: int, admitted: int) -> None:
         if isinstance(message, (Trajectory, EpisodeFailed)):
             self._episode(message, sender, version, admitted)
+        elif isinstance(message, Resent):
+            self._episode(message.result, sender, version, admitted, _Origin(True, message.incarnation))
         elif not self.sent_by_its_worker(message, sender):
             return
         elif isinstance(message, PoolDone):
@@ -143,8 +200,8 @@ class Intake:
             lost = self.ledger.hello(message, lambda gid: self._number_owner(gid) in (None, index))
             if lost:
                 log.warning("envpool worker %d restarted: %d episodes lost with it", message.index, len(lost))
-            for failure in lost:  # the learner's own: no sender to check
-                self._episode(failure, None, version, admitted)
+            for failure in lost:  # the learner's own: no sender to check, no worker pushed it
+                self._episode(failure, None, version, admitted, _OWN)
         else:
             self.refusals.event(
                 "unexpected", "unexpected %s on the experience socket", type(message).__name__
@@ -158,6 +215,23 @@ class Intake:
             return None
         aligned = self.aligned_from is not None and number >= self.aligned_from
         return number % self.workers if aligned else None
+
+    def _pusher(
+        self, message: Trajectory | EpisodeFailed, sender: str | None, origin: _Origin
+    ) -> tuple[int, str] | None:
+        """The worker process (index, incarnation) whose count `message` goes to once taken: a
+        resent one's own; a normal one's, the process that started its open group, once it said
+        hello to this session. None for what came before that hello (the backlog of a restart),
+        whose order among the resent is not the order pushed: leaving it out keeps every count
+        short of the truth, never ahead of it."""
+        index = worker_of(sender) if sender is not None else self._number_owner(message.group_id)
+        if not origin.pushed or index is None:
+            return None
+        if origin.resent_by is not None:
+            return index, origin.resent_by
+        started = self.ledger.reporter(message.group_id)
+        greeted = not origin.trusted and index in self.ledger.greeted
+        return started if greeted and started is not None and started[0] == index else None
 
     def _group_problem(self, message: GroupStarted, admitted: int) -> str | None:
         """What is wrong with a group announcement, or None. Only admitted numbers of the
@@ -207,9 +281,13 @@ class Intake:
         sender: str | None,
         version: int,
         admitted: int,
-        trusted: bool = False,
+        origin: _Origin = _Origin(),
     ) -> None:
-        found = self.check.problem(message, version=version, admitted=admitted)
+        trusted, relabeled = origin.trusted, False
+        if isinstance(message, Trajectory) and (trusted or max(message.versions, default=-1) > version):
+            moved = self.onto_this_timeline(message)  # (a version past ours is the dead learner's)
+            relabeled, message = moved is not message, moved
+        found = self.check.problem(message, version=version, admitted=admitted, relabeled=relabeled)
         # Who sent it decides whether it is the run's (a refused forgery must not be remembered
         # as a member's, or the member's own report would be a duplicate); the reason said is
         # the group's own first when it cannot exist (never admitted, a bad id).
@@ -223,7 +301,15 @@ class Intake:
             refusal: tuple[str, bool] | None = (reporter[0], False)
         else:
             refusal = None if found is None else (found.reason, found.closes_slot)
-        reason = self.buffer.accept(message, refusal, remember=expected)
+        # Whose result it is, asked before `reported` may close its group; counted for that
+        # process if the buffer took it (not a duplicate) as one of the run's, from its sender.
+        process = self._pusher(message, sender, origin) if expected else None
+        received = self.buffer.received
+        reason = self.buffer.accept(message, refusal, remember=expected, resent=trusted)
+        if self.buffer.received > received:
+            self.relabeled += relabeled
+            if process is not None:
+                self.ledger.credit(process)
         closes = reporter is None and found is not None and found.closes_slot
         if reason is None or closes:
             self.ledger.reported(message.episode_id, message.group_id)  # its slot is closed

@@ -37,6 +37,10 @@ from millstream.shared.wire import EpisodeFailed, Trajectory, group_number
 
 __all__ = ["Refusal", "EpisodeCheck", "IDENTITY_REASONS", "vocab_size"]
 
+#: The lowest version a relabeled trajectory may carry (learner/episodes/intake.py: a token of
+#: an abandoned timeline further from this policy than its version is labeled below -1).
+RELABELED_LOWEST = -(2**62)
+
 #: Reasons that say the message does not belong to the group it names: it closes no slot.
 IDENTITY_REASONS = frozenset({"bad_group_id", "unannounced_group"})
 
@@ -66,9 +70,13 @@ class EpisodeCheck:
         self.low, self.high = cfg.reward_range
         self.vocab = vocab
 
-    def problem(self, message: Trajectory | EpisodeFailed, *, version: int, admitted: int) -> Refusal | None:
+    def problem(
+        self, message: Trajectory | EpisodeFailed, *, version: int, admitted: int, relabeled: bool = False
+    ) -> Refusal | None:
         """What is wrong with `message`, or None. `version`: the learner's policy version now;
-        `admitted`: the highest admission limit announced so far."""
+        `admitted`: the highest admission limit announced so far; `relabeled`: the learner moved
+        its versions onto this session's timeline (learner/episodes/intake.py), and a generated
+        token further from this policy than its version is labeled below -1."""
         try:
             number = group_number(message.group_id)
         except ValueError:
@@ -76,10 +84,10 @@ class EpisodeCheck:
         if number >= admitted:
             return Refusal("unannounced_group", f"group {number} was never admitted (limit {admitted})")
         if isinstance(message, Trajectory):
-            return self._content(message, version)
+            return self._content(message, version, RELABELED_LOWEST if relabeled else -1)
         return None
 
-    def _content(self, traj: Trajectory, version: int) -> Refusal | None:
+    def _content(self, traj: Trajectory, version: int, lowest: int) -> Refusal | None:
         n = len(traj.token_ids)
         if n == 0 or not len(traj.loss_mask) == len(traj.logprobs) == len(traj.versions) == n:
             return Refusal(
@@ -96,7 +104,7 @@ class EpisodeCheck:
             return Refusal("loss_mask", "loss_mask holds values other than 0 and 1")
         if not all(math.isfinite(lp) and lp <= 1e-3 for lp in traj.logprobs):
             return Refusal("logprobs", "a logprob is not finite or is above 0")
-        if max(traj.versions) > version or min(traj.versions) < -1:
+        if max(traj.versions) > version or min(traj.versions) < lowest:
             return Refusal(
                 "version", f"versions in [{min(traj.versions)}, {max(traj.versions)}], learner at {version}"
             )

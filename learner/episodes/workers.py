@@ -20,6 +20,11 @@ the members that have not reported yet, and per worker process how many episodes
 The ledger also says where each worker index continues numbering (`next_groups`, announced in
 `PolicyVersion`): after the last group any of its processes started, so no group number is
 used twice.
+
+And it counts, per live worker process, the results of it the learner took (`credit`), so that
+a checkpoint can say how many of them it holds (`settled()`, announced in `PolicyVersion`): the
+worker keeps the rest and pushes them again to a restarted learner (envpool/redelivery.py),
+which turns most of what used to be `learner_lost` into episodes received after all.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from millstream.shared.wire import (
     Cause,
     EpisodeFailed,
     GroupStarted,
+    Settled,
     WorkerHello,
     group_number,
     group_of,
@@ -65,6 +71,11 @@ class WorkerLedger:
         self.restarts = 0
         #: Worker indices that said hello to this learner session.
         self.greeted: set[int] = set()
+        #: Results taken per live worker process (index, incarnation): learner/episodes/intake.py
+        #: counts them so that "n" means "the first n it pushed, or more".
+        self.reports: Counter[tuple[int, str]] = Counter()
+        #: `reports` as the latest saved checkpoint holds them.
+        self.saved_reports: dict[tuple[int, str], int] = {}
 
     def rebase(self, group_base: int) -> None:
         """Numbering continues from `group_base` (a resumed session's, or past every worker's)."""
@@ -83,6 +94,7 @@ class WorkerLedger:
         if before is not None and before != msg.incarnation:
             self.restarts += 1
             lost = self._close(msg.index, before)
+            self.reports.pop((msg.index, before), None)  # that process is gone: nothing to settle
         key = (msg.index, msg.incarnation)
         self.started[key] = max(self.started[key], msg.started)  # the worker's count is the truth
         self._reopen(msg.index, msg.incarnation, msg.live, may_own)
@@ -117,6 +129,28 @@ class WorkerLedger:
         group.pending.discard(episode_id)
         if not group.pending:
             del self.open[group_id]
+
+    def reporter(self, group_id: str) -> tuple[int, str] | None:
+        """The worker process (index, incarnation) that started `group_id`, while it is open."""
+        group = self.open.get(group_id)
+        return None if group is None else (group.index, group.incarnation)
+
+    def credit(self, process: tuple[int, str]) -> None:
+        """One more result of `process` taken (counted by the buffer, not a duplicate)."""
+        self.reports[process] += 1
+
+    def mark_saved(self, state: dict[str, Any]) -> None:
+        """A checkpoint holding this `state_dict()` was saved: its counts are what the workers
+        may forget."""
+        self.saved_reports = {(int(i), inc): int(n) for i, inc, n in state.get("reports", [])}
+
+    def settled(self) -> list[Settled]:
+        """`PolicyVersion.settled`: the saved counts of the live worker processes."""
+        return [
+            Settled(index, incarnation, self.saved_reports[(index, incarnation)])
+            for index, incarnation in sorted(self.incarnations.items())
+            if (index, incarnation) in self.saved_reports
+        ]
 
     def started_by_live(self, index: int) -> int:
         """Episodes the live process of worker `index` started."""
@@ -181,6 +215,7 @@ class WorkerLedger:
             "started": [[i, inc, n] for (i, inc), n in self.started.items()],
             "lost": self.lost,
             "restarts": self.restarts,
+            "reports": [[i, inc, n] for (i, inc), n in self.reports.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -196,3 +231,5 @@ class WorkerLedger:
         self.next_groups = self.next_groups[: self.workers]
         self.started = Counter({(int(i), inc): int(n) for i, inc, n in state["started"]})
         self.lost, self.restarts = int(state["lost"]), int(state["restarts"])
+        self.reports = Counter({(int(i), inc): int(n) for i, inc, n in state.get("reports", [])})
+        self.mark_saved(state)  # a checkpoint holds what it says, by definition

@@ -69,6 +69,8 @@ def close_run(
         "version": version,
         **accounts,
         "learner_sessions": sessions,
+        # Pushed again after a learner restart with tokens of the abandoned timeline (intake.py).
+        "episodes_relabeled": intake.relabeled,
         "decode_errors": decode_errors,
         "checkpoint": str(checkpoint),
         "final_weights": str(checkpoint / "hf"),

@@ -58,6 +58,7 @@ from millstream.shared.wire import (
     Message,
     ReplicaJoin,
     ReplicaLeave,
+    Settled,
     Trajectory,
     admit_limit,
     group_number,
@@ -240,7 +241,12 @@ class Leader:
             next_groups=self.ledger.next_groups,
             session=session.id,
             replicas=self.fleet.announced(),
+            settled=self._settled(),
         )
+
+    def _settled(self) -> list[Settled] | None:
+        """`PolicyVersion.settled`, or None if this learner saves no checkpoint before the end."""
+        return self.ledger.settled() if self.cfg.learner.checkpoint_every else None
 
     def _take(self, message: Message, sender: str | None, *, greeting: bool) -> None:
         if isinstance(message, (ReplicaJoin, ReplicaLeave)):
@@ -257,7 +263,11 @@ class Leader:
     # --- one step --------------------------------------------------------------------------
 
     def _maybe_step(self) -> bool:
-        """One training step if enough fresh complete groups wait: take, train, push, report."""
+        """One training step if enough fresh complete groups wait: take, train, push, report.
+        None while the workers are greeted: the results held meanwhile may carry the dead
+        learner's later versions, and only so are they told from this session's own."""
+        if self.greeting_until is not None:
+            return False
         version = self.trainer.version
         batch = self._take_batch(version)
         if not batch:
@@ -331,12 +341,16 @@ class Leader:
         records = {"metrics.jsonl": self.metrics.position(), **self.records.positions()}
         extra = session_state(self.session, self.run_dir, self.buffer, self.ledger, self.intake, records)
         self.team.command("save", extra)
-        return self.saver.save(extra, self.metrics, final)
+        path = self.saver.save(extra, self.metrics, final)
+        if path is not None:  # the workers may forget what it holds (envpool/redelivery.py)
+            self.ledger.mark_saved(extra["ledger"])
+        return path
 
     def _resume(self, path: Path) -> None:
         self.team.command("load", str(path))
         state = self.saver.load(path)
         restore_session(self.session, state, self.ledger, self.intake)
+        self.intake.resumed_at = self.trainer.version
         log.info(
             "resumed from %s at policy version %d (%d groups carried, numbering from %d)",
             path,
@@ -388,6 +402,7 @@ class Leader:
                 final=True,
                 session=self.session.id,
                 replicas=self.fleet.announced(),
+                settled=self._settled(),  # a learner that dies now still gets them again
             )
             for message, sender in self.exp.receive(0.2):
                 self._take(message, sender, greeting=False)

@@ -77,6 +77,7 @@ def session_state(
         "foreign": intake.foreign,
         "aligned_workers": intake.workers,  # every base of this run was aligned to this count
         "refusals": dict(intake.refusals.counts),
+        "relabeled": intake.relabeled,
     }
 
 
@@ -90,6 +91,7 @@ def restore_session(session: Session, state: dict[str, Any], ledger: WorkerLedge
         session.count = int(state["sessions"]) + 1
         intake.foreign = int(state["foreign"])
         intake.refusals.counts.update(state.get("refusals", {}))
+        intake.relabeled = int(state.get("relabeled", 0))
     # Earlier sessions' numbers follow the rule only if they were aligned to this worker count
     # (a checkpoint from before the rule, or one with another count: this session's only).
     intake.aligned_from = 0 if state.get("aligned_workers") == intake.workers else None

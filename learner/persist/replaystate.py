@@ -65,6 +65,7 @@ def buffer_state(buffer: ReplayBuffer) -> dict[str, Any]:
             "received": buffer.received,
             "trained": buffer.trained,
             "duplicates": buffer.duplicates,
+            "resent_duplicates": buffer.resent_duplicates,
             "buffered": buffer.buffered,
             "dropped_groups": buffer.dropped_groups,
             "dropped": dict(buffer.dropped),
@@ -138,6 +139,7 @@ def load_buffer_state(
     buffer._complete, buffer._pending, buffer._closed, buffer._seen = complete, {}, closed, seen
     buffer.received, buffer.trained = int(c["received"]), int(c["trained"])
     buffer.duplicates, buffer.buffered = int(c["duplicates"]), int(c["buffered"])
+    buffer.resent_duplicates = int(c.get("resent_duplicates", 0))
     buffer.dropped_groups = int(c["dropped_groups"])
     buffer.dropped, buffer.failed = dict(c["dropped"]), dict(c["failed"])
     buffer.refused = dict(c.get("refused", {}))

@@ -261,6 +261,15 @@ class EnvPoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             ge=0,
         ),
     ] = 30.0
+    redeliver_mib: Annotated[
+        float,
+        _doc(
+            "Memory a worker may keep its pushed results in until a learner checkpoint holds "
+            "them, to push them again to a restarted learner (envpool/redelivery.py); past it "
+            "the oldest go, and a learner death loses them ('learner_lost'). 0: keep none.",
+            ge=0,
+        ),
+    ] = 64.0
     actor_retries: Annotated[
         int,
         _doc(

@@ -18,6 +18,7 @@ from millstream.shared.wire.causes import ReplyCause
 __all__ = [
     "PolicyVersion",
     "ReplicaRef",
+    "Settled",
     "ReplicaJoin",
     "ReplicaLeave",
     "admit_limit",
@@ -52,6 +53,19 @@ class PolicyVersion(WireMessage, tag="version", frozen=True):
     #: The actor replicas that hold this version's weights and take requests. None: the learner
     #: names none, and workers use the configured `actor.connect` / `actor.address`.
     replicas: list[ReplicaRef] | None = None
+    #: Per live worker process, how many of its results the learner's latest checkpoint holds:
+    #: the worker may forget those and keeps the rest to push again to a restarted learner
+    #: (envpool/redelivery.py). None: this learner saves no checkpoints, so nothing is kept.
+    settled: list[Settled] | None = None
+
+
+class Settled(msgspec.Struct, array_like=True, frozen=True):
+    """Of the results worker `index` (process `incarnation`) pushed, the first `reports` are in
+    the learner's latest checkpoint (learner/episodes/workers.py counts them as they arrive)."""
+
+    index: int
+    incarnation: Id
+    reports: int
 
 
 class ReplicaRef(msgspec.Struct, array_like=True, frozen=True):

@@ -1,7 +1,7 @@
 """Experience, envpool -> learner: finished and failed episodes, and a worker's bookkeeping.
 
     envpool PUSH  --Trajectory / EpisodeFailed / PoolDone / EvalResult / WorkerHello /
-                    GroupStarted-->  learner PULL
+                    GroupStarted / Resent-->  learner PULL
 
 Every episode a worker starts ends as one `Trajectory` (trained on) or one `EpisodeFailed` (counted
 with its cause, never scored): the learner's accounting relies on it.
@@ -23,6 +23,7 @@ __all__ = [
     "WorkerHello",
     "GroupStarted",
     "EvalResult",
+    "Resent",
 ]
 
 
@@ -160,6 +161,21 @@ class GroupStarted(WireMessage, tag="group_started", frozen=True):
     incarnation: str
     group_id: Id
     group_size: int
+
+
+class Resent(WireMessage, tag="resent", frozen=True):
+    """A result worker process `incarnation` pushed before, pushed again to a restarted learner
+    because the checkpoint that learner restored lacks it (envpool/redelivery.py).
+
+    Marked, so that the learner treats it as what it is wherever it lands: a second copy of one
+    that was in flight anyway is an expected duplicate, not a fault; a member of a group the
+    restored learner never heard of is trusted like the backlog of a restart; its tokens may come
+    from the dead learner's later versions (learner/episodes/intake.py relabels them); and it
+    counts for the process that pushed it, not for a successor.
+    """
+
+    incarnation: Id
+    result: Trajectory | EpisodeFailed
 
 
 class EvalResult(WireMessage, tag="eval_result", frozen=True):

@@ -24,7 +24,8 @@ Channels, and who sends what:
     learner DEALER  ──Hello / AttachLearner / WeightUpdate──▶  actor ROUTER
     learner DEALER  ◀──ActorInfo / WeightsApplied / ErrorReply──  actor ROUTER
     any DEALER      ──DigestWeights──▶  actor ROUTER ──WeightsDigest──▶
-    envpool PUSH    ──Trajectory / EpisodeFailed / PoolDone / EvalResult──▶  learner PULL
+    envpool PUSH    ──Trajectory / EpisodeFailed / Resent / WorkerHello / GroupStarted /
+                      PoolDone / EvalResult──▶  learner PULL
     actor PUSH      ──ReplicaJoin / ReplicaLeave──▶  learner PULL
     learner PUB     ──PolicyVersion (with the live replicas)──▶  envpool SUB
 
@@ -43,6 +44,7 @@ from millstream.shared.wire.experience import (
     EvalResult,
     GroupStarted,
     PoolDone,
+    Resent,
     Trajectory,
     WorkerHello,
 )
@@ -66,7 +68,7 @@ __all__ = ["PROTOCOL_VERSION", "ProtocolError", "Message", "Packet", "Codec"]
 
 #: Bumped on any incompatible change of a message. A peer with another version is refused with a
 #: clear error instead of misreading fields.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class ProtocolError(ValueError):
@@ -89,6 +91,7 @@ Message = (
     | PoolDone
     | WorkerHello
     | GroupStarted
+    | Resent
     | EvalResult
     | PolicyVersion
     | ReplicaJoin

@@ -1,0 +1,322 @@
+"""A learner restart loses nothing a worker still holds (envpool/redelivery.py): the worker keeps
+its pushed results until a checkpoint holds them and pushes the rest again to the restarted
+learner; the learner counts what it took per worker process (learner/episodes/workers.py) and
+relabels tokens of the abandoned timeline (learner/episodes/intake.py).
+
+The end-to-end case, a learner killed with SIGKILL in a real run, is in tests/test_healing.py.
+Here the learner's intake, ledger and buffer meet simulated workers over simulated connections
+(each a FIFO queue, as one ZeroMQ PUSH connection is), with a learner death at a random moment
+that loses a random part of what was in flight.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import msgspec
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from millstream.envpool.redelivery import Unsettled
+from millstream.learner.episodes.accounting import close_accounts
+from millstream.learner.episodes.intake import Intake
+from millstream.learner.episodes.validate import EpisodeCheck
+from millstream.learner.episodes.workers import WorkerLedger
+from millstream.learner.loop.session import Session, restore_session, session_state
+from millstream.learner.persist.replaystate import buffer_state, load_buffer_state
+from millstream.learner.replay import ReplayBuffer
+from millstream.shared.config import LearnerConfig, load_config
+from millstream.shared.wire import (
+    Cause,
+    EpisodeFailed,
+    GroupStarted,
+    Message,
+    PolicyVersion,
+    PoolDone,
+    Resent,
+    Settled,
+    Trajectory,
+    WorkerHello,
+    group_id,
+    member_id,
+)
+
+GROUP_SIZE = 2
+WORKERS = 2
+
+
+def result(gid: str, member: int, versions: list[int], failed: bool = False) -> Trajectory | EpisodeFailed:
+    eid = member_id(gid, member)
+    if failed:
+        return EpisodeFailed(eid, gid, GROUP_SIZE, Cause.ENV_ERROR, "the environment raised")
+    return Trajectory(
+        eid,
+        gid,
+        seed=0,
+        env="echo",
+        token_ids=[1] * (2 + len(versions)),
+        loss_mask=[0, 0] + [1] * len(versions),
+        logprobs=[0.0, 0.0] + [-0.5] * len(versions),
+        versions=[-1, -1] + versions,
+        reward=1.0,
+        turn_rewards=[1.0],
+        num_turns=1,
+        group_size=GROUP_SIZE,
+        duration_s=0.1,
+    )
+
+
+# --- the worker's side -----------------------------------------------------------------------
+
+
+def version(session: str, *settled: Settled) -> PolicyVersion:
+    return PolicyVersion(3, 0, session=session, settled=list(settled))
+
+
+def test_kept_results_are_forgotten_once_a_checkpoint_holds_them_and_the_rest_go_again():
+    kept = Unsettled(0, "p1", max_bytes=1 << 20)
+    kept.keep(result("g0", 0, [0]))  # before the learner said it checkpoints: numbered, not kept
+    kept.hear(version("s1"))
+    for member in range(1, 6):
+        kept.keep(result("g0", member, [0]))
+    assert kept.statistics()["pushed"] == 6 and kept.statistics()["kept"] == 5
+    kept.hear(version("s1", Settled(0, "p0", 5), Settled(1, "p1", 5)))  # not this process's
+    assert kept.statistics()["kept"] == 5
+    kept.hear(version("s1", Settled(0, "p1", 3)))  # the checkpoint holds results 0, 1, 2
+    assert kept.statistics()["kept"] == 3
+    resent = list(kept.unsaved(version("s2", Settled(0, "p1", 3))))
+    assert [r.result.episode_id for r in resent] == ["g0-e3", "g0-e4", "g0-e5"]
+    assert resent[0] == Resent("p1", result("g0", 3, [0]))  # decoded as it was pushed
+    assert kept.statistics()["redelivered"] == 3
+    kept.hear(version("s2", Settled(0, "p1", 6)))
+    assert list(kept.unsaved(version("s3"))) == [] and kept.statistics()["kept_bytes"] == 0
+    kept.hear(PolicyVersion(3, 0, session="s3"))  # a learner that saves no checkpoint
+    kept.keep(result("g0", 6, [0]))
+    assert kept.statistics()["kept"] == 0
+
+
+def test_kept_results_are_bounded_by_bytes_and_the_oldest_go_first():
+    one = len(msgspec.msgpack.encode(result("g0", 0, [0] * 50)))
+    kept = Unsettled(0, "p1", max_bytes=3 * one + one // 2)
+    kept.hear(version("s1"))
+    for member in range(10):
+        kept.keep(result("g0", member, [0] * 50))
+    stats = kept.statistics()
+    assert stats["kept"] == 3 and stats["evicted"] == 7 and stats["kept_bytes"] <= kept.max_bytes
+    assert [r.result.episode_id for r in kept.unsaved(version("s2"))] == ["g0-e7", "g0-e8", "g0-e9"]
+
+
+# --- the learner's side ----------------------------------------------------------------------
+
+
+def test_tokens_of_the_abandoned_timeline_are_relabeled_by_their_distance():
+    cfg = load_config(None, [f"train.group_size={GROUP_SIZE}"])
+    buf = ReplayBuffer(GROUP_SIZE, 1, 2, 16)
+    intake = Intake(cfg, buf, WorkerLedger(1, 0, GROUP_SIZE), EpisodeCheck(LearnerConfig(), 256), print)
+    traj = result("g0", 0, [4, 6, 7])
+    assert intake.onto_this_timeline(traj) is traj  # not resumed: nothing to relabel
+    intake.resumed_at = 5  # the dead learner reached 7; this session went back to 5
+    assert intake.onto_this_timeline(traj).versions == [-1, -1, 4, 4, 3]
+    assert intake.onto_this_timeline(result("g0", 1, [5])).versions == [-1, -1, 5]
+    # Further from this policy (at 5) than 5 steps: below -1, which only a relabeled one may be.
+    far = intake.onto_this_timeline(result("g0", 1, [12]))
+    assert far.versions == [-1, -1, -2]
+    check = EpisodeCheck(LearnerConfig(), 256)
+    assert check.problem(far, version=5, admitted=1, relabeled=True) is None
+    assert check.problem(far, version=5, admitted=1).reason == "version"
+
+
+def test_the_intake_relabels_what_can_only_be_of_the_abandoned_timeline():
+    """Resent and held trajectories, and any with a version past the learner's own; not one
+    taken after the greeting whose versions this session may have made itself."""
+    cfg = load_config(None, [f"train.group_size={GROUP_SIZE}"])
+    buf = ReplayBuffer(GROUP_SIZE, 1, 100, 16)
+    intake = Intake(cfg, buf, WorkerLedger(1, 0, GROUP_SIZE), EpisodeCheck(LearnerConfig(), 256), print)
+    intake.resumed_at = 5
+    take = dict(sender=None, version=7, admitted=10, greeting=False)
+    intake.take(Resent("p", result("g0", 0, [6, 9])), **take)  # resent: 9 > 7 and 6 both moved
+    intake.take(Resent("p", result("g0", 0, [6, 9])), **take)  # its second copy: not counted again
+    intake.take(result("g1", 0, [6, 8]), **take)  # 8 is past this session's 7: the dead one's
+    intake.take(result("g2", 0, [6, 7]), **take)  # may be this session's own 6 and 7: kept
+    versions = {
+        t.group_id: t.versions[2:] for t in buf._pending["g0"].trajectories + buf._pending["g1"].trajectories
+    }
+    assert versions == {"g0": [4, 1], "g1": [4, 2]}
+    assert buf._pending["g2"].trajectories[0].versions[2:] == [6, 7]
+    assert intake.relabeled == 2 and buf.resent_duplicates == 1 and buf.duplicates == 0
+
+
+class Learner:
+    """The learner's intake, ledger and buffer, as rank 0 holds them; `restart` is a new session
+    from a checkpoint's state (what learner/loop/leader.py does on `run.resume`)."""
+
+    def __init__(self, checkpoint: dict | None = None) -> None:
+        self.cfg = load_config(None, [f"train.group_size={GROUP_SIZE}", f"envpool.workers={WORKERS}"])
+        self.buffer = ReplayBuffer(GROUP_SIZE, 1, max_staleness=100, max_groups=10_000)
+        self.ledger = WorkerLedger(WORKERS, 0, GROUP_SIZE)
+        check = EpisodeCheck(LearnerConfig(), 256)
+        self.intake = Intake(self.cfg, self.buffer, self.ledger, check, lambda failure, version: None)
+        self.session = Session()
+        self.version = 0
+        self.greeting = checkpoint is not None
+        if checkpoint is not None:
+            raw = msgspec.msgpack.decode(msgspec.msgpack.encode(checkpoint))  # as from disk
+            load_buffer_state(self.buffer, raw["buffer"])
+            restore_session(self.session, raw["extra"], self.ledger, self.intake)
+            self.version = self.intake.resumed_at = raw["version"]
+
+    def take(self, message: Message, sender: str) -> None:
+        self.intake.take(message, sender, version=self.version, admitted=10**9, greeting=self.greeting)
+
+    def end_greeting(self) -> None:
+        self.greeting = False
+        self.intake.release(version=self.version, admitted=10**9)
+
+    def checkpoint(self) -> dict:
+        extra = session_state(self.session, "run", self.buffer, self.ledger, self.intake, {})
+        self.ledger.mark_saved(extra["ledger"])  # saved: announced from now on
+        return {"buffer": buffer_state(self.buffer), "extra": extra, "version": self.version}
+
+    def announcement(self) -> PolicyVersion:
+        return PolicyVersion(self.version, 0, session=self.session.id, settled=self.ledger.settled())
+
+
+class SimWorker:
+    """An envpool worker reduced to what the learner sees of it: it starts groups, pushes one
+    result per member over its connection (`wire`), keeps them (envpool/redelivery.py) and greets
+    each learner session, pushing again first what that session's checkpoint lacks."""
+
+    def __init__(self, index: int, incarnation: int = 0, next_number: int | None = None) -> None:
+        self.index, self.incarnation = index, f"w{index}-process{incarnation}"
+        self.sender = f"envpool-{index}"
+        self.kept = Unsettled(index, self.incarnation, max_bytes=1 << 30)
+        self.wire: deque[Message] = deque()
+        self.started = 0
+        self.live: list[str] = []
+        self.next_number = index if next_number is None else next_number
+        self.session: str | None = None
+
+    def successor(self) -> SimWorker:
+        """The process the launcher starts after this one died with what it kept and queued."""
+        return SimWorker(self.index, int(self.incarnation[-1]) + 1, self.next_number)
+
+    def start_group(self) -> str:
+        gid = group_id(self.next_number)
+        self.next_number += WORKERS
+        self.wire.append(GroupStarted(self.index, self.incarnation, gid, GROUP_SIZE))
+        self.started += GROUP_SIZE
+        self.live += [member_id(gid, m) for m in range(GROUP_SIZE)]
+        return gid
+
+    def finish_one(self, rng: random.Random, version: int) -> None:
+        eid = self.live.pop(rng.randrange(len(self.live)))
+        gid, member = eid.rsplit("-e", 1)
+        message = result(gid, int(member), [version], failed=rng.random() < 0.2)
+        self.kept.keep(message)
+        self.wire.append(message)
+
+    def hear(self, announcement: PolicyVersion) -> None:
+        """What envpool/worker.py does with each `PolicyVersion`."""
+        if announcement.session != self.session:
+            self.wire.extend(self.kept.unsaved(announcement))
+            hello = WorkerHello(self.index, self.incarnation, self.started, live=sorted(self.live))
+            self.wire.append(hello)
+            self.session = announcement.session
+        self.kept.hear(announcement)
+
+
+def deliver(learner: Learner, workers: list[SimWorker], rng: random.Random, count: int) -> None:
+    """Up to `count` messages, from the workers' connections in a random interleaving."""
+    for _ in range(count):
+        busy = [w for w in workers if w.wire]
+        if not busy:
+            return
+        worker = rng.choice(busy)
+        learner.take(worker.wire.popleft(), worker.sender)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    lost=st.floats(0, 1),
+    heard=st.floats(0, 1),
+    worker_death=st.none() | st.integers(0, 160),
+    max_held=st.sampled_from([None, 3]),
+)
+def test_a_learner_restart_loses_nothing_the_workers_kept(seed, lost, heard, worker_death, max_held):
+    """Workers run groups while the learner takes their results and checkpoints; it dies at a
+    random moment, and of what was in flight a random share (`lost`) dies with its sockets; the
+    rest arrives as the backlog. A worker hears the last announcement before the death only with
+    probability `heard`. The restarted session gets everything anyway, each result once (second
+    copies are counted as resent duplicates), and the run's accounts close with no
+    `learner_lost`. With `worker_death`, worker 0 dies at that tick (before or after the
+    learner's death), with what it kept and queued: its episodes are `worker_lost`, and the
+    accounts still close. With `max_held`, the restarted learner holds only that many messages
+    through its greeting and takes the rest as they come."""
+    rng = random.Random(seed)
+    learner = Learner()
+    workers = [SimWorker(i) for i in range(WORKERS)]
+    for w in workers:
+        w.hear(learner.announcement())
+    checkpoint = learner.checkpoint()
+    death = rng.randrange(40, 120)
+    for tick in range(160):
+        if tick == worker_death:
+            workers[0] = workers[0].successor()
+            workers[0].hear(learner.announcement())
+        for w in workers:
+            if rng.random() < 0.3 or not w.live:
+                w.start_group()
+            if w.live and rng.random() < 0.7:
+                w.finish_one(rng, learner.version)
+        deliver(learner, workers, rng, rng.randrange(0, 4))
+        if tick == death:
+            break
+        if rng.random() < 0.15:
+            learner.version += 1
+        if rng.random() < 0.1:
+            checkpoint = learner.checkpoint()
+        for w in workers:
+            if rng.random() < heard:
+                w.hear(learner.announcement())
+    for w in workers:  # the learner died: part of each connection's queue with it
+        for _ in range(int(len(w.wire) * lost)):
+            w.wire.popleft()
+    learner = Learner(checkpoint)
+    learner.intake.max_held = max_held if max_held is not None else learner.intake.max_held
+    if worker_death is not None and worker_death > tick:  # while the learner was down
+        workers[0] = workers[0].successor()
+    backlog = {
+        w.incarnation: sum(isinstance(m, (Trajectory, EpisodeFailed)) for m in w.wire) for w in workers
+    }
+    for w in workers:
+        w.hear(learner.announcement())  # a new session: push again, then hello
+    while any(w.wire for w in workers):
+        deliver(learner, workers, rng, 1)
+    learner.end_greeting()
+    for w in workers:  # the rest of the run: every live episode reports, then PoolDone
+        while w.live:
+            w.finish_one(rng, learner.version)
+        w.wire.append(PoolDone(f"w{w.index}", w.started, 0, 0))
+    while any(w.wire for w in workers):
+        deliver(learner, workers, rng, 1)
+    learner.buffer.drain()  # what close_run does first
+    accounts = close_accounts(
+        learner.buffer, learner.ledger, learner.intake.done_workers, WORKERS, True, learner.intake.foreign
+    )
+    assert accounts["accounting_ok"], accounts
+    assert "learner_lost" not in accounts["episodes_failed"], accounts
+    assert accounts["episodes_refused"] == {} and accounts["duplicates"] == 0, accounts
+    assert accounts["resent_duplicates"] <= sum(w.kept.statistics()["redelivered"] for w in workers)
+    # The counts reached what each worker pushed, short only of the restart's backlog (not
+    # counted: its order among the resent is not the order pushed): after a last checkpoint,
+    # each worker keeps as many, or fewer where a resent copy was taken before the backlog's
+    # (the backlog held, its resent copies past the bound taken at once).
+    learner.checkpoint()
+    for w in workers:
+        w.hear(learner.announcement())
+        kept, arrived = w.kept.statistics()["kept"], backlog.get(w.incarnation, 0)
+        assert kept == arrived if max_held is None else kept <= arrived, (kept, arrived)
+    # (A worker that died before its hello arrived was never known to the learner.)
+    assert accounts["worker_restarts"] <= (worker_death is not None) and accounts["open_groups"] == 0
