@@ -38,9 +38,8 @@ a group never admitted) touches no group, so a forged message cannot complete or
 The buffer is single-threaded (the learner's receive loop owns it) and does no I/O.
 
 learner/persist/replaystate.py carries it across a learner restart (`buffer_state` /
-`load_buffer_state`; learner/persist/checkpoint.py writes the state to disk). Partial groups do
-not survive a resume: their missing members died with the previous envpool, so loading drops
-them under a cause ("incomplete_at_resume") like `drain`.
+`load_buffer_state`; learner/persist/checkpoint.py writes the state to disk), partial groups
+included: their missing members still come (replaystate.py says from where).
 """
 
 from __future__ import annotations

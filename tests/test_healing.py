@@ -88,6 +88,7 @@ def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, 
     # kept it (envpool/redelivery.py): nothing is learner_lost, and nothing of the abandoned
     # timeline is refused for its versions: relabeled, it is trained or dropped as stale.
     assert "learner_lost" not in summary["episodes_failed"], summary["episodes_failed"]
+    assert "incomplete_at_resume" not in summary["episodes_dropped"]  # partial groups came back
     assert "version" not in summary["messages_refused"], summary["messages_refused"]
     envpool_log = "".join((run_dir / "logs" / f"envpool-{w}.log").read_text() for w in (0, 1))
     assert re.search(r"pushed \d+ results again to learner session", envpool_log)

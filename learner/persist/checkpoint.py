@@ -252,7 +252,7 @@ def load_checkpoint(path: Path, trainer, buffer) -> dict:
     """Restores the engine (weights, optimizer, step), the buffer and the RNG states from the
     checkpoint folder `path` (see `find_checkpoint`). Returns the saved `extra` dict plus
     "version" (the restored policy version) and "restored_groups" (complete groups back in the
-    buffer; partial ones are dropped as "incomplete_at_resume"). Call on every rank, before
+    buffer; partial ones come back too). Call on every rank, before
     anything uses the weights; `buffer` may be None on ranks other than 0."""
     path, rank = Path(path), _rank()
     state = msgspec.msgpack.decode((path / STATE_FILE).read_bytes())

@@ -13,11 +13,15 @@ refused rather than guessed at. Format 2 keeps ids per group only while a group 
 to, and finished groups as number ranges (learner/seen.py), so a checkpoint's size no longer
 grows with the length of the run.
 
-Partial groups do not survive a resume: their missing members died with the previous envpool,
-so loading drops them under a cause ("incomplete_at_resume"), as `ReplayBuffer.drain` would, and
-remembers them as closed so a late member is counted under the same cause. The accounting
-identity holds before and after a load, and a state that breaks it is refused before anything
-in the buffer changes.
+Partial groups survive a resume: their missing members still come. After a learner restart
+the workers that ran them report them, or push them again if they reached the dead learner
+(envpool/redelivery.py); a worker that died too, or a whole run resumed with new workers, has
+them closed as `worker_lost` when its successor says hello (learner/episodes/workers.py); one
+that never completes is dropped as stale like any partial group, or at the end of the run.
+`drop_partial_cause` drops them instead (counted under it, as `ReplayBuffer.drain` would, and
+remembered as closed so a late member is counted under the same cause). The accounting identity
+holds before and after a load, and a state that breaks it is refused before anything in the
+buffer changes.
 """
 
 from __future__ import annotations
@@ -78,18 +82,24 @@ def buffer_state(buffer: ReplayBuffer) -> dict[str, Any]:
     }
 
 
+def _pending(trajectories: list[Trajectory], failed: int, oldest: int | None) -> Pending:
+    """A partial group as the buffer held it (its identity is its first trajectory's)."""
+    identity = (trajectories[0].env, trajectories[0].seed) if trajectories else None
+    return Pending(trajectories, failed, oldest, identity)
+
+
 def load_buffer_state(
     buffer: ReplayBuffer,
     state: dict[str, Any],
     *,
-    drop_partial_cause: DropCause = DropCause.INCOMPLETE_AT_RESUME,
+    drop_partial_cause: DropCause | None = None,
 ) -> int:
     """Replaces `buffer`'s contents with `state` (from `buffer_state`, possibly through a
     msgpack round trip); returns how many complete groups were restored.
 
-    Partial groups are dropped under `drop_partial_cause`, as `drain` would drop them: their
-    missing members died with the previous session's envpool and will never arrive (a late
-    one is counted under the same cause). The accounting identity holds before and after.
+    Partial groups are kept, or dropped under `drop_partial_cause` as `drain` would drop them
+    (a late member is then counted under the same cause). The accounting identity holds before
+    and after.
     Raises ValueError if `state` is of another format or group size, is inconsistent, or
     holds more than `max_groups` complete groups.
     """
@@ -118,7 +128,7 @@ def load_buffer_state(
             g["group_id"], trajectories(g["trajectories"]), int(g["failed"]), int(g["oldest_version"])
         )
     partial = {
-        p["group_id"]: Pending(trajectories(p["trajectories"]), int(p["failed"]), p["oldest"])
+        p["group_id"]: _pending(trajectories(p["trajectories"]), int(p["failed"]), p["oldest"])
         for p in state["partial"]
     }
     c = state["counters"]
@@ -137,6 +147,8 @@ def load_buffer_state(
     )
     # Nothing above changed the buffer: a bad state leaves it as it was.
     buffer._complete, buffer._pending, buffer._closed, buffer._seen = complete, {}, closed, seen
+    if drop_partial_cause is None:
+        buffer._pending = partial
     buffer.received, buffer.trained = int(c["received"]), int(c["trained"])
     buffer.duplicates, buffer.buffered = int(c["duplicates"]), int(c["buffered"])
     buffer.resent_duplicates = int(c.get("resent_duplicates", 0))
@@ -144,7 +156,7 @@ def load_buffer_state(
     buffer.dropped, buffer.failed = dict(c["dropped"]), dict(c["failed"])
     buffer.refused = dict(c.get("refused", {}))
     buffer._last_staleness = list(state.get("last_staleness", []))
-    for gid, group in partial.items():
+    for gid, group in partial.items() if drop_partial_cause is not None else ():
         buffer._closed[gid] = drop_partial_cause
         buffer._drop_group(gid, group.trajectories, drop_partial_cause)
     for gid in list(buffer._closed):  # a format 1 state kept every group: finish those done

@@ -123,7 +123,8 @@ class DropCause(enum.StrEnum):
     GROUP_OVERFLOW = "group_overflow"
     #: Its token lists disagree in length (an upstream bug, kept visible).
     MALFORMED = "malformed"
-    #: Its group was partial when the learner resumed from a checkpoint.
+    #: Its group was partial when a learner resumed from a checkpoint, and was dropped then
+    #: (checkpoints resume partial groups now: learner/persist/replaystate.py).
     INCOMPLETE_AT_RESUME = "incomplete_at_resume"
     #: The group filter `zero_std` removed its group (all rewards equal).
     FILTERED_ZERO_STD = "filtered_zero_std"
