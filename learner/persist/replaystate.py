@@ -147,8 +147,6 @@ def load_buffer_state(
     )
     # Nothing above changed the buffer: a bad state leaves it as it was.
     buffer._complete, buffer._pending, buffer._closed, buffer._seen = complete, {}, closed, seen
-    if drop_partial_cause is None:
-        buffer._pending = partial
     buffer.received, buffer.trained = int(c["received"]), int(c["trained"])
     buffer.duplicates, buffer.buffered = int(c["duplicates"]), int(c["buffered"])
     buffer.resent_duplicates = int(c.get("resent_duplicates", 0))
@@ -156,9 +154,12 @@ def load_buffer_state(
     buffer.dropped, buffer.failed = dict(c["dropped"]), dict(c["failed"])
     buffer.refused = dict(c.get("refused", {}))
     buffer._last_staleness = list(state.get("last_staleness", []))
-    for gid, group in partial.items() if drop_partial_cause is not None else ():
-        buffer._closed[gid] = drop_partial_cause
-        buffer._drop_group(gid, group.trajectories, drop_partial_cause)
+    if drop_partial_cause is None:
+        buffer._pending = partial
+    else:
+        for gid, group in partial.items():
+            buffer._closed[gid] = drop_partial_cause
+            buffer._drop_group(gid, group.trajectories, drop_partial_cause)
     for gid in list(buffer._closed):  # a format 1 state kept every group: finish those done
         buffer._settle(gid)
     return len(buffer._complete)
