@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from millstream.envpool.redelivery import Unsettled
 from millstream.learner.episodes.accounting import close_accounts
-from millstream.learner.episodes.intake import Intake
+from millstream.learner.episodes.intake import Intake, held_bound
 from millstream.learner.episodes.validate import EpisodeCheck
 from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.loop.session import Session, restore_session, session_state
@@ -320,3 +320,11 @@ def test_a_learner_restart_loses_nothing_the_workers_kept(seed, lost, heard, wor
         assert kept == arrived if max_held is None else kept <= arrived, (kept, arrived)
     # (A worker that died before its hello arrived was never known to the learner.)
     assert accounts["worker_restarts"] <= (worker_death is not None) and accounts["open_groups"] == 0
+
+
+def test_a_greeting_holds_what_a_dead_learner_may_have_had_since_its_checkpoint():
+    """The soak's settings: 256 running, and 2 x (5 steps between checkpoints + 2 of admission
+    window) x 32 episodes a step: the backlog and its resent copies, held apart from the rest."""
+    overrides = ["train.group_size=8", "train.groups_per_batch=4", "train.max_staleness=1"]
+    cfg = load_config(None, [*overrides, "learner.checkpoint_every=5", "envpool.max_concurrent_episodes=256"])
+    assert held_bound(cfg) == 256 + 2 * 7 * 32

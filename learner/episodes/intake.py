@@ -54,9 +54,21 @@ from millstream.shared.wire import (
 )
 from millstream.shared.wire.keys import worker_of
 
-__all__ = ["Intake"]
+__all__ = ["Intake", "held_bound"]
 
 log = logging.getLogger("learner")
+
+
+def held_bound(cfg: Config) -> int:
+    """How many episodes a greeting may hold: what the workers run at once, and twice what may
+    have reached a dead learner since its last checkpoint (the steps between checkpoints and the
+    admission window past them), once as the backlog and once pushed again. Past the bound the
+    greeting ends early, and a worker not greeted yet may see its results refused
+    (`unannounced_group`: its numbering is not known yet)."""
+    train = cfg.train
+    steps = cfg.learner.checkpoint_every + train.max_staleness + 1 + cfg.envpool.admission_slack
+    since_checkpoint = steps * train.groups_per_batch * train.group_size
+    return cfg.envpool.max_concurrent_episodes * cfg.envpool.workers + 2 * since_checkpoint
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ class Intake:
         #: Refused episodes that no worker announced (forged, or a bug upstream): the buffer
         #: counts them as received, the accounting leaves them out of the run's episodes.
         self.foreign = 0
-        self.max_held = cfg.envpool.max_concurrent_episodes * cfg.envpool.workers
+        self.max_held = held_bound(cfg)
         #: Group numbers from here on belong to worker (number % workers) (learner/loop/session.py
         #: aligned_base); None while this session's base is not settled and earlier sessions'
         #: numbering is unknown (a checkpoint from before the rule, or another worker count).

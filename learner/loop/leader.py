@@ -226,8 +226,13 @@ class Leader:
     def _receive(self) -> None:
         """Take what arrived; release the held episodes once every worker said hello."""
         for message, sender in self.exp.receive(0.05):
+            if len(self.intake.held) >= self.intake.max_held:
+                self._release_held()  # full: the greeting ends before the next one is taken
             self._take(message, sender, greeting=self.greeting_until is not None)
             self.last_data = time.monotonic()
+        self._release_held()
+
+    def _release_held(self) -> None:
         if self.intake.held and self._all_greeted():
             self.intake.release(version=self.trainer.version, admitted=self.session.admitted)
 
