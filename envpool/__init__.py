@@ -9,6 +9,7 @@ Layout:
     gate.py      the staleness-bounded admission gate
     seeds.py     where every random choice of an episode comes from
     stats.py     what a worker counts
+    outbox.py    everything for the learner, sent in order by one task (results numbered so)
     redelivery.py what the worker pushed, kept until a learner checkpoint holds it
     preflight.py `millstream envpool --check`: a config's envpool side, before a run starts
     chat/        token-in/token-out chat context (the envpool owns tokenization)

@@ -19,10 +19,10 @@ rest of the backlog of a restart and judges them after every hello (learner/epis
 A result that was in flight anyway (queued in ZeroMQ while the learner was down) arrives twice;
 the second copy is counted as a resent duplicate, which costs nothing.
 
-Counting is safe when it falls short: the learner counts only results it took from their own
-process, in the order that process pushed them, so "n counted" means "the first n, or more,
-arrived" and the worker never forgets one the checkpoint lacks. Short counts only make the
-worker keep, and push again, a few it need not.
+The hello says how many results the process pushed before it (`WorkerHello.reported`): all of
+them are on its connection ahead of the hello, pushed again where a dead learner had them, and
+the learner takes no step until every hello came, so the next checkpoint holds them all; the
+learner counts the ones after the hello as it takes them, in the order they were pushed.
 
 Kept results are stored encoded (msgpack is about a sixth of the Python objects' size) and
 bounded by bytes; past the bound the oldest go (`evicted`), and a learner that dies before a

@@ -5,7 +5,8 @@
 Sockets: one DEALER per actor replica (every episode's requests, multiplexed, routed by
 envpool/actors/router.py among the replicas the learner announces), one SUB for the
 learner's `PolicyVersion`s (they drive the admission gate), one PUSH of `Trajectory` /
-`EpisodeFailed` to the learner.
+`EpisodeFailed` and the worker's bookkeeping to the learner, fed in order by one task
+(envpool/outbox.py).
 
 Life of a worker: wait for the learner's first version; make sure the actor answers (`Hello`,
 bounded retries); then, as long as the gate allows and
@@ -41,6 +42,7 @@ from millstream.envpool.envs import make_env
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.envpool.gate import AdmissionGate
 from millstream.envpool.heap import Heap
+from millstream.envpool.outbox import Outbox
 from millstream.envpool.record import episode_failed
 from millstream.envpool.redelivery import Unsettled
 from millstream.envpool.scoring.evaluator import Evaluator
@@ -117,6 +119,8 @@ class Worker:
         self.live_ids: set[str] = set()
         #: Pushed results no learner checkpoint holds yet, for a restarted learner.
         self.unsettled = Unsettled(worker_index, self.incarnation, int(pool.redeliver_mib * 2**20))
+        #: Results and bookkeeping for the learner, sent in order (envpool/outbox.py).
+        self.outbox = Outbox(self.push, self.unsettled, size=pool.max_concurrent_episodes + 64)
         self.stats = WorkerStats()
         #: The context episodes are cut to: the config's, or the actor's own if it is smaller
         #: (an actor started by hand may hold a shorter one); set again after the handshake.
@@ -151,6 +155,7 @@ class Worker:
         then finish (evaluation, the final report)."""
         for channel in (self.sub, self.push):
             io.start_soon(channel.run)
+        io.start_soon(self.outbox.run)
         io.start_soon(self.client.run)
         if self.judge is not None:
             io.start_soon(self.judge.run)
@@ -192,7 +197,7 @@ class Worker:
             await self._take_slots(self.cfg.train.group_size)
             # Announced before any member runs: if this process dies, the learner still knows
             # every episode it started.
-            await self.push.send(
+            await self.outbox.put(
                 GroupStarted(self.index, self.incarnation, group_id(number), self.cfg.train.group_size)
             )
             self._start_group(episodes, number)
@@ -241,7 +246,6 @@ class Worker:
             for message in messages:
                 if isinstance(message, PolicyVersion):
                     if message.session != self.gate.session:
-                        await self._redeliver(message)
                         await self._say_hello(message)
                     self.unsettled.hear(message)
                     self.gate.update(message)
@@ -251,30 +255,22 @@ class Worker:
             if self.gate.final:
                 stop_admitting.cancel()
 
-    async def _redeliver(self, first: PolicyVersion) -> None:
-        """Push again, before the hello, what a new learner session's checkpoint lacks: it
-        holds them with the backlog of its restart (envpool/redelivery.py)."""
-        again = 0
-        for resent in self.unsettled.unsaved(first):
-            await self.push.send(resent)
-            again += 1
-        if again:
-            log.info("%s: pushed %d results again to learner session %s", self.name, again, first.session)
-
     async def _say_hello(self, first: PolicyVersion) -> None:
         """Introduce this process to a new learner session (the first, or a restarted one): what
-        it started and reported so far, what still runs, where its numbering stands."""
+        it started and reported so far, what still runs, where its numbering stands; first, what
+        that session's checkpoint lacks, pushed again (envpool/redelivery.py)."""
         log.info("%s: learner session %s, saying hello", self.name, first.session or "(unnamed)")
-        next_group = self.gate.next_group if self.gate.group_base is not None else 0
-        hello = WorkerHello(
-            self.index,
-            self.incarnation,
-            started=self.stats.started,
-            reported=self.stats.started - self.stats.live,
-            live=sorted(self.live_ids),
-            next_group=next_group,
-        )
-        await self.push.send(hello)
+
+        def hello() -> WorkerHello:  # `reported` is filled in as it is sent (envpool/outbox.py)
+            next_group = self.gate.next_group if self.gate.group_base is not None else 0
+            live = sorted(self.live_ids)
+            return WorkerHello(
+                self.index, self.incarnation, self.stats.started, live=live, next_group=next_group
+            )
+
+        again = await self.outbox.greet(first, hello)
+        if again:
+            log.info("%s: pushed %d results again to learner session %s", self.name, again, first.session)
 
     # --- one episode -------------------------------------------------------------------------
 
@@ -319,12 +315,11 @@ class Worker:
             self.live_ids.discard(spec.episode_id)
             self.client.release(spec.episode_id)
             self.slots.release()
-            self.unsettled.keep(result)
             try:  # the common case, room in the queue, needs no scope
-                self.push.send_nowait(result)
+                self.outbox.put_nowait(result)
             except anyio.WouldBlock:
                 with anyio.CancelScope(shield=True):  # a cancelled episode still reports its end
-                    await self.push.send(result)
+                    await self.outbox.put(result)
         streak = self.stats.actor_failure_streak
         if streak > self.pool.max_consecutive_actor_failures and isinstance(result, EpisodeFailed):
             raise ActorUnavailable(
@@ -355,6 +350,7 @@ class Worker:
                 "learner_socket": self.push.statistics().counters(),
                 "gc": self.heap.statistics(),
                 "redelivery": self.unsettled.statistics(),
+                "outbox": self.outbox.statistics(),
             }
         )
 
@@ -380,8 +376,8 @@ class Worker:
 
     async def _finish(self) -> None:
         stats = self.stats
-        await self.push.send(PoolDone(self.name, stats.started, stats.finished, sum(stats.failed.values())))
-        flushed = await self.push.flush(timeout=30.0)
+        done = PoolDone(self.name, stats.started, stats.finished, sum(stats.failed.values()))
+        flushed = await self.outbox.close(done, timeout_s=30.0) and await self.push.flush(timeout=30.0)
         self._snapshot()
         self.metrics.close()
         log.info(

@@ -16,9 +16,9 @@ may come from the dead learner's later versions, a timeline this session abandon
 policy. The learner takes no step while it greets, so no held token is of this session's later
 versions.
 
-The intake also counts, per worker process, the results it took from that process in the order
-it pushed them (`WorkerLedger.credit`): a checkpoint's counts tell each worker what it may
-forget. A count may fall short (the backlog of a restart is not counted), never run ahead.
+The intake also counts, per worker process, the results it took from that process after its
+hello, in the order it pushed them (`WorkerLedger.credit`; the hello brings the count of what
+came before): a checkpoint's counts tell each worker what it may forget.
 
 Who may say what (with CURVE; `sender` is the key's identity, shared/wire/keys.py): worker i's
 `WorkerHello`, `GroupStarted`, `PoolDone` and `EvalResult` only from worker i's key, and an
@@ -78,13 +78,14 @@ class _Origin:
     #: Held through a greeting, or `Resent`: it may name a group the ledger does not know, and is
     #: not foreign for that.
     trusted: bool = False
-    #: `Resent`: the incarnation of the worker process that pushed it first.
-    resent_by: str | None = None
+    #: Held, from a worker that had said hello to this session when it arrived.
+    after_hello: bool = False
     #: False for the learner's own `worker_lost` failures: no worker pushed them.
     pushed: bool = True
 
 
 _HELD = _Origin(trusted=True)
+_HELD_AFTER_HELLO = _Origin(trusted=True, after_hello=True)
 _OWN = _Origin(pushed=False)
 
 
@@ -101,7 +102,8 @@ class Intake:
         self.record_failed = record_failed
         self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
         self.done_workers: dict[str, PoolDone] = {}
-        self.held: list[tuple[Trajectory | EpisodeFailed | Resent, str | None]] = []
+        #: Held episodes, their senders, and whether each sender had said hello by then.
+        self.held: list[tuple[Trajectory | EpisodeFailed | Resent, str | None, bool]] = []
         #: Refused episodes that no worker announced (forged, or a bug upstream): the buffer
         #: counts them as received, the accounting leaves them out of the run's episodes.
         self.foreign = 0
@@ -124,18 +126,18 @@ class Intake:
             and isinstance(message, (Trajectory, EpisodeFailed, Resent))
             and len(self.held) < self.max_held
         ):
-            self.held.append((message, sender))
+            greeted = not isinstance(message, Resent) and self._index(message, sender) in self.ledger.greeted
+            self.held.append((message, sender, greeted))
         else:
             self.handle(message, sender, version=version, admitted=admitted)
 
     def release(self, *, version: int, admitted: int) -> None:
         """Handle the held episodes (the greeting is over, or the run ends)."""
         held, self.held = self.held, []
-        for message, sender in held:  # the workers' results from before their hellos: not foreign
-            if isinstance(message, Resent):
-                self._dispatch(message, sender, version, admitted)
-            else:
-                self._episode(message, sender, version, admitted, _HELD)
+        for message, sender, greeted in held:  # results of a restart's backlog: not foreign
+            origin = _HELD_AFTER_HELLO if greeted else _HELD
+            result = message.result if isinstance(message, Resent) else message
+            self._episode(result, sender, version, admitted, origin)
 
     def onto_this_timeline(self, traj: Trajectory) -> Trajectory:
         """A trajectory with versions past the one this session resumed at (C) has tokens of the
@@ -191,7 +193,7 @@ class Intake:
         if isinstance(message, (Trajectory, EpisodeFailed)):
             self._episode(message, sender, version, admitted)
         elif isinstance(message, Resent):
-            self._episode(message.result, sender, version, admitted, _Origin(True, message.incarnation))
+            self._episode(message.result, sender, version, admitted, _HELD)
         elif not self.sent_by_its_worker(message, sender):
             return
         elif isinstance(message, PoolDone):
@@ -228,22 +230,25 @@ class Intake:
         aligned = self.aligned_from is not None and number >= self.aligned_from
         return number % self.workers if aligned else None
 
+    def _index(self, message: Trajectory | EpisodeFailed | Resent, sender: str | None) -> int | None:
+        """The worker index that sent `message`: its key's, or (without CURVE) its group's."""
+        gid = message.result.group_id if isinstance(message, Resent) else message.group_id
+        return worker_of(sender) if sender is not None else self._number_owner(gid)
+
     def _pusher(
         self, message: Trajectory | EpisodeFailed, sender: str | None, origin: _Origin
     ) -> tuple[int, str] | None:
-        """The worker process (index, incarnation) whose count `message` goes to once taken: a
-        resent one's own; a normal one's, the process that started its open group, once it said
-        hello to this session. None for what came before that hello (the backlog of a restart),
-        whose order among the resent is not the order pushed: leaving it out keeps every count
-        short of the truth, never ahead of it."""
-        index = worker_of(sender) if sender is not None else self._number_owner(message.group_id)
-        if not origin.pushed or index is None:
+        """The worker process (index, incarnation) whose count `message` goes to once taken:
+        the process that started its open group, once it said hello to this session. None for
+        what came before that hello (the backlog of a restart, resent or not): the hello's own
+        count covers it (`WorkerLedger.hello`)."""
+        index = self._index(message, sender)
+        if not origin.pushed or index is None or index not in self.ledger.greeted:
             return None
-        if origin.resent_by is not None:
-            return index, origin.resent_by
+        if origin.trusted and not origin.after_hello:
+            return None
         started = self.ledger.reporter(message.group_id)
-        greeted = not origin.trusted and index in self.ledger.greeted
-        return started if greeted and started is not None and started[0] == index else None
+        return started if started is not None and started[0] == index else None
 
     def _group_problem(self, message: GroupStarted, admitted: int) -> str | None:
         """What is wrong with a group announcement, or None. Only admitted numbers of the

@@ -71,8 +71,9 @@ class WorkerLedger:
         self.restarts = 0
         #: Worker indices that said hello to this learner session.
         self.greeted: set[int] = set()
-        #: Results taken per live worker process (index, incarnation): learner/episodes/intake.py
-        #: counts them so that "n" means "the first n it pushed, or more".
+        #: Results taken per live worker process (index, incarnation), from its hello on (`hello`
+        #: sets it to all it pushed before: learner/episodes/intake.py counts the rest), so that
+        #: "n" means "the first n it pushed".
         self.reports: Counter[tuple[int, str]] = Counter()
         #: `reports` as the latest saved checkpoint holds them.
         self.saved_reports: dict[tuple[int, str], int] = {}
@@ -97,6 +98,10 @@ class WorkerLedger:
             self.reports.pop((msg.index, before), None)  # that process is gone: nothing to settle
         key = (msg.index, msg.incarnation)
         self.started[key] = max(self.started[key], msg.started)  # the worker's count is the truth
+        # Every result it pushed came before this hello on its one connection (pushed again if
+        # a dead learner had it), and no step is taken while greeting: the next checkpoint holds
+        # all of them.
+        self.reports[key] = max(self.reports[key], min(msg.reported, msg.started))
         self._reopen(msg.index, msg.incarnation, msg.live, may_own)
         if 0 <= msg.index < self.workers:
             self.next_groups[msg.index] = max(self.next_groups[msg.index], msg.next_group)

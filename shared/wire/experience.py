@@ -141,7 +141,8 @@ class WorkerHello(WireMessage, tag="worker_hello", frozen=True):
 
     index: int
     incarnation: str
-    #: Episodes this process started, and whose results it pushed, so far.
+    #: Episodes this process started so far, and the results it pushed before this hello (all
+    #: of them ahead of it on its connection: envpool/redelivery.py).
     started: int = 0
     reported: int = 0
     #: Episodes still running, by id (`<gid>-e<m>`).
