@@ -42,8 +42,10 @@ class Outbox:
         """Queue without waiting; raises anyio.WouldBlock when the outbox is full."""
         self._tx.send_nowait(message)
 
-    async def put(self, message: Message) -> None:
-        await self._tx.send(message)
+    async def put(self, message: Message, timeout_s: float = 60.0) -> None:
+        """Queue, waiting at most `timeout_s` for room (TimeoutError past it)."""
+        with anyio.fail_after(timeout_s):
+            await self._tx.send(message)
 
     async def greet(self, first: PolicyVersion, hello: Callable[[], WorkerHello]) -> int:
         """A new learner session: what its checkpoint lacks, pushed again, then `hello()`, made
@@ -65,14 +67,17 @@ class Outbox:
         return self._sent_last.is_set()
 
     async def run(self) -> None:
-        """Number each result as it is handed to the socket, and send everything in order."""
-        async with self._rx:
-            async for message in self._rx:
-                if isinstance(message, (Trajectory, EpisodeFailed)):
-                    self.kept.keep(message)
-                elif isinstance(message, WorkerHello):
-                    message = msgspec.structs.replace(message, reported=self.kept.pushed)
-                await self.push.send(message)
+        """Number each result as it is handed to the socket, and send everything in order.
+
+        The receiving end stays open when this task is cancelled (the worker stopping): an
+        episode cancelled with it still queues its result instead of failing on a closed
+        stream."""
+        async for message in self._rx:
+            if isinstance(message, (Trajectory, EpisodeFailed)):
+                self.kept.keep(message)
+            elif isinstance(message, WorkerHello):
+                message = msgspec.structs.replace(message, reported=self.kept.pushed)
+            await self.push.send(message)
         self._sent_last.set()
 
     def statistics(self) -> dict[str, int]:
