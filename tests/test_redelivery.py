@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from pathlib import Path
 
 import msgspec
 from hypothesis import given, settings
@@ -193,7 +194,7 @@ class Learner:
             assert set(w.pushed_ids[:n]) <= self.taken, (w.incarnation, n, len(w.pushed_ids))
 
     def checkpoint(self) -> dict:
-        extra = session_state(self.session, "run", self.buffer, self.ledger, self.intake, {})
+        extra = session_state(self.session, Path("run"), self.buffer, self.ledger, self.intake, {})
         self.ledger.mark_saved(extra["ledger"])  # saved: announced from now on
         state = {"buffer": buffer_state(self.buffer), "extra": extra, "version": self.version}
         return state | {"taken": sorted(self.taken)}
