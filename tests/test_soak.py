@@ -8,6 +8,8 @@ and the end (memory is judged over the hour, where a slope means something).
 
 from __future__ import annotations
 
+import os
+
 import orjson
 import pytest
 
@@ -30,6 +32,8 @@ def test_five_minutes_of_chaos_and_attack(tmp_path, tiny_model_dir):
     for role, numbers in report["roles"].items():
         assert numbers["fds_last"] <= numbers["fds_first"] + 16, (role, numbers)
         assert 0 < numbers["pss_mib_last"] <= numbers["rss_mib_last"], (role, numbers)
+    # The actor's tree split by process: its own and vLLM's engine processes, each with a slope.
+    assert len(report["roles"]["actor"]["pss_mib_per_hour_by_process"]) >= 2, report["roles"]["actor"]
     assert (out / "soak.png").stat().st_size > 10_000
 
 
@@ -43,3 +47,19 @@ def test_growth_is_measured_within_each_process_of_a_role():
     climbing = [(t, 400.0 + t, 1) for t in range(10, 30)] + [(t, 70.0 + t, 2) for t in range(30, 60)]
     assert abs(slope_per_hour(climbing) - 60.0) < 1e-9
     assert slope_per_hour([(12.0, 5.0, 1)]) == 0.0
+
+
+def test_memory_is_split_by_process_name():
+    import subprocess
+
+    from millstream.bench.kit.procstat import tree_pss_by_name, tree_pss_bytes
+
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        parts = tree_pss_by_name(os.getpid())
+        assert parts.get("sleep", 0) > 0 and len(parts) >= 2, parts  # this process and its child
+        assert abs(sum(parts.values()) - tree_pss_bytes(os.getpid())) < 8 * 2**20
+        assert tree_pss_by_name(child.pid).keys() == {"sleep"}
+    finally:
+        child.kill()
+        child.wait()

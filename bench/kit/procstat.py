@@ -5,7 +5,8 @@
 engine cores and workers), whatever started them, by walking parent pids; `tree_rss_bytes(root)`
 is the same walk for resident memory (bench/learning/real_model.py: each role's peak, engine included),
 `tree_fds(root)` for open file descriptors (bench/soak), `tree_pss_bytes(root)` for proportional
-memory (bench/soak: forked processes share pages, which RSS counts once per process).
+memory (bench/soak: forked processes share pages, which RSS counts once per process), and
+`tree_pss_by_name(root)` the same split by process name (which of the actor's processes grows).
 `tree_thread_cpu_s(root)` splits the tree's CPU by process and thread name (bench/overhead.py:
 which thread of which process pays the hop), as `top -H` would, from /proc/PID/task.
 """
@@ -22,6 +23,7 @@ __all__ = [
     "tree_cpu_s",
     "tree_fds",
     "thread_cpu_s",
+    "tree_pss_by_name",
     "tree_pss_bytes",
     "tree_rss_bytes",
     "tree_thread_cpu_s",
@@ -95,6 +97,19 @@ def tree_pss_bytes(root: int) -> int:
     each page shared by n processes counts 1/n to each, so the sum counts it once (RSS summed
     over a vLLM engine's forked EngineCore and Worker counts their shared pages twice)."""
     return sum(_pss(pid) for pid in _tree(root))
+
+
+def tree_pss_by_name(root: int) -> dict[str, int]:
+    """`tree_pss_bytes` split by process name (`/proc/PID/comm`: the actor's own process, vLLM's
+    `VLLM::EngineCor` and `VLLM::Worker...`), processes of one name summed."""
+    out: dict[str, int] = {}
+    for pid in _tree(root):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:  # ended meanwhile
+            continue
+        out[name] = out.get(name, 0) + _pss(pid)
+    return out
 
 
 def tree_fds(root: int) -> int:

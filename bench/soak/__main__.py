@@ -155,6 +155,7 @@ def _report(
         "summary": {k: summary.get(k) for k in keep},
         "roles": watch.report(args.warmup_min, restarts),
         "samples": watch.samples,
+        "samples_by_process": watch.parts,
         "last_lines": [line for _, line in lines.lines[-15:]],
     }
     # Ended by itself (train.max_minutes), every episode accounted for, every kill healed (the
@@ -212,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             f"fds {numbers['fds_first']} -> {numbers['fds_last']} ({numbers['fds_per_hour']:+.1f}/h), "
             f"restarts {numbers['restarts']}"
         )
+        parts = ", ".join(
+            f"{name} {mib:+.1f}" for name, mib in numbers["pss_mib_per_hour_by_process"].items()
+        )
+        print(f"  {'':12s} PSS MiB/h by process: {parts}")
     return 0 if report["ok"] else 1
 
 

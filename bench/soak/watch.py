@@ -14,6 +14,9 @@ hour), fitted within each process of the role (each with its own level: a restar
 to the starting size is not counted as shrinking, nor its climb back as growth if it is only
 the warm-up of the new process). The report gives each role's restarts beside it, and the
 last sample against the first after the warm-up.
+
+Each role's PSS is also kept per process name (`parts`): the actor's tree is three processes
+(the actor, vLLM's EngineCore and its Worker), and a tree that grows says nothing about which.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from millstream.bench.kit.procstat import tree_fds, tree_pss_bytes, tree_rss_bytes
+from millstream.bench.kit.procstat import tree_fds, tree_pss_by_name, tree_rss_bytes
 
 __all__ = ["Watch", "slope_per_hour"]
 
@@ -34,6 +37,8 @@ class Watch:
     started: float = field(default_factory=time.monotonic)
     #: per role: [(minutes since the start, RSS MiB, open descriptors, pid, PSS MiB)]
     samples: dict[str, list[tuple[float, float, int, int, float]]] = field(default_factory=dict)
+    #: per role: [(minutes since the start, pid, {process name: PSS MiB})]
+    parts: dict[str, list[tuple[float, int, dict[str, float]]]] = field(default_factory=dict)
 
     def sample(self) -> None:
         """One sample of every role whose pid file names a live process."""
@@ -46,8 +51,10 @@ class Watch:
             rss = tree_rss_bytes(pid)
             if rss == 0:  # between a kill and its restart
                 continue
-            pss = tree_pss_bytes(pid) / 2**20
+            by_name = {name: pss / 2**20 for name, pss in tree_pss_by_name(pid).items()}
+            pss = sum(by_name.values())
             self.samples.setdefault(pid_file.stem, []).append((minute, rss / 2**20, tree_fds(pid), pid, pss))
+            self.parts.setdefault(pid_file.stem, []).append((minute, pid, by_name))
 
     def report(self, warmup_min: float, restarts: dict[str, int]) -> dict[str, Any]:
         """Per role: slopes after the warm-up, first and last sample after it, restarts."""
@@ -70,8 +77,20 @@ class Watch:
                 "fds_last": after[-1][2],
                 "fds_per_hour": round(slope_per_hour([(p[0], float(p[2]), p[3]) for p in after]), 1),
                 "restarts": restarts.get(role, 0),
+                "pss_mib_per_hour_by_process": self._part_slopes(role, warmup_min),
             }
         return out
+
+    def _part_slopes(self, role: str, warmup_min: float) -> dict[str, float]:
+        """PSS growth per hour of each process name of `role` after the warm-up."""
+        after = [p for p in self.parts.get(role, []) if p[0] >= warmup_min]
+        names = sorted({name for _, _, by_name in after for name in by_name})
+        return {
+            name: round(
+                slope_per_hour([(t, by_name[name], pid) for t, pid, by_name in after if name in by_name]), 1
+            )
+            for name in names
+        }
 
 
 def slope_per_hour(points: list[tuple[float, float, int]]) -> float:
