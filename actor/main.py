@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         _join_config(sys.argv[1:] if argv is None else argv),
         options=_options,
         reap_grace_s=1.0,
+        preload=True,
     )
 
 

@@ -101,14 +101,21 @@ def tree_pss_bytes(root: int) -> int:
 
 def tree_pss_by_name(root: int) -> dict[str, int]:
     """`tree_pss_bytes` split by process name (`/proc/PID/comm`: the actor's own process, vLLM's
-    `VLLM::EngineCor` and `VLLM::Worker...`), processes of one name summed."""
-    out: dict[str, int] = {}
-    for pid in _tree(root):
+    `VLLM::EngineCor` and `VLLM::Worker...`). Processes of one name are told apart by their
+    order of creation (`python#2`): vLLM names its processes with `setproctitle`, which here
+    did not take once `LD_PRELOAD` was set (shared/process/allocator.py), and then all of them
+    are `python`."""
+    names: list[tuple[int, str]] = []
+    for pid in sorted(_tree(root)):
         try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            names.append((pid, Path(f"/proc/{pid}/comm").read_text().strip()))
         except OSError:  # ended meanwhile
             continue
-        out[name] = out.get(name, 0) + _pss(pid)
+    seen: dict[str, int] = {}
+    out: dict[str, int] = {}
+    for pid, name in names:
+        seen[name] = seen.get(name, 0) + 1
+        out[name if seen[name] == 1 else f"{name}#{seen[name]}"] = _pss(pid)
     return out
 
 

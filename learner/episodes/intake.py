@@ -102,8 +102,8 @@ class Intake:
         self.record_failed = record_failed
         self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
         self.done_workers: dict[str, PoolDone] = {}
-        #: Held episodes, their senders, and whether each sender had said hello by then.
-        self.held: list[tuple[Trajectory | EpisodeFailed | Resent, str | None, bool]] = []
+        #: Held results, their senders, and where each came from (after its sender's hello?).
+        self.held: list[tuple[Trajectory | EpisodeFailed, str | None, _Origin]] = []
         #: Refused episodes that no worker announced (forged, or a bug upstream): the buffer
         #: counts them as received, the accounting leaves them out of the run's episodes.
         self.foreign = 0
@@ -126,17 +126,18 @@ class Intake:
             and isinstance(message, (Trajectory, EpisodeFailed, Resent))
             and len(self.held) < self.max_held
         ):
-            greeted = not isinstance(message, Resent) and self._index(message, sender) in self.ledger.greeted
-            self.held.append((message, sender, greeted))
+            if isinstance(message, Resent):
+                self.held.append((message.result, sender, _HELD))
+            else:
+                greeted = self._index(message, sender) in self.ledger.greeted
+                self.held.append((message, sender, _HELD_AFTER_HELLO if greeted else _HELD))
         else:
             self.handle(message, sender, version=version, admitted=admitted)
 
     def release(self, *, version: int, admitted: int) -> None:
         """Handle the held episodes (the greeting is over, or the run ends)."""
         held, self.held = self.held, []
-        for message, sender, greeted in held:  # results of a restart's backlog: not foreign
-            origin = _HELD_AFTER_HELLO if greeted else _HELD
-            result = message.result if isinstance(message, Resent) else message
+        for result, sender, origin in held:  # results of a restart's backlog: not foreign
             self._episode(result, sender, version, admitted, origin)
 
     def onto_this_timeline(self, traj: Trajectory) -> Trajectory:

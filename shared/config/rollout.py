@@ -122,6 +122,16 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "again). actor/engine.py says when forking is safe."
         ),
     ] = "auto"
+    allocator: Annotated[
+        str,
+        _doc(
+            "The memory allocator of the actor's process and its engine's (shared/process/"
+            "allocator.py; preloaded, the actor starts itself again under it). auto: tcmalloc "
+            "where the machine has it, for the vLLM engine on CPU (under glibc's malloc its "
+            "Worker's heap grew for a quarter of an hour); glibc's otherwise. system: glibc's. "
+            "A path: that library."
+        ),
+    ] = "auto"
     startup_timeout_s: Annotated[
         float,
         _doc(

@@ -33,6 +33,7 @@ from typing import Any, NoReturn
 import orjson
 
 from millstream.shared.config import Config, ConfigError, load_config
+from millstream.shared.process.allocator import preload_allocator
 from millstream.shared.process.cpus import apply_share, role_share
 from millstream.shared.process.lifecycle import reap_children, stop_on_signals, watch_parent
 
@@ -101,13 +102,17 @@ def run_role(
     check: str = "",
     options: Callable[[argparse.ArgumentParser], None] | None = None,
     reap_grace_s: float = 5.0,
+    preload: bool = False,
 ) -> NoReturn:
-    """Parse the role's arguments, run `body(cfg, ns)`, and exit with its status (see above)."""
+    """Parse the role's arguments, run `body(cfg, ns)`, and exit with its status (see above);
+    `preload`: under the configured memory allocator (the actor: shared/process/allocator.py)."""
     try:
         cfg, ns = role_args(role, argv, check=check, options=options)
     except ConfigError as exc:
         print(f"millstream {role}: {exc}", file=sys.stderr)
         sys.exit(2)
+    if preload:
+        preload_allocator(cfg)  # may start this process again: before anything that must last
     stop_on_signals()
     watch_parent()
     _take_cores(role, cfg, ns)
