@@ -16,9 +16,22 @@ STAMP := $(VENV)/.millstream-cpu
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: real-model install install-gpu run test test-fast lint typecheck format bench-stress bench bench-quick clean
+.PHONY: real-model install system-packages install-gpu run test test-fast lint typecheck format bench-stress bench bench-quick clean
 
-install: $(STAMP)
+install: $(STAMP) system-packages
+
+# Debian's packages, checked on every install (cheap) so that a machine set up before one was
+# added gets it too: chromium (the web page of `millstream inspect` is tested in a real headless
+# browser) and tcmalloc (the vLLM actor's allocator on CPU: shared/process/allocator.py). As
+# root with apt-get they are installed; otherwise, or if that fails, one line says what is missing.
+system-packages:
+	@missing=""; command -v chromium >/dev/null 2>&1 || missing=" chromium"; \
+	ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || missing="$$missing libtcmalloc-minimal4"; \
+	if [ -n "$$missing" ]; then \
+		{ [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && apt-get update -q && \
+		  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends$$missing; } || \
+		echo "note: missing Debian packages (apt-get install$$missing): tests/test_inspect.py needs chromium; without tcmalloc the actor runs on glibc's malloc"; \
+	fi
 
 $(STAMP): pyproject.toml requirements/cpu-overrides.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,13 +41,6 @@ $(STAMP): pyproject.toml requirements/cpu-overrides.txt
 	@# 5.7 s -> 3.9 s, DeepSpeed 8.2 -> 4.1 s, transformers' AutoModel 18 -> 9 s measured here).
 	$(BIN)/uv pip install $(UV_FLAGS) --compile-bytecode --override requirements/cpu-overrides.txt -e '.[cpu,test,bench,lint,ray,data,agents,lora,dashboards,real]'
 	$(BIN)/python -c "import importlib.util as u, torch, vllm, deepspeed; assert torch.version.cuda is None, 'a CUDA torch got in'; bad = [m for m in ('torchvision', 'torchaudio', 'torchcodec', 'triton') if u.find_spec(m)]; assert not bad, f'CUDA-only packages got in: {bad}'; print('stack:', 'torch', torch.__version__, 'vllm', vllm.__version__, 'deepspeed', deepspeed.__version__)"
-	@# Debian's packages: chromium (the web page of `millstream inspect` is tested in a real
-	@# headless browser) and tcmalloc (the vLLM actor's allocator on CPU: shared/process/allocator.py).
-	@missing=""; command -v chromium >/dev/null 2>&1 || missing="chromium"; \
-	ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 >/dev/null 2>&1 || missing="$$missing libtcmalloc-minimal4"; \
-	if [ -n "$$missing" ]; then if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$missing; \
-	else echo "note: missing Debian packages (apt-get install$$missing): tests/test_inspect.py needs chromium, the actor uses glibc's malloc without tcmalloc"; fi; fi
 	touch $(STAMP)
 
 install-gpu:

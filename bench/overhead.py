@@ -49,6 +49,7 @@ from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
 from millstream.shared.models.tiny import build_tiny_model
+from millstream.shared.process.allocator import allocator_library
 from millstream.shared.process.runtime import free_port
 from millstream.shared.wire.keys import load_keys
 from millstream.shared.wire.transport import open_channel
@@ -231,9 +232,15 @@ def _read_json_line(stream: IO[str], proc: subprocess.Popen, timeout_s: float = 
     raise TimeoutError("no answer from the AsyncLLM process")
 
 
-def _spawn(stack: ExitStack, command: list[str], log: Path, **kwargs: Any) -> subprocess.Popen:
+def _spawn(
+    stack: ExitStack, command: list[str], log: Path, preload: str | None, **kwargs: Any
+) -> subprocess.Popen:
+    """Start one engine's process; every side gets the allocator the actor would run under
+    (`actor.allocator`), so the comparison is of the hop, not of malloc."""
     out = log.open("wb")
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    if preload:
+        env["LD_PRELOAD"] = preload
     proc = subprocess.Popen(command, stderr=out, start_new_session=True, env=env, **kwargs)
     stack.callback(_stop, proc)
     return proc
@@ -270,6 +277,7 @@ def _healthy(url: str) -> bool:
 def start_engines(
     stack: ExitStack, cfg: Config, config_path: Path, work: Path
 ) -> tuple[subprocess.Popen, subprocess.Popen, str, subprocess.Popen]:
+    preload = allocator_library(cfg)
     actor = _spawn(
         stack,
         [
@@ -282,6 +290,7 @@ def start_engines(
             str(work / "ready"),
         ],
         work / "actor.log",
+        preload,
         stdout=subprocess.DEVNULL,
     )
     _wait(lambda: (work / "ready").exists(), actor, "the actor")
@@ -290,6 +299,7 @@ def start_engines(
         stack,
         [sys.executable, "-m", "millstream.bench.baselines.overhead_engine", str(config_path)],
         work / "asyncllm.log",
+        preload,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -310,7 +320,7 @@ def start_engines(
         "--disable-uvicorn-access-log",
     ]
     url = f"http://127.0.0.1:{port}"
-    server = _spawn(stack, serve, work / "vllm-serve.log", stdout=subprocess.DEVNULL)
+    server = _spawn(stack, serve, work / "vllm-serve.log", preload, stdout=subprocess.DEVNULL)
     _wait(lambda: _healthy(url), server, "vllm serve")
     print("vllm serve ready", flush=True)
     return actor, engine, url, server

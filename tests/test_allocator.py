@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -59,3 +60,49 @@ def test_the_process_starts_itself_again_under_the_library_once():
     assert len(starts) == 2 and starts[0] == starts[1], out  # started twice, one pid
     pid, mapped, preload = json.loads(out[-1])
     assert f"start {pid}" == starts[0] and mapped and preload.split(":")[0] == TCMALLOC
+
+
+def _gomp() -> str:
+    """torch's OpenMP runtime: a library this environment has that a role's imports before
+    run_role do not load (the engine's processes load it later anyway)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    assert spec is not None and spec.origin is not None
+    return str(Path(spec.origin).parent / "lib" / "libgomp.so.1")
+
+
+_ROLE = (
+    "import json, os, sys\n"
+    "from millstream.shared.process.allocator import loaded\n"
+    "from millstream.shared.process.runtime import run_role\n"
+    "def body(cfg, ns):\n"
+    "    state = [os.getpid(), loaded(cfg.actor.allocator), os.environ.get('LD_PRELOAD')]\n"
+    "    print(json.dumps(state), flush=True)\n"
+    "print('start', os.getpid(), flush=True)\n"
+    "run_role('actor', body, sys.argv[1:], preload=True)\n"
+)
+
+
+def test_a_role_started_with_preload_runs_its_body_under_the_library(tmp_path):
+    """run_role(preload=True), as the actor's entry point calls it: the body runs once, in the
+    same process started again with the library mapped."""
+    library = _gomp()
+    argv = [f"actor.allocator={library}", f"run.dir={tmp_path}", "actor.cpus=all"]
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    out = subprocess.run(
+        [sys.executable, "-c", _ROLE, *argv], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    starts = [line for line in lines if line.startswith("start ")]
+    assert len(starts) == 2 and len(set(starts)) == 1, lines  # started again, same pid
+    pid, mapped, preload = json.loads(lines[-1])
+    assert starts[0] == f"start {pid}" and mapped and preload.split(":")[0] == library
+
+
+def test_a_library_missing_at_the_actors_start_stops_it_as_a_setup_failure(tmp_path):
+    argv = ["actor.allocator=/nonexistent/libx.so", f"run.dir={tmp_path}", "actor.cpus=all"]
+    out = subprocess.run([sys.executable, "-c", _ROLE, *argv], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 78, (out.returncode, out.stderr[-2000:])  # SETUP_FAILED: no restart
+    assert "actor.allocator = '/nonexistent/libx.so': no such file" in out.stderr

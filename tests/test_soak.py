@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from millstream.bench.soak.__main__ import main
+from millstream.shared.process.allocator import find_tcmalloc
 
 
 @pytest.mark.real
@@ -35,6 +36,9 @@ def test_five_minutes_of_chaos_and_attack(tmp_path, tiny_model_dir):
     # The actor's tree split by process: its own and vLLM's engine processes, each with a slope.
     assert len(report["roles"]["actor"]["pss_mib_per_hour_by_process"]) >= 2, report["roles"]["actor"]
     assert (out / "soak.png").stat().st_size > 10_000
+    # The vLLM actor runs under tcmalloc where the machine has it (shared/process/allocator.py).
+    if find_tcmalloc() is not None:
+        assert "memory allocator: " in (out / "run" / "logs" / "actor.log").read_text()
 
 
 def test_growth_is_measured_within_each_process_of_a_role():

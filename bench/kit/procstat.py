@@ -101,10 +101,10 @@ def tree_pss_bytes(root: int) -> int:
 
 def tree_pss_by_name(root: int) -> dict[str, int]:
     """`tree_pss_bytes` split by process name (`/proc/PID/comm`: the actor's own process, vLLM's
-    `VLLM::EngineCor` and `VLLM::Worker...`). Processes of one name are told apart by their
-    order of creation (`python#2`): vLLM names its processes with `setproctitle`, which here
-    did not take once `LD_PRELOAD` was set (shared/process/allocator.py), and then all of them
-    are `python`."""
+    `VLLM::EngineCor` and `VLLM::Worker...`). Processes of one name are told apart by pid order
+    (`python#2`; the order of creation unless pids wrapped): vLLM names its processes with
+    `setproctitle`, which did not take in one run here (the whole run under `LD_PRELOAD`), and
+    then all of them are `python`."""
     names: list[tuple[int, str]] = []
     for pid in sorted(_tree(root)):
         try:

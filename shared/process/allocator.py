@@ -17,10 +17,11 @@ before its engine forks its EngineCore and Worker, which inherit it. Whoever sta
 library is not started twice.
 
 - `"auto"` (the default): tcmalloc where the machine has it (Debian: `libtcmalloc-minimal4`,
-  which `make setup` installs as root), for the vLLM actor on CPU; otherwise glibc's, said in
+  which `make install` adds as root), for the vLLM actor on CPU; otherwise glibc's, said in
   one line at the actor's start. The synthetic actor and CUDA engines keep glibc's.
 - `"system"`: glibc's malloc.
-- a path: that library (missing: a ConfigError before anything starts).
+- a path: that library (missing: a ConfigError before anything starts); a bare name
+  (`libjemalloc.so.2`): the loader finds it.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 
 from millstream.shared.config import Config, ConfigError
 
-__all__ = ["allocator_library", "check_allocator", "preload_allocator"]
+__all__ = ["allocator_library", "check_allocator", "find_tcmalloc", "loaded", "preload_allocator"]
 
 log = logging.getLogger("actor")
 
@@ -56,36 +57,64 @@ def find_tcmalloc() -> str | None:
     return name or None
 
 
+def _engine_on_cpu(cfg: Config) -> bool:
+    """The vLLM engine, on the CPU (`auto` on a machine with NVIDIA device nodes is not)."""
+    if cfg.actor.kind != "vllm" or cfg.actor.device == "cuda":
+        return False
+    return cfg.actor.device == "cpu" or not glob.glob("/dev/nvidia[0-9]*")
+
+
 def allocator_library(cfg: Config) -> str | None:
-    """The library the actor process should preload, or None for glibc's malloc."""
+    """The library the actor process should preload, or None for glibc's malloc. A path is
+    made absolute (the actor may run in another directory); a bare name is the loader's to find."""
     choice = cfg.actor.allocator
     if choice == "system":
         return None
     if choice != "auto":
-        return choice
-    if cfg.actor.kind != "vllm" or cfg.actor.device == "cuda" or glob.glob("/dev/nvidia[0-9]*"):
-        return None
-    return find_tcmalloc()
+        return os.path.abspath(choice) if "/" in choice else choice
+    return find_tcmalloc() if _engine_on_cpu(cfg) else None
 
 
 def check_allocator(cfg: Config) -> None:
-    """Raise ConfigError naming `actor.allocator` when it names a file that is not there."""
+    """Raise ConfigError naming `actor.allocator` when it names a path that is not a file."""
     choice = cfg.actor.allocator
-    if choice not in ("auto", "system") and not Path(choice).is_file():
-        raise ConfigError(f"actor.allocator = {choice!r}: no such file (or 'auto', 'system')")
+    if "/" in choice and not Path(choice).is_file():
+        raise ConfigError(
+            f"actor.allocator = {choice!r}: no such file (or 'auto', 'system', a library's name)"
+        )
+
+
+def loaded(library: str) -> bool:
+    """Whether this process has `library` mapped: a mapped file whose name starts with the
+    library's (a soname such as `libtcmalloc_minimal.so.4` maps its versioned file)."""
+    names = (os.path.basename(library), os.path.basename(os.path.realpath(library)))
+    try:
+        with open("/proc/self/maps") as maps:
+            mapped = {
+                os.path.basename(line.split()[-1])
+                for line in maps
+                if line.rstrip().endswith(".so") or ".so." in line
+            }
+    except OSError:  # not Linux: nothing to compare against
+        return False
+    return any(m.startswith(name) for m in mapped for name in names)
 
 
 def preload_allocator(cfg: Config) -> None:
-    """Start this process again with the configured allocator preloaded, unless it already is
-    (or none is configured or found). Call it first thing: nothing before it survives."""
+    """Start this process again with the configured allocator preloaded, unless it is loaded
+    already (or none is configured or found). Call it before the role's work starts: nothing
+    done before it survives, so what it costs is the imports before it (about 2 s of torch)."""
     library = allocator_library(cfg)
     if library is None:
-        if cfg.actor.allocator == "auto" and cfg.actor.kind == "vllm" and cfg.actor.device != "cuda":
+        if cfg.actor.allocator == "auto" and _engine_on_cpu(cfg):
             log.info("glibc's malloc: no tcmalloc here (Debian: apt-get install libtcmalloc-minimal4)")
         return
     preloaded = os.environ.get("LD_PRELOAD", "")
-    if library in preloaded.split(":"):
+    if loaded(library):
         log.info("memory allocator: %s", library)
+        return
+    if library in preloaded.split(":"):  # named, and the loader ignored it: do not loop
+        log.warning("memory allocator: %s is in LD_PRELOAD but not loaded; glibc's malloc", library)
         return
     check_allocator(cfg)
     env = dict(os.environ, LD_PRELOAD=":".join(filter(None, (library, preloaded))))

@@ -112,7 +112,11 @@ def run_role(
         print(f"millstream {role}: {exc}", file=sys.stderr)
         sys.exit(2)
     if preload:
-        preload_allocator(cfg)  # may start this process again: before anything that must last
+        try:
+            preload_allocator(cfg)  # may start this process again: before anything that must last
+        except (ConfigError, OSError) as exc:  # a path that is not there; an exec that failed
+            print(f"millstream {role}: {exc}", file=sys.stderr)
+            sys.exit(SETUP_FAILED)
     stop_on_signals()
     watch_parent()
     _take_cores(role, cfg, ns)
