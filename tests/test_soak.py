@@ -22,6 +22,7 @@ from millstream.shared.process.allocator import find_tcmalloc
 def test_five_minutes_of_chaos_and_attack(tmp_path, tiny_model_dir):
     out = tmp_path / "soak"
     argv = ["--minutes", "4", "--sample-s", "10", "--kill-every-s", "40", "--warmup-min", "1"]
+    argv += ["--process-warmup-min", "0.2"]  # a restarted process's first two samples
     argv += ["--model", tiny_model_dir, "--out", str(out)]
     assert main(argv) == 0, (out / "soak.json").read_text()[-4000:]
     report = orjson.loads((out / "soak.json").read_bytes())
@@ -67,3 +68,19 @@ def test_memory_is_split_by_process_name():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_restarted_process_warms_up_before_its_growth_counts(tmp_path):
+    from millstream.bench.soak.watch import Watch
+
+    watch = Watch(tmp_path)
+    # One process flat at 500 MiB from minute 10; its successor (a kill at 30) loads its model
+    # in its first two minutes (100, then 480), then is flat at 500.
+    series = [(float(t), 500.0, 20, 1, 500.0) for t in range(10, 30)]
+    series += [(30.0, 100.0, 5, 2, 100.0), (31.0, 480.0, 20, 2, 480.0)]
+    series += [(float(t), 500.0, 20, 2, 500.0) for t in range(32, 60)]
+    watch.samples["actor"] = series
+    watch.parts["actor"] = [(t, pid, {"python": pss}) for t, _, _, pid, pss in series]
+    warm = watch.report(10, {}, process_warmup_min=2)["actor"]
+    assert warm["pss_mib_per_hour"] == 0.0 and warm["pss_mib_per_hour_by_process"] == {"python": 0.0}
+    assert watch.report(10, {}, process_warmup_min=0)["actor"]["pss_mib_per_hour"] > 100

@@ -55,6 +55,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--kill-every-s", type=float, default=300.0, help="chaos.kill_every_s (0: none)")
     parser.add_argument("--sample-s", type=float, default=60.0, help="seconds between samples")
     parser.add_argument("--warmup-min", type=float, default=10.0, help="growth is measured after this")
+    parser.add_argument(
+        "--process-warmup-min", type=float, default=2.0, help="... and after each process's own first minutes"
+    )
     parser.add_argument("--model", default="", help="model directory (default: the tiny random model)")
     parser.add_argument("--out", type=Path, default=None, help="where soak.json, soak.png and run/ go")
     parser.add_argument("--set", nargs="*", default=[], help="more dotted overrides for the run")
@@ -153,7 +156,7 @@ def _report(
         "attacks_sent": dict(attacker.sent),
         "actor_answers": dict(attacker.answers),
         "summary": {k: summary.get(k) for k in keep},
-        "roles": watch.report(args.warmup_min, restarts),
+        "roles": watch.report(args.warmup_min, restarts, args.process_warmup_min),
         "samples": watch.samples,
         "samples_by_process": watch.parts,
         "last_lines": [line for _, line in lines.lines[-15:]],

@@ -11,8 +11,10 @@ EngineCore and Worker count to the actor, DeepSpeed's helpers to the learner.
 
 Growth is a least-squares slope over the samples after the warm-up (MiB or descriptors per
 hour), fitted within each process of the role (each with its own level: a restart's drop back
-to the starting size is not counted as shrinking, nor its climb back as growth if it is only
-the warm-up of the new process). The report gives each role's restarts beside it, and the
+to the starting size is not counted as shrinking). A process that a kill restarted leaves out
+its own first minutes too (`--process-warmup-min`, 2): an engine loading its model and filling
+its buffers is not a leak, and with restarts every few minutes it would be most of the slope.
+The report gives each role's restarts beside it, and the
 last sample against the first after the warm-up.
 
 Each role's PSS is also kept per process name (`parts`): the actor's tree is three processes
@@ -56,11 +58,20 @@ class Watch:
             self.samples.setdefault(pid_file.stem, []).append((minute, rss / 2**20, tree_fds(pid), pid, pss))
             self.parts.setdefault(pid_file.stem, []).append((minute, pid, by_name))
 
-    def report(self, warmup_min: float, restarts: dict[str, int]) -> dict[str, Any]:
-        """Per role: slopes after the warm-up, first and last sample after it, restarts."""
+    def report(
+        self, warmup_min: float, restarts: dict[str, int], process_warmup_min: float = 2.0
+    ) -> dict[str, Any]:
+        """Per role: slopes after the warm-up, first and last sample after it, restarts. A
+        process a kill restarted warms up too: its first `process_warmup_min` minutes (from its
+        first sample) are left out as the run's first `warmup_min` are."""
         out = {}
         for role, points in self.samples.items():
-            after = [p for p in points if p[0] >= warmup_min]
+            first_seen: dict[int, float] = {}
+            for p in points:
+                first_seen.setdefault(p[3], p[0])
+            after = [
+                p for p in points if p[0] >= warmup_min and p[0] - first_seen[p[3]] >= process_warmup_min
+            ]
             if len(after) < 2:
                 continue
             out[role] = {
@@ -77,13 +88,21 @@ class Watch:
                 "fds_last": after[-1][2],
                 "fds_per_hour": round(slope_per_hour([(p[0], float(p[2]), p[3]) for p in after]), 1),
                 "restarts": restarts.get(role, 0),
-                "pss_mib_per_hour_by_process": self._part_slopes(role, warmup_min),
+                "pss_mib_per_hour_by_process": self._part_slopes(
+                    role, warmup_min, first_seen, process_warmup_min
+                ),
             }
         return out
 
-    def _part_slopes(self, role: str, warmup_min: float) -> dict[str, float]:
-        """PSS growth per hour of each process name of `role` after the warm-up."""
-        after = [p for p in self.parts.get(role, []) if p[0] >= warmup_min]
+    def _part_slopes(
+        self, role: str, warmup_min: float, first_seen: dict[int, float], process_warmup_min: float
+    ) -> dict[str, float]:
+        """PSS growth per hour of each process name of `role` after the warm-ups."""
+        after = [
+            p
+            for p in self.parts.get(role, [])
+            if p[0] >= warmup_min and p[0] - first_seen.get(p[1], p[0]) >= process_warmup_min
+        ]
         names = sorted({name for _, _, by_name in after for name in by_name})
         return {
             name: round(
