@@ -235,12 +235,9 @@ def _read_json_line(stream: IO[str], proc: subprocess.Popen, timeout_s: float = 
 def _spawn(
     stack: ExitStack, command: list[str], log: Path, preload: str | None, **kwargs: Any
 ) -> subprocess.Popen:
-    """Start one engine's process; every side gets the allocator the actor would run under
-    (`actor.allocator`), so the comparison is of the hop, not of malloc."""
+    """One engine's process, under the actor's allocator (`actor.allocator`): the hop, not malloc."""
     out = log.open("wb")
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind")
-    if preload:
-        env["LD_PRELOAD"] = preload
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **({"LD_PRELOAD": preload} if preload else {}))
     proc = subprocess.Popen(command, stderr=out, start_new_session=True, env=env, **kwargs)
     stack.callback(_stop, proc)
     return proc
