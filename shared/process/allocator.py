@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from millstream.shared.config import Config, ConfigError
+from millstream.shared.process.cpus import has_gpu
 
 __all__ = ["allocator_library", "check_allocator", "find_tcmalloc", "loaded", "preload_allocator"]
 
@@ -61,7 +62,7 @@ def _engine_on_cpu(cfg: Config) -> bool:
     """The vLLM engine, on the CPU (`auto` on a machine with NVIDIA device nodes is not)."""
     if cfg.actor.kind != "vllm" or cfg.actor.device == "cuda":
         return False
-    return cfg.actor.device == "cpu" or not glob.glob("/dev/nvidia[0-9]*")
+    return cfg.actor.device == "cpu" or not has_gpu()
 
 
 def allocator_library(cfg: Config) -> str | None:
