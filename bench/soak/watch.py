@@ -24,6 +24,7 @@ Each role's PSS is also kept per process name (`parts`): the actor's tree is thr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,12 +67,8 @@ class Watch:
         first sample) are left out as the run's first `warmup_min` are."""
         out = {}
         for role, points in self.samples.items():
-            first_seen: dict[int, float] = {}
-            for p in points:
-                first_seen.setdefault(p[3], p[0])
-            after = [
-                p for p in points if p[0] >= warmup_min and p[0] - first_seen[p[3]] >= process_warmup_min
-            ]
+            warm = _past_warmups(points, warmup_min, process_warmup_min)
+            after = [p for p in points if warm(p[0], p[3])]
             if len(after) < 2:
                 continue
             out[role] = {
@@ -88,21 +85,13 @@ class Watch:
                 "fds_last": after[-1][2],
                 "fds_per_hour": round(slope_per_hour([(p[0], float(p[2]), p[3]) for p in after]), 1),
                 "restarts": restarts.get(role, 0),
-                "pss_mib_per_hour_by_process": self._part_slopes(
-                    role, warmup_min, first_seen, process_warmup_min
-                ),
+                "pss_mib_per_hour_by_process": self._part_slopes(role, warm),
             }
         return out
 
-    def _part_slopes(
-        self, role: str, warmup_min: float, first_seen: dict[int, float], process_warmup_min: float
-    ) -> dict[str, float]:
+    def _part_slopes(self, role: str, warm: Callable[[float, int], bool]) -> dict[str, float]:
         """PSS growth per hour of each process name of `role` after the warm-ups."""
-        after = [
-            p
-            for p in self.parts.get(role, [])
-            if p[0] >= warmup_min and p[0] - first_seen.get(p[1], p[0]) >= process_warmup_min
-        ]
+        after = [p for p in self.parts.get(role, []) if warm(p[0], p[1])]
         names = sorted({name for _, _, by_name in after for name in by_name})
         return {
             name: round(
@@ -110,6 +99,21 @@ class Watch:
             )
             for name in names
         }
+
+
+def _past_warmups(
+    points: list[tuple[float, float, int, int, float]], warmup_min: float, process_warmup_min: float
+) -> Callable[[float, int], bool]:
+    """Whether a sample (minute, pid) is past the run's warm-up and its own process's: a
+    process is first seen at its first sample of `points` (the role's samples)."""
+    first_seen: dict[int, float] = {}
+    for p in points:
+        first_seen.setdefault(p[3], p[0])
+
+    def warm(minute: float, pid: int) -> bool:
+        return minute >= warmup_min and minute - first_seen.get(pid, minute) >= process_warmup_min
+
+    return warm
 
 
 def slope_per_hour(points: list[tuple[float, float, int]]) -> float:
