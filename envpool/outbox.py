@@ -24,7 +24,7 @@ import anyio
 import msgspec
 
 from millstream.envpool.redelivery import Unsettled
-from millstream.shared.wire import EpisodeFailed, Message, PolicyVersion, Trajectory, WorkerHello
+from millstream.shared.wire import EpisodeFailed, Message, Outgoing, PolicyVersion, Trajectory, WorkerHello
 from millstream.shared.wire.transport import Channel
 
 __all__ = ["Outbox"]
@@ -73,11 +73,13 @@ class Outbox:
         episode cancelled with it still queues its result instead of failing on a closed
         stream."""
         async for message in self._rx:
+            outgoing: Outgoing = message
             if isinstance(message, (Trajectory, EpisodeFailed)):
-                self.kept.keep(message)
+                encoded = self.kept.keep(message)  # kept encoded: sent as it is
+                outgoing = message if encoded is None else encoded
             elif isinstance(message, WorkerHello):
-                message = msgspec.structs.replace(message, reported=self.kept.pushed)
-            await self.push.send(message)
+                outgoing = msgspec.structs.replace(message, reported=self.kept.pushed)
+            await self.push.send(outgoing)
         self._sent_last.set()
 
     def statistics(self) -> dict[str, int]:

@@ -24,11 +24,12 @@ them are on its connection ahead of the hello, pushed again where a dead learner
 the learner takes no step until every hello came, so the next checkpoint holds them all; the
 learner counts the ones after the hello as it takes them, in the order they were pushed.
 
-Kept results are stored encoded (msgpack is about a sixth of the Python objects' size) and
-bounded by bytes; past the bound the oldest go (`evicted`), and a learner that dies before a
-checkpoint holds them counts them as `learner_lost`, as before this existed. A learner that
-saves no checkpoints (`learner.checkpoint_every = 0`) announces `settled = None`: nothing could
-be restored, so nothing is kept.
+Kept results are stored encoded (msgpack is about a sixth of the Python objects' size), and the
+channel sends that encoding as it is, so a result is encoded once. They are bounded by bytes;
+past the bound the oldest go (`evicted`), and a learner that dies before a checkpoint holds
+them counts them as `learner_lost`, as before this existed. A learner that saves no checkpoints
+(`learner.checkpoint_every = 0`) announces `settled = None`: nothing could be restored, so
+nothing is kept.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterator
+
+import msgspec
 
 from millstream.shared.wire import Codec, EpisodeFailed, PolicyVersion, Resent, Trajectory
 
@@ -52,7 +55,7 @@ class Unsettled:
         self.index, self.incarnation = index, incarnation
         self.max_bytes = max_bytes
         self._codec = Codec()
-        self._kept: deque[tuple[int, bytes]] = deque()
+        self._kept: deque[tuple[int, msgspec.Raw]] = deque()
         #: Results this process pushed (the next one's number).
         self.pushed = 0
         #: Whether the learner checkpoints (its last `PolicyVersion.settled` was not None).
@@ -61,15 +64,16 @@ class Unsettled:
         self.evicted = 0
         self.redelivered = 0
 
-    def keep(self, result: Trajectory | EpisodeFailed) -> None:
-        """Number a pushed result, and keep it while the learner checkpoints."""
+    def keep(self, result: Trajectory | EpisodeFailed) -> msgspec.Raw | None:
+        """Number a pushed result, and keep it while the learner checkpoints. Returns it
+        encoded when kept, for the channel to send as it is (one encoding, not two)."""
         number = self.pushed
         self.pushed += 1
         if not self.active or self.max_bytes <= 0:
-            return
-        frame = self._codec.encode([result])
-        self._kept.append((number, frame))
-        self.bytes += len(frame)
+            return None
+        encoded = self._codec.encode_one(result)
+        self._kept.append((number, encoded))
+        self.bytes += len(encoded)
         while self.bytes > self.max_bytes and self._kept:
             self._forget()
             self.evicted += 1
@@ -80,6 +84,7 @@ class Unsettled:
                     self.evicted,
                     self.max_bytes / 2**20,
                 )
+        return encoded  # sent even when the bound evicted it at once
 
     def saved(self, version: PolicyVersion) -> int:
         """How many of this process's results the learner's latest checkpoint holds (0: none,
@@ -103,15 +108,15 @@ class Unsettled:
         """What a new learner session, whose `first` version says what its checkpoint holds,
         lacks: decoded one at a time (all at once they would take several times the bound)."""
         self.forget_saved(self.saved(first))
-        for _, frame in list(self._kept):
-            for message in self._codec.decode(frame):
-                if isinstance(message, (Trajectory, EpisodeFailed)):
-                    self.redelivered += 1
-                    yield Resent(self.incarnation, message)
+        for _, encoded in list(self._kept):
+            message = self._codec.decode_one(encoded)
+            if isinstance(message, (Trajectory, EpisodeFailed)):
+                self.redelivered += 1
+                yield Resent(self.incarnation, message)
 
     def _forget(self) -> None:
-        _, frame = self._kept.popleft()
-        self.bytes -= len(frame)
+        _, encoded = self._kept.popleft()
+        self.bytes -= len(encoded)
 
     def statistics(self) -> dict[str, int]:
         return {

@@ -94,6 +94,17 @@ def test_frames_round_trip(messages):
     assert codec.errors == 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(any_message, st.booleans()), min_size=1, max_size=6))
+def test_messages_encoded_once_travel_in_a_frame_as_themselves(messages_and_whether_encoded):
+    """A result the worker keeps encoded is sent in that encoding (envpool/redelivery.py):
+    a frame mixing such messages and plain ones decodes to the same messages, in order."""
+    codec = Codec()
+    outgoing = [codec.encode_one(m) if encoded else m for m, encoded in messages_and_whether_encoded]
+    assert all(codec.decode_one(codec.encode_one(m)) == m for m, _ in messages_and_whether_encoded)
+    assert codec.decode(codec.encode(outgoing)) == [m for m, _ in messages_and_whether_encoded]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_are_rejected_or_valid(data):

@@ -30,6 +30,7 @@ from millstream.learner.replay import ReplayBuffer
 from millstream.shared.config import LearnerConfig, load_config
 from millstream.shared.wire import (
     Cause,
+    Codec,
     EpisodeFailed,
     GroupStarted,
     Message,
@@ -77,10 +78,11 @@ def version(session: str, *settled: Settled) -> PolicyVersion:
 
 def test_kept_results_are_forgotten_once_a_checkpoint_holds_them_and_the_rest_go_again():
     kept = Unsettled(0, "p1", max_bytes=1 << 20)
-    kept.keep(result("g0", 0, [0]))  # before the learner said it checkpoints: numbered, not kept
+    assert kept.keep(result("g0", 0, [0])) is None  # the learner did not say it checkpoints yet
     kept.hear(version("s1"))
     for member in range(1, 6):
-        kept.keep(result("g0", member, [0]))
+        encoded = kept.keep(result("g0", member, [0]))  # what the channel sends as it is
+        assert encoded is not None and Codec().decode_one(encoded) == result("g0", member, [0])
     assert kept.statistics()["pushed"] == 6 and kept.statistics()["kept"] == 5
     kept.hear(version("s1", Settled(0, "p0", 5), Settled(1, "p1", 5)))  # not this process's
     assert kept.statistics()["kept"] == 5

@@ -63,6 +63,7 @@ from millstream.shared.wire.protocol import (
     PROTOCOL_VERSION,
     Codec,
     Message,
+    Outgoing,
     Packet,
     ProtocolError,
 )
@@ -118,6 +119,7 @@ __all__ = [
     "admit_limit",
     "ErrorReply",
     "Message",
+    "Outgoing",
     "Packet",
     "Codec",
     "ProtocolError",

@@ -64,7 +64,7 @@ from millstream.shared.wire.weights import (
     WeightUpdate,
 )
 
-__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Message", "Packet", "Codec"]
+__all__ = ["PROTOCOL_VERSION", "ProtocolError", "Message", "Outgoing", "Packet", "Codec"]
 
 #: Bumped on any incompatible change of a message. A peer with another version is refused with a
 #: clear error instead of misreading fields.
@@ -102,6 +102,11 @@ Message = (
 )
 
 
+#: What a channel sends: a message, or one encoded already (`Codec.encode_one`), written into
+#: the frame as it is: a result the worker also keeps encoded is encoded once, not twice.
+Outgoing = Message | msgspec.Raw
+
+
 class Packet(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One ZeroMQ frame: the sender's protocol version and the messages of one tick."""
 
@@ -122,10 +127,21 @@ class Codec:
         # Reads only the version, so a peer of another version is named as such even when its
         # messages do not decode under this one's types.
         self._version = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+        self._one: msgspec.msgpack.Decoder[Message] | None = None  # made on first use
         self.errors = 0
 
-    def encode(self, messages: list[Message]) -> bytes:
-        return self._encoder.encode(Packet(PROTOCOL_VERSION, messages))
+    def encode(self, messages: list[Outgoing]) -> bytes:
+        return self._encoder.encode(Packet(PROTOCOL_VERSION, messages))  # type: ignore[arg-type]
+
+    def encode_one(self, message: Message) -> msgspec.Raw:
+        """One message, encoded as it goes into a frame; `encode` writes it as it is."""
+        return msgspec.Raw(self._encoder.encode(message))
+
+    def decode_one(self, encoded: msgspec.Raw | bytes) -> Message:
+        """What `encode_one` made, back (a frame's own bytes only: no version is checked)."""
+        if self._one is None:
+            self._one = msgspec.msgpack.Decoder(Message)
+        return self._one.decode(encoded)
 
     def decode(self, frame: bytes | memoryview) -> list[Message]:
         try:

@@ -31,12 +31,13 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import anyio
+import msgspec
 import zmq
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from millstream.shared.config import ConfigError, TransportConfig
 from millstream.shared.obs.ratelog import RateLog
-from millstream.shared.wire import Codec, ErrorReply, Message, ProtocolError, ReplyCause
+from millstream.shared.wire import Codec, ErrorReply, Message, Outgoing, ProtocolError, ReplyCause
 from millstream.shared.wire.keys import RunKeys, secure
 
 __all__ = ["Channel", "ChannelStats", "open_channel", "limit_socket", "KINDS"]
@@ -104,8 +105,8 @@ class Channel:
         self.address = address
         self._cfg = cfg
         self._codec = Codec()
-        self._out_tx: MemoryObjectSendStream[tuple[bytes, Message]]
-        self._out_rx: MemoryObjectReceiveStream[tuple[bytes, Message]]
+        self._out_tx: MemoryObjectSendStream[tuple[bytes, Outgoing]]
+        self._out_rx: MemoryObjectReceiveStream[tuple[bytes, Outgoing]]
         self._out_tx, self._out_rx = anyio.create_memory_object_stream(cfg.send_queue)
         self._in_tx: MemoryObjectSendStream[tuple[bytes, list[Message]]]
         self._in_rx: MemoryObjectReceiveStream[tuple[bytes, list[Message]]]
@@ -124,8 +125,9 @@ class Channel:
 
     # --- public API ------------------------------------------------------------------------
 
-    async def send(self, message: Message, to: bytes = b"", timeout: float = 60.0) -> None:
-        """Queue a message; waits while the queue is full (backpressure), at most `timeout` s.
+    async def send(self, message: Outgoing, to: bytes = b"", timeout: float = 60.0) -> None:
+        """Queue a message (or one encoded already, `Codec.encode_one`); waits while the queue
+        is full (backpressure), at most `timeout` s.
 
         The common case, room in the queue, takes no cancel scope and no checkpoint: at
         thousands of sends a second the scope showed in profiles, and every caller awaits
@@ -144,7 +146,7 @@ class Channel:
                 f"{self.kind} {self.address}: send queue full ({self._cfg.send_queue}) for {timeout}s"
             ) from None
 
-    def send_nowait(self, message: Message, to: bytes = b"") -> None:
+    def send_nowait(self, message: Outgoing, to: bytes = b"") -> None:
         """Queue a message or raise `anyio.WouldBlock` if the queue is full."""
         self._out_tx.send_nowait((to, message))
 
@@ -238,7 +240,7 @@ class Channel:
         cfg, out = self._cfg, self._out_rx
         while True:
             first = await out.receive()
-            batch: dict[bytes, list[Message]] = {first[0]: [first[1]]}
+            batch: dict[bytes, list[Outgoing]] = {first[0]: [first[1]]}
             count = 1
             while count < cfg.coalesce_max:
                 try:
@@ -257,7 +259,7 @@ class Channel:
                     self._stats.sent_bytes += len(payload)
             self._in_hand = 0
 
-    def _payloads(self, messages: list[Message]) -> list[tuple[bytes, int]]:
+    def _payloads(self, messages: list[Outgoing]) -> list[tuple[bytes, int]]:
         """`messages` encoded in frames the peer accepts (`transport.max_frame_bytes`): one
         frame, or halves of the batch until each fits. A single message over the limit means the
         limit is wrong for this config: a ConfigError (the role stops and says so)."""
@@ -266,8 +268,10 @@ class Channel:
         if not limit or len(payload) <= limit:
             return [(payload, len(messages))]
         if len(messages) == 1:
+            one = messages[0]
+            kind = type(self._codec.decode_one(one) if isinstance(one, msgspec.Raw) else one).__name__
             raise ConfigError(
-                f"transport.max_frame_bytes = {limit}: a {type(messages[0]).__name__} of "
+                f"transport.max_frame_bytes = {limit}: a {kind} of "
                 f"{len(payload)} bytes does not fit (its peer would drop the connection); raise it"
             )
         half = len(messages) // 2
