@@ -36,6 +36,8 @@ envpool worker routes its episodes among them (envpool/actors/router.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from millstream.shared.wire.control import ErrorReply, PolicyVersion, ReplicaJoin, ReplicaLeave
@@ -130,7 +132,7 @@ class Codec:
         self._one: msgspec.msgpack.Decoder[Message] | None = None  # made on first use
         self.errors = 0
 
-    def encode(self, messages: list[Outgoing]) -> bytes:
+    def encode(self, messages: Sequence[Outgoing]) -> bytes:
         return self._encoder.encode(Packet(PROTOCOL_VERSION, messages))  # type: ignore[arg-type]
 
     def encode_one(self, message: Message) -> msgspec.Raw:
