@@ -11,6 +11,7 @@ Layout:
     stats.py     what a worker counts
     outbox.py    everything for the learner, sent in order by one task (results numbered so)
     redelivery.py what the worker pushed, kept until a learner checkpoint holds it
+    lineage.py   what each process announced, in a file its successor names to the learner
     preflight.py `millstream envpool --check`: a config's envpool side, before a run starts
     chat/        token-in/token-out chat context (the envpool owns tokenization)
     envs/        environments (text in, text out) by kind, and their registry

@@ -42,6 +42,7 @@ from millstream.envpool.envs import make_env
 from millstream.envpool.episode import EpisodeSpec, run_episode
 from millstream.envpool.gate import AdmissionGate
 from millstream.envpool.heap import Heap
+from millstream.envpool.lineage import Lineage
 from millstream.envpool.outbox import Outbox
 from millstream.envpool.record import episode_failed
 from millstream.envpool.redelivery import Unsettled
@@ -117,6 +118,10 @@ class Worker:
         self.incarnation = uuid.uuid4().hex[:12]
         #: Episodes running now (their ids), for the hello to a restarted learner.
         self.live_ids: set[str] = set()
+        #: What this process announced, in a file its successor reads; what its predecessors did.
+        self.lineage = Lineage.open(
+            Path(cfg.run.dir) / f"envpool-w{worker_index}.lineage" if cfg.run.dir else None, self.incarnation
+        )
         #: Pushed results no learner checkpoint holds yet, for a restarted learner.
         self.unsettled = Unsettled(worker_index, self.incarnation, int(pool.redeliver_mib * 2**20))
         #: Results and bookkeeping for the learner, sent in order (envpool/outbox.py).
@@ -148,6 +153,7 @@ class Worker:
                 io.cancel_scope.cancel()
         finally:
             self.heap.restore()
+            self.lineage.close()
         return self.stats
 
     async def _serve(self, io: TaskGroup, ready_file: str | None) -> None:
@@ -196,10 +202,11 @@ class Worker:
                 greeted = True
             await self._take_slots(self.cfg.train.group_size)
             # Announced before any member runs: if this process dies, the learner still knows
-            # every episode it started.
-            await self.outbox.put(
-                GroupStarted(self.index, self.incarnation, group_id(number), self.cfg.train.group_size)
-            )
+            # every episode it started; and counted in the lineage file before they run, for
+            # an announcement that dies in the queues with this process (envpool/lineage.py).
+            size = self.cfg.train.group_size
+            await self.outbox.put(GroupStarted(self.index, self.incarnation, group_id(number), size))
+            self.lineage.announce(size)
             self._start_group(episodes, number)
 
     async def _greet_actor(self) -> None:
@@ -265,7 +272,12 @@ class Worker:
             next_group = self.gate.next_group if self.gate.group_base is not None else 0
             live = sorted(self.live_ids)
             return WorkerHello(
-                self.index, self.incarnation, self.stats.started, live=live, next_group=next_group
+                self.index,
+                self.incarnation,
+                self.stats.started,
+                live=live,
+                next_group=next_group,
+                lineage=self.lineage.predecessors,
             )
 
         again = await self.outbox.greet(first, hello)

@@ -19,6 +19,7 @@ import orjson
 import pytest
 from helpers import check_accounting, live_turns, read_episodes, start_run, steps_of
 
+from millstream.envpool.lineage import read_lineage
 from millstream.shared.process.lifecycle import run_processes
 
 
@@ -82,8 +83,15 @@ def test_each_role_killed_once_is_restarted_and_nothing_is_lost(tiny_model_dir, 
     summary = check_accounting(run_dir, workers=2)
     assert summary["accounting_ok"] and summary["worker_restarts"] == 1
     assert summary["learner_sessions"] == 2  # resumed from step 20, the later steps rolled back
-    assert summary["episodes_failed"].get("worker_lost", 0) == summary["worker_lost"]
+    # Lost with worker 0: its open groups' members by id, and what it announced that the learner
+    # never heard of (in its queues at the kill), counted from its lineage file (no ids).
+    lost = summary["worker_lost"] + summary["worker_lost_unheard"]
+    assert summary["episodes_failed"].get("worker_lost", 0) == lost
     assert summary["open_groups"] == 0
+    # Every process's count is in its index's lineage file: together, every episode started.
+    lineages = [read_lineage(run_dir / f"envpool-w{w}.lineage") for w in (0, 1)]
+    assert [len(line) for line in lineages] == [2, 1], lineages
+    assert summary["episodes_started"] == sum(p.announced for line in lineages for p in line)
     # What reached the dead learner after its checkpoint was pushed again by the workers that
     # kept it (envpool/redelivery.py): nothing is learner_lost, and nothing of the abandoned
     # timeline is refused for its versions: relabeled, it is trained or dropped as stale.

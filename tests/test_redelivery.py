@@ -29,6 +29,7 @@ from millstream.learner.persist.replaystate import buffer_state, load_buffer_sta
 from millstream.learner.replay import ReplayBuffer
 from millstream.shared.config import LearnerConfig, load_config
 from millstream.shared.wire import (
+    MAX_PREDECESSORS,
     Cause,
     Codec,
     EpisodeFailed,
@@ -36,6 +37,7 @@ from millstream.shared.wire import (
     Message,
     PolicyVersion,
     PoolDone,
+    Predecessor,
     Resent,
     Settled,
     Trajectory,
@@ -221,10 +223,14 @@ class SimWorker:
         self.live: list[str] = []
         self.next_number = index if next_number is None else next_number
         self.session: str | None = None
+        #: The processes of this index that died before this one, oldest first.
+        self.predecessors: list[SimWorker] = []
 
     def successor(self) -> SimWorker:
         """The process the launcher starts after this one died with what it kept and queued."""
-        return SimWorker(self.index, int(self.incarnation[-1]) + 1, self.next_number)
+        after = SimWorker(self.index, int(self.incarnation[-1]) + 1, self.next_number)
+        after.predecessors = [*self.predecessors, self]
+        return after
 
     def start_group(self) -> str:
         gid = group_id(self.next_number)
@@ -246,8 +252,14 @@ class SimWorker:
         """What envpool/worker.py does with each `PolicyVersion`."""
         if announcement.session != self.session:
             self.wire.extend(self.kept.unsaved(announcement))
+            lineage = [Predecessor(p.incarnation, p.started) for p in self.predecessors]  # its file
             hello = WorkerHello(
-                self.index, self.incarnation, self.started, self.kept.pushed, live=sorted(self.live)
+                self.index,
+                self.incarnation,
+                self.started,
+                self.kept.pushed,
+                live=sorted(self.live),
+                lineage=lineage[-MAX_PREDECESSORS:],
             )
             self.wire.append(hello)
             self.session = announcement.session
@@ -325,7 +337,9 @@ def test_learner_restarts_lose_nothing_the_workers_kept(seed, lost, heard, worke
     counted as resent duplicates), every checkpoint's count of a worker's results covers only
     results it took, and the run's accounts close with no `learner_lost`. With `worker_death`,
     worker 0 dies at that tick, with what it kept and queued: its episodes are `worker_lost`,
-    and the accounts still close. With `max_held`, a restarted learner holds only that many
+    those whose announcements died with it (or with a learner that died before its next
+    checkpoint) counted from its successor's lineage, and the accounts still count every
+    episode every process started. With `max_held`, a restarted learner holds only that many
     messages through its greeting and takes the rest as they come."""
     rng = random.Random(seed)
     workers = [SimWorker(i) for i in range(WORKERS)]
@@ -350,6 +364,8 @@ def test_learner_restarts_lose_nothing_the_workers_kept(seed, lost, heard, worke
         learner.buffer, learner.ledger, learner.intake.done_workers, WORKERS, True, learner.intake.foreign
     )
     assert accounts["accounting_ok"], accounts
+    everyone = workers + [dead for w in workers for dead in w.predecessors]
+    assert accounts["episodes_started"] == sum(w.started for w in everyone), accounts
     assert "learner_lost" not in accounts["episodes_failed"], accounts
     assert accounts["episodes_refused"] == {} and accounts["duplicates"] == 0, accounts
     # The counts reached what each worker pushed: after a last checkpoint, every worker forgets

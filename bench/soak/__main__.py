@@ -143,6 +143,7 @@ def _report(
     keep = (
         "accounting_ok", "version", "episodes_started", "episodes_trained", "episodes_failed",
         "episodes_dropped", "episodes_foreign", "learner_sessions", "worker_restarts", "messages_refused",
+        "worker_lost_unheard", "late_groups",
     )  # fmt: skip
     report = {
         "command": " ".join(_command(args, run_dir)),

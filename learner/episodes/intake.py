@@ -5,7 +5,8 @@ refused with a counted reason; a group announcement must name an admitted group 
 size; whatever else goes wrong with one message is counted (`bad_message`), and nothing a peer
 sends ends the learner. The workers' bookkeeping
 messages feed the ledger (learner/episodes/workers.py): `GroupStarted`, `WorkerHello` (whose dead
-predecessor's unreported members come back as `worker_lost` failures) and `PoolDone`.
+predecessor's unreported members come back as `worker_lost` failures, and what its lineage says
+the dead announced unheard is counted so) and `PoolDone`.
 
 Episodes that arrive while the learner still greets its workers (after a learner restart: the
 results queued while it was down, and those the workers push again, `Resent`, because the
@@ -42,6 +43,7 @@ from millstream.learner.replay import ReplayBuffer
 from millstream.shared.config import Config
 from millstream.shared.obs.ratelog import RateLog
 from millstream.shared.wire import (
+    Cause,
     EpisodeFailed,
     EvalResult,
     GroupStarted,
@@ -202,7 +204,8 @@ class Intake:
         elif isinstance(message, GroupStarted):
             problem = self._group_problem(message, admitted)
             if problem is None:
-                self.ledger.group_started(message)
+                for failure in self.ledger.group_started(message):  # a dead process's, late
+                    self._episode(failure, None, version, admitted, _OWN)
             else:
                 self.refusals.event(
                     "bad_group_started", "refused GroupStarted %.40r: %s", message.group_id, problem
@@ -212,11 +215,19 @@ class Intake:
                 self.refusals.event("bad_hello", "refused WorkerHello of worker index %d", message.index)
                 return
             index = message.index
-            lost = self.ledger.hello(message, lambda gid: self._number_owner(gid) in (None, index))
-            if lost:
-                log.warning("envpool worker %d restarted: %d episodes lost with it", message.index, len(lost))
+            lost, unheard = self.ledger.hello(message, lambda gid: self._number_owner(gid) in (None, index))
+            if lost or unheard:
+                log.warning(
+                    "envpool worker %d restarted: %d episodes lost with it (%d of them announced "
+                    "only in its lineage)",
+                    message.index,
+                    len(lost) + unheard,
+                    unheard,
+                )
             for failure in lost:  # the learner's own: no sender to check, no worker pushed it
                 self._episode(failure, None, version, admitted, _OWN)
+            if unheard:  # no ids: counted, as a dead learner's unreceived ones are
+                self.buffer.count_unreceived(Cause.WORKER_LOST, unheard)
         else:
             self.refusals.event(
                 "unexpected", "unexpected %s on the experience socket", type(message).__name__

@@ -17,6 +17,14 @@ the members that have not reported yet, and per worker process how many episodes
   checkpoint are then the difference between what the workers started and what the restored
   learner holds; the learner counts them as `learner_lost` at the end (`unreceived`).
 
+- **Both, or a death mid-send.** A process can die with `GroupStarted` still in its queues, or
+  die while a learner dies before its next checkpoint: the learner never hears of those groups.
+  Each process writes how many episodes it announced to a file its successor reads
+  (envpool/lineage.py) and names in its hello (`lineage`): what the dead processes announced
+  beyond what the ledger heard is counted `worker_lost` at once (`unheard`; their ids are not
+  known). Their announcements that arrive late are among those; one no lineage counted is a
+  dead process's group, started and lost together.
+
 The ledger also says where each worker index continues numbering (`next_groups`, announced in
 `PolicyVersion`): after the last group any of its processes started, so no group number is
 used twice.
@@ -46,6 +54,9 @@ from millstream.shared.wire import (
 )
 
 __all__ = ["WorkerLedger"]
+
+#: Retired processes remembered per worker index (their late announcements are recognised).
+_RETIRED_KEPT = 16
 
 
 @dataclass
@@ -77,6 +88,15 @@ class WorkerLedger:
         self.reports: Counter[tuple[int, str]] = Counter()
         #: `reports` as the latest saved checkpoint holds them.
         self.saved_reports: dict[tuple[int, str], int] = {}
+        #: Per worker index, its processes a successor replaced, newest last (at most
+        #: `_RETIRED_KEPT`): an announcement from one of them comes late, from the dead.
+        self.retired: dict[int, list[str]] = {}
+        #: Per retired process, the episodes a lineage counted lost that the ledger never heard
+        #: announced: a late announcement of that process is one of them.
+        self.unheard: Counter[tuple[int, str]] = Counter()
+        #: Episodes counted `worker_lost` from lineages (no ids), and late announcements.
+        self.lost_unheard = 0
+        self.late_groups = 0
 
     def rebase(self, group_base: int) -> None:
         """Numbering continues from `group_base` (a resumed session's, or past every worker's)."""
@@ -84,10 +104,12 @@ class WorkerLedger:
 
     def hello(
         self, msg: WorkerHello, may_own: Callable[[str], bool] = lambda gid: True
-    ) -> list[EpisodeFailed]:
+    ) -> tuple[list[EpisodeFailed], int]:
         """A worker process introduced itself (its index is in range: learner/episodes/intake.py);
-        returns the failures of a dead predecessor's unreported members. `may_own(gid)` says
-        whether a live group it names may be its own (the intake's numbering rule)."""
+        returns the failures of a dead predecessor's unreported members, and how many episodes
+        its dead predecessors announced that the ledger never heard of (`worker_lost`, no ids).
+        `may_own(gid)` says whether a live group it names may be its own (the intake's
+        numbering rule)."""
         self.greeted.add(msg.index)
         before = self.incarnations.get(msg.index)
         self.incarnations[msg.index] = msg.incarnation
@@ -96,6 +118,8 @@ class WorkerLedger:
             self.restarts += 1
             lost = self._close(msg.index, before)
             self.reports.pop((msg.index, before), None)  # that process is gone: nothing to settle
+            self._retire(msg.index, before)
+        unheard = self._hear_lineage(msg)
         key = (msg.index, msg.incarnation)
         self.started[key] = max(self.started[key], msg.started)  # the worker's count is the truth
         # Every result it pushed came before this hello on its one connection (pushed again if
@@ -105,17 +129,34 @@ class WorkerLedger:
         self._reopen(msg.index, msg.incarnation, msg.live, may_own)
         if 0 <= msg.index < self.workers:
             self.next_groups[msg.index] = max(self.next_groups[msg.index], msg.next_group)
-        return lost
+        return lost, unheard
 
-    def group_started(self, msg: GroupStarted) -> None:
-        self.incarnations.setdefault(msg.index, msg.incarnation)
-        members = {member_id(msg.group_id, m) for m in range(msg.group_size)}
-        self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
-        self.started[(msg.index, msg.incarnation)] += msg.group_size
+    def group_started(self, msg: GroupStarted) -> list[EpisodeFailed]:
+        """A group announced; returns its members as `worker_lost` failures when its process
+        is retired and no lineage counted them (the announcement came late, from the dead)."""
+        key = (msg.index, msg.incarnation)
         if 0 <= msg.index < self.workers:
             self.next_groups[msg.index] = max(
                 self.next_groups[msg.index], group_number(msg.group_id) + self.workers
             )
+        if msg.incarnation in self.retired.get(msg.index, ()):
+            self.late_groups += 1
+            if self.unheard[key] >= msg.group_size:  # counted lost already, from the lineage
+                self.unheard[key] -= msg.group_size
+                return []
+            self.started[key] += msg.group_size
+            self.open[msg.group_id] = _OpenGroup(
+                msg.index,
+                msg.incarnation,
+                msg.group_size,
+                {member_id(msg.group_id, m) for m in range(msg.group_size)},
+            )
+            return self._close(msg.index, msg.incarnation)
+        self.incarnations.setdefault(msg.index, msg.incarnation)
+        members = {member_id(msg.group_id, m) for m in range(msg.group_size)}
+        self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
+        self.started[key] += msg.group_size
+        return []
 
     def owner(self, group_id: str) -> int | None:
         """The worker index that started this group, while it has members to report."""
@@ -182,6 +223,33 @@ class WorkerLedger:
             size = known.size if known is not None else self.group_size
             self.open[gid] = _OpenGroup(index, incarnation, size, members)
 
+    def _retire(self, index: int, incarnation: str) -> None:
+        """`incarnation` of worker `index` is dead (a successor said hello, or named it)."""
+        retired = self.retired.setdefault(index, [])
+        if incarnation in retired:
+            return
+        retired.append(incarnation)
+        for gone in retired[:-_RETIRED_KEPT]:
+            self.unheard.pop((index, gone), None)
+        del retired[:-_RETIRED_KEPT]
+
+    def _hear_lineage(self, msg: WorkerHello) -> int:
+        """Count what the dead processes a hello names announced beyond what the ledger heard
+        (started, and lost at once); returns how many."""
+        total = 0
+        for dead in msg.lineage:
+            if dead.incarnation == msg.incarnation:
+                continue  # not dead: a hello never names its own process
+            self._retire(msg.index, dead.incarnation)
+            key = (msg.index, dead.incarnation)
+            unheard = dead.announced - self.started[key]
+            if unheard > 0:
+                self.started[key] = dead.announced
+                self.unheard[key] += unheard
+                total += unheard
+        self.lost_unheard += total
+        return total
+
     def _close(self, index: int, incarnation: str) -> list[EpisodeFailed]:
         failures = []
         for gid, group in list(self.open.items()):
@@ -206,6 +274,8 @@ class WorkerLedger:
             "open_groups": len(self.open),
             "worker_restarts": self.restarts,
             "worker_lost": self.lost,
+            "worker_lost_unheard": self.lost_unheard,
+            "late_groups": self.late_groups,
         }
 
     # --- checkpoints -------------------------------------------------------------------------
@@ -221,6 +291,10 @@ class WorkerLedger:
             "lost": self.lost,
             "restarts": self.restarts,
             "reports": [[i, inc, n] for (i, inc), n in self.reports.items()],
+            "retired": {str(i): list(incs) for i, incs in self.retired.items()},
+            "unheard": [[i, inc, n] for (i, inc), n in self.unheard.items() if n],
+            "lost_unheard": self.lost_unheard,
+            "late_groups": self.late_groups,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -237,4 +311,8 @@ class WorkerLedger:
         self.started = Counter({(int(i), inc): int(n) for i, inc, n in state["started"]})
         self.lost, self.restarts = int(state["lost"]), int(state["restarts"])
         self.reports = Counter({(int(i), inc): int(n) for i, inc, n in state.get("reports", [])})
+        self.retired = {int(i): list(incs) for i, incs in state.get("retired", {}).items()}
+        self.unheard = Counter({(int(i), inc): int(n) for i, inc, n in state.get("unheard", [])})
+        self.lost_unheard = int(state.get("lost_unheard", 0))
+        self.late_groups = int(state.get("late_groups", 0))
         self.mark_saved(state)  # a checkpoint holds what it says, by definition

@@ -41,11 +41,13 @@ from millstream.shared.wire.control import (
     member_id,
 )
 from millstream.shared.wire.experience import (
+    MAX_PREDECESSORS,
     EpisodeFailed,
     EvalResult,
     FailedRequest,
     GroupStarted,
     PoolDone,
+    Predecessor,
     Resent,
     Scene,
     Trajectory,
@@ -102,6 +104,8 @@ __all__ = [
     "Scene",
     "PoolDone",
     "Resent",
+    "Predecessor",
+    "MAX_PREDECESSORS",
     "WorkerHello",
     "GroupStarted",
     "EvalResult",

@@ -9,6 +9,8 @@ with its cause, never scored): the learner's accounting relies on it.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from millstream.shared.wire.base import Id, WireMessage
@@ -21,6 +23,8 @@ __all__ = [
     "EpisodeFailed",
     "PoolDone",
     "WorkerHello",
+    "Predecessor",
+    "MAX_PREDECESSORS",
     "GroupStarted",
     "EvalResult",
     "Resent",
@@ -128,6 +132,19 @@ class PoolDone(WireMessage, tag="pool_done", frozen=True):
     episodes_failed: int
 
 
+#: Most predecessors a hello names: the launcher restarts a worker with a growing pause, so more
+#: deaths than this within one learner checkpoint would take many minutes.
+MAX_PREDECESSORS = 8
+
+
+class Predecessor(msgspec.Struct, array_like=True, frozen=True):
+    """A dead process of the hello's worker index, and how many episodes it announced: read
+    from the file each process writes before it announces a group (envpool/lineage.py)."""
+
+    incarnation: Id
+    announced: int
+
+
 class WorkerHello(WireMessage, tag="worker_hello", frozen=True):
     """An envpool worker process introduces itself to a learner session: the first message it
     pushes after it sees a session's first `PolicyVersion` (a restarted learner is a new one).
@@ -149,6 +166,10 @@ class WorkerHello(WireMessage, tag="worker_hello", frozen=True):
     live: list[str] = []
     #: The group number this process would start next.
     next_group: int = 0
+    #: The processes of this index that died before this one, oldest first, with their counts:
+    #: the learner counts as `worker_lost` what they started that it never heard of (their
+    #: `GroupStarted` died in their queues, or with a learner that died too).
+    lineage: Annotated[list[Predecessor], msgspec.Meta(max_length=MAX_PREDECESSORS)] = []
 
 
 class GroupStarted(WireMessage, tag="group_started", frozen=True):

@@ -1,0 +1,142 @@
+"""What a dead worker process announced reaches the learner through its successor
+(envpool/lineage.py): the count survives a SIGKILL in a real file, and the learner counts what
+it never heard announced as `worker_lost`, once, late announcements included
+(learner/episodes/workers.py).
+
+The whole protocol, with worker and learner deaths at random moments, is
+tests/test_redelivery.py's simulation, which checks that the run's accounts count every
+episode every process started.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+from millstream.envpool.lineage import Lineage, read_lineage
+from millstream.learner.episodes.accounting import close_accounts
+from millstream.learner.episodes.intake import Intake
+from millstream.learner.episodes.validate import EpisodeCheck
+from millstream.learner.episodes.workers import WorkerLedger
+from millstream.learner.replay import ReplayBuffer
+from millstream.shared.config import LearnerConfig, load_config
+from millstream.shared.wire import (
+    MAX_PREDECESSORS,
+    Cause,
+    EpisodeFailed,
+    GroupStarted,
+    PoolDone,
+    Predecessor,
+    WorkerHello,
+    group_id,
+    member_id,
+)
+
+SIZE = 4
+
+
+def test_a_killed_process_leaves_its_count_for_its_successor(tmp_path):
+    """A process announcing as fast as it can is killed with SIGKILL: the file holds the count
+    it had reached (what it printed last, or one group more), and the next process reads it."""
+    path = tmp_path / "envpool-w0.lineage"
+    first = Lineage.open(path, "aaaa")
+    first.announce(SIZE)
+    first.close()
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from millstream.envpool.lineage import Lineage\n"
+        f"lineage = Lineage.open(Path({str(path)!r}), 'bbbb')\n"
+        "while True:\n"
+        f"    lineage.announce({SIZE})\n"
+        "    print(lineage.announced, flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    printed = [int(proc.stdout.readline()) for _ in range(2000)]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    after = read_lineage(path)
+    assert [p.incarnation for p in after] == ["aaaa", "bbbb"]
+    assert after[0].announced == SIZE
+    assert printed[-1] <= after[1].announced  # it may have written one more before the kill
+    successor = Lineage.open(path, "cccc")
+    assert successor.predecessors == after
+    assert [p.incarnation for p in read_lineage(path)] == ["aaaa", "bbbb", "cccc"]
+
+
+def test_a_file_names_only_the_latest_predecessors(tmp_path):
+    path = tmp_path / "envpool-w0.lineage"
+    for n in range(MAX_PREDECESSORS + 3):
+        Lineage.open(path, f"p{n}").announce(n)
+    named = Lineage.open(path, "last").predecessors
+    assert [p.incarnation for p in named] == [f"p{n}" for n in range(3, MAX_PREDECESSORS + 3)]
+    assert [p.announced for p in named] == list(range(3, MAX_PREDECESSORS + 3))
+    assert Lineage.open(None, "by-hand").predecessors == []  # no run directory: no file
+
+
+class Learner:
+    """The learner's intake, ledger and buffer, as rank 0 holds them."""
+
+    def __init__(self) -> None:
+        cfg = load_config(None, [f"train.group_size={SIZE}", "envpool.workers=1"])
+        self.buffer = ReplayBuffer(SIZE, 1, max_staleness=100, max_groups=1000)
+        self.ledger = WorkerLedger(1, 0, SIZE)
+        check = EpisodeCheck(LearnerConfig(), 256)
+        self.intake = Intake(cfg, self.buffer, self.ledger, check, lambda failure, version: None)
+
+    def take(self, *messages) -> None:
+        for message in messages:
+            self.intake.take(message, "envpool-0", version=0, admitted=10**6, greeting=False)
+
+    def accounts(self) -> dict:
+        self.buffer.drain()
+        return close_accounts(
+            self.buffer, self.ledger, self.intake.done_workers, 1, False, self.intake.foreign
+        )
+
+
+def announce(incarnation: str, number: int) -> GroupStarted:
+    return GroupStarted(0, incarnation, group_id(number), SIZE)
+
+
+def test_what_a_dead_process_announced_unheard_is_lost_once_and_late_news_is_not_counted_twice():
+    learner = Learner()
+    learner.take(WorkerHello(0, "a"), announce("a", 0))
+    # Process a announced groups 1 and 2 too, and died with them in its queues; its file said 12.
+    learner.take(WorkerHello(0, "b", lineage=[Predecessor("a", 3 * SIZE)]))
+    failed = learner.buffer.statistics()["failed"]
+    assert failed == {str(Cause.WORKER_LOST): 3 * SIZE}  # group 0's members by id, the rest counted
+    assert learner.ledger.statistics()["worker_lost_unheard"] == 2 * SIZE
+    # Group 1's announcement arrives after all (late, from the dead): one of those counted.
+    learner.take(announce("a", 1))
+    assert learner.buffer.statistics()["failed"] == failed and learner.ledger.late_groups == 1
+    # Group 2's too; then one past what the file said: started and lost together, with ids.
+    learner.take(announce("a", 2), announce("a", 3))
+    assert learner.buffer.statistics()["failed"] == {str(Cause.WORKER_LOST): 4 * SIZE}
+    # The successor's own group, and a second hello naming the same predecessor (a restarted
+    # learner's session): nothing counted again.
+    learner.take(announce("b", 4))
+    learner.take(
+        *(
+            EpisodeFailed(member_id(group_id(4), m), group_id(4), SIZE, Cause.ENV_ERROR, "")
+            for m in range(SIZE)
+        )
+    )
+    learner.take(WorkerHello(0, "b", started=SIZE, lineage=[Predecessor("a", 3 * SIZE)]))
+    learner.take(PoolDone("w0", SIZE, 0, SIZE))
+    accounts = learner.accounts()
+    assert accounts["accounting_ok"], accounts
+    assert accounts["episodes_started"] == 5 * SIZE  # a's 4 groups, b's 1
+    assert accounts["episodes_failed"] == {str(Cause.WORKER_LOST): 4 * SIZE, str(Cause.ENV_ERROR): SIZE}
+    assert accounts["open_groups"] == 0
+
+
+def test_a_lineage_that_says_less_than_the_learner_heard_changes_nothing():
+    """A file behind the learner (a successor on another machine starts a new one) is no news."""
+    learner = Learner()
+    learner.take(WorkerHello(0, "a"), announce("a", 0), announce("a", 1))
+    learner.take(WorkerHello(0, "b", lineage=[Predecessor("a", SIZE)]))
+    assert learner.buffer.statistics()["failed"] == {str(Cause.WORKER_LOST): 2 * SIZE}
+    assert learner.ledger.started_total == 2 * SIZE and learner.ledger.lost_unheard == 0
