@@ -69,18 +69,39 @@ class Outbox:
     async def run(self) -> None:
         """Number each result as it is handed to the socket, and send everything in order.
 
+        Each wake-up sends everything queued, not one message: a receive from the stream is a
+        scheduler round, and with 10,000 episodes runnable in a round, one message a round
+        fell behind the episodes that ended in it (the outbox filled and held every episode
+        that ended, 2026-11-28: 10,064 queued, 40 MB).
+
         The receiving end stays open when this task is cancelled (the worker stopping): an
         episode cancelled with it still queues its result instead of failing on a closed
         stream."""
-        async for message in self._rx:
-            outgoing: Outgoing = message
-            if isinstance(message, (Trajectory, EpisodeFailed)):
-                encoded = self.kept.keep(message)  # kept encoded: sent as it is
-                outgoing = message if encoded is None else encoded
-            elif isinstance(message, WorkerHello):
-                outgoing = msgspec.structs.replace(message, reported=self.kept.pushed)
-            await self.push.send(outgoing)
+        while True:
+            try:
+                message = await self._rx.receive()
+            except anyio.EndOfStream:
+                break
+            await self._send(message)
+            while True:  # the rest of what is queued, without a scheduler round each
+                try:
+                    message = self._rx.receive_nowait()
+                except anyio.WouldBlock:
+                    break
+                except anyio.EndOfStream:
+                    self._sent_last.set()
+                    return
+                await self._send(message)
         self._sent_last.set()
+
+    async def _send(self, message: Message) -> None:
+        outgoing: Outgoing = message
+        if isinstance(message, (Trajectory, EpisodeFailed)):
+            encoded = self.kept.keep(message)  # kept encoded: sent as it is
+            outgoing = message if encoded is None else encoded
+        elif isinstance(message, WorkerHello):
+            outgoing = msgspec.structs.replace(message, reported=self.kept.pushed)
+        await self.push.send(outgoing)
 
     def statistics(self) -> dict[str, int]:
         stats = self._rx.statistics()
