@@ -54,7 +54,7 @@ async def test_results_are_numbered_in_the_order_they_are_sent_and_the_hello_cou
     kept = Unsettled(0, "p", max_bytes=1 << 20)
     kept.hear(PolicyVersion(0, 0, session="s", settled=[]))  # the learner checkpoints: kept
     push = RecordingChannel()
-    outbox = Outbox(push, kept, size=16)  # type: ignore[arg-type]
+    outbox = Outbox(push, kept, size=16)
     queued = [GroupStarted(0, "p", group_id(0), 2), failure(0, 0), failure(0, 1)]
     for message in queued:
         outbox.put_nowait(message)
@@ -77,7 +77,7 @@ async def test_one_wake_up_sends_everything_queued_while_thousands_of_tasks_run(
     are handed to the socket within two rounds of the test's own (one message a round fell
     behind at 10,000 live episodes and filled the outbox)."""
     push = RecordingChannel()
-    outbox = Outbox(push, Unsettled(0, "p", max_bytes=0), size=4096)  # type: ignore[arg-type]
+    outbox = Outbox(push, Unsettled(0, "p", max_bytes=0), size=4096)
     stop = anyio.Event()
 
     async def busy() -> None:
