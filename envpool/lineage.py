@@ -17,14 +17,20 @@ the group's members run (killed between the two, it ran none of them, and the an
 in its memory), and its successor (the launcher starts one with the same index, on the same
 machine) reads the file and names the dead processes in its `WorkerHello` (`lineage`). The
 learner counts what they started beyond what it heard of as `worker_lost`
-(learner/episodes/workers.py). A worker on another machine than its predecessor (a Ray node
-that moved) finds no file and says nothing, as before.
+(learner/episodes/workers.py).
+
+Where the file is: the run directory, which a Ray launch keeps on a filesystem every node
+shares (shared/launch/ray). A successor on another node finds it too; a node that died may not
+have written its last counts there, and then its announcements are counted as they were before
+this file existed (what the learner heard). A resumed run (`run.resume` of a run directory)
+reads the previous launch's files: what its processes announced after the checkpoint is
+counted `worker_lost` in the resumed run's accounts (it ended with that launch).
 
 The file is a few fixed-width lines, `<incarnation> <count>`, the newest last. Each process
-rewrites it whole once at start (the last `MAX_PREDECESSORS` predecessors and itself, through a
-rename) and then overwrites only its own count in place: one `pwrite` of 20 bytes per group, to
-the page cache. A process killed mid-write leaves the count it had (a 20-byte write within one
-page is not torn by a process death); a machine that crashes ends the run anyway.
+rewrites it whole once at start (the last `MAX_PREDECESSORS` predecessors that announced
+anything, and itself, through a rename) and then overwrites only its own count in place: one
+`pwrite` of 20 bytes per group, to the page cache. A process killed mid-write leaves the count
+it had (a 20-byte write within one page is not torn by a process death).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import logging
 import os
 from pathlib import Path
 
-from millstream.shared.wire import MAX_PREDECESSORS, Predecessor
+from millstream.shared.wire import MAX_COUNT, MAX_PREDECESSORS, Predecessor
 
 __all__ = ["Lineage"]
 
@@ -58,10 +64,11 @@ class Lineage:
         (a worker started by hand without a run directory): no file, no predecessors."""
         if path is None:
             return cls([], None, 0)
-        predecessors = read_lineage(path)[-MAX_PREDECESSORS:]
+        # One that announced nothing has nothing to count: it must not push out one that did.
+        predecessors = [p for p in read_lineage(path) if p.announced][-MAX_PREDECESSORS:]
         lines = [_line(p.incarnation, p.announced) for p in predecessors]
         offset = sum(len(line) for line in lines) + len(incarnation) + 1
-        scratch = path.with_name(path.name + ".new")
+        scratch = path.with_name(f"{path.name}.{os.getpid()}.new")
         scratch.write_bytes(b"".join([*lines, _line(incarnation, 0)]))
         os.replace(scratch, path)
         return cls(predecessors, os.open(path, os.O_WRONLY), offset)
@@ -82,14 +89,14 @@ def read_lineage(path: Path) -> list[Predecessor]:
     """The processes `path` names, oldest first; none when it is missing. A line that does not
     parse is skipped and said (the file is this project's own, so that is a bug or a hand)."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except FileNotFoundError:
         return []
     found = []
-    for line in text.splitlines():
-        incarnation, _, count = line.partition(" ")
-        if incarnation and count.isdigit() and len(incarnation) <= 64:
-            found.append(Predecessor(incarnation, int(count)))
+    for line in data.splitlines():
+        incarnation, _, count = line.partition(b" ")
+        if incarnation.isalnum() and len(incarnation) <= 64 and count.isdigit() and int(count) <= MAX_COUNT:
+            found.append(Predecessor(incarnation.decode(), int(count)))
         else:
             log.warning("%s: skipped a line that is not '<incarnation> <count>': %.80r", path, line)
     return found

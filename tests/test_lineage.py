@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from millstream.envpool.lineage import Lineage, read_lineage
 from millstream.learner.episodes.accounting import close_accounts
 from millstream.learner.episodes.intake import Intake
@@ -22,12 +24,15 @@ from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.replay import ReplayBuffer
 from millstream.shared.config import LearnerConfig, load_config
 from millstream.shared.wire import (
+    MAX_COUNT,
     MAX_PREDECESSORS,
     Cause,
+    Codec,
     EpisodeFailed,
     GroupStarted,
     PoolDone,
     Predecessor,
+    ProtocolError,
     WorkerHello,
     group_id,
     member_id,
@@ -79,7 +84,8 @@ def test_a_file_names_only_the_latest_predecessors(tmp_path):
 class Learner:
     """The learner's intake, ledger and buffer, as rank 0 holds them."""
 
-    def __init__(self) -> None:
+    def __init__(self, sender: str | None = "envpool-0") -> None:
+        self.sender = sender  # worker 0's key, or None: a run without CURVE
         cfg = load_config(None, [f"train.group_size={SIZE}", "envpool.workers=1"])
         self.buffer = ReplayBuffer(SIZE, 1, max_staleness=100, max_groups=1000)
         self.ledger = WorkerLedger(1, 0, SIZE)
@@ -88,7 +94,7 @@ class Learner:
 
     def take(self, *messages) -> None:
         for message in messages:
-            self.intake.take(message, "envpool-0", version=0, admitted=10**6, greeting=False)
+            self.intake.take(message, self.sender, version=0, admitted=10**6, greeting=False)
 
     def accounts(self) -> dict:
         self.buffer.drain()
@@ -101,29 +107,35 @@ def announce(incarnation: str, number: int) -> GroupStarted:
     return GroupStarted(0, incarnation, group_id(number), SIZE)
 
 
-def test_what_a_dead_process_announced_unheard_is_lost_once_and_late_news_is_not_counted_twice():
-    learner = Learner()
+def failure(number: int, member: int, cause: Cause) -> EpisodeFailed:
+    return EpisodeFailed(member_id(group_id(number), member), group_id(number), SIZE, cause, "")
+
+
+@pytest.mark.parametrize("sender", ["envpool-0", None])
+def test_what_a_dead_process_announced_unheard_is_lost_once_and_late_news_is_not_counted_twice(sender):
+    learner = Learner(sender)
     learner.take(WorkerHello(0, "a"), announce("a", 0))
     # Process a announced groups 1 and 2 too, and died with them in its queues; its file said 12.
     learner.take(WorkerHello(0, "b", lineage=[Predecessor("a", 3 * SIZE)]))
-    failed = learner.buffer.statistics()["failed"]
-    assert failed == {str(Cause.WORKER_LOST): 3 * SIZE}  # group 0's members by id, the rest counted
+    lost = {str(Cause.WORKER_LOST): 3 * SIZE}
+    assert learner.buffer.statistics()["failed"] == lost  # group 0's members by id, the rest counted
     assert learner.ledger.statistics()["worker_lost_unheard"] == 2 * SIZE
-    # Group 1's announcement arrives after all (late, from the dead): one of those counted.
-    learner.take(announce("a", 1))
-    assert learner.buffer.statistics()["failed"] == failed and learner.ledger.late_groups == 1
+    # Group 1's announcement arrives after all (late, from the dead): one of those counted, now
+    # by id; its results, late too, are not taken again (its group is closed).
+    learner.take(announce("a", 1), failure(1, 0, Cause.ENV_ERROR))
+    assert learner.buffer.statistics()["failed"] == lost
+    assert sum(learner.intake.refusals.counts.values()) + learner.buffer.duplicates == 1
+    assert learner.ledger.late_groups == 1 and learner.ledger.lost_unheard == SIZE
     # Group 2's too; then one past what the file said: started and lost together, with ids.
     learner.take(announce("a", 2), announce("a", 3))
     assert learner.buffer.statistics()["failed"] == {str(Cause.WORKER_LOST): 4 * SIZE}
+    assert learner.ledger.lost_unheard == 0
+    # The dead process's own hello, reordered behind its successor's: refused, b stays live.
+    learner.take(WorkerHello(0, "a", started=4 * SIZE))
+    assert learner.ledger.incarnations[0] == "b" and learner.intake.refusals.counts["retired_hello"] == 1
     # The successor's own group, and a second hello naming the same predecessor (a restarted
     # learner's session): nothing counted again.
-    learner.take(announce("b", 4))
-    learner.take(
-        *(
-            EpisodeFailed(member_id(group_id(4), m), group_id(4), SIZE, Cause.ENV_ERROR, "")
-            for m in range(SIZE)
-        )
-    )
+    learner.take(announce("b", 4), *(failure(4, m, Cause.ENV_ERROR) for m in range(SIZE)))
     learner.take(WorkerHello(0, "b", started=SIZE, lineage=[Predecessor("a", 3 * SIZE)]))
     learner.take(PoolDone("w0", SIZE, 0, SIZE))
     accounts = learner.accounts()
@@ -131,6 +143,15 @@ def test_what_a_dead_process_announced_unheard_is_lost_once_and_late_news_is_not
     assert accounts["episodes_started"] == 5 * SIZE  # a's 4 groups, b's 1
     assert accounts["episodes_failed"] == {str(Cause.WORKER_LOST): 4 * SIZE, str(Cause.ENV_ERROR): SIZE}
     assert accounts["open_groups"] == 0
+
+
+def test_a_count_no_sum_of_can_overflow_does_not_decode():
+    """Metrics and checkpoints hold 64-bit integers: a hello may not state more than 2**40."""
+    codec = Codec()
+    frame = codec.encode([WorkerHello(0, "b", lineage=[Predecessor("a", MAX_COUNT + 1)])])
+    with pytest.raises(ProtocolError, match="<= 1099511627776"):
+        codec.decode(frame)
+    assert codec.decode(codec.encode([WorkerHello(0, "b", lineage=[Predecessor("a", MAX_COUNT)])]))
 
 
 def test_a_lineage_that_says_less_than_the_learner_heard_changes_nothing():

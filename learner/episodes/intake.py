@@ -23,7 +23,9 @@ came before): a checkpoint's counts tell each worker what it may forget.
 
 Who may say what (with CURVE; `sender` is the key's identity, shared/wire/keys.py): worker i's
 `WorkerHello`, `GroupStarted`, `PoolDone` and `EvalResult` only from worker i's key, and an
-episode only from the key of the worker that started its group. Otherwise it is refused and
+episode only from the key of the worker that started its group. A hello's lineage (what worker
+i's dead processes announced) is taken on worker i's key's word, like its episodes: it can
+misreport worker i's episodes only. Otherwise it is refused and
 counted (`wrong_worker`, `not_a_worker`; an episode of a group no worker started,
 `unstarted_group`), and a refused episode is foreign: it closes no slot. Without CURVE (a
 loopback run that switched it off) every local process is trusted, as before.
@@ -104,8 +106,13 @@ class Intake:
         self.record_failed = record_failed
         self.refusals = RateLog(log)  # a peer decides how many: counted, a sample logged
         self.done_workers: dict[str, PoolDone] = {}
-        #: Held results, their senders, and where each came from (after its sender's hello?).
-        self.held: list[tuple[Trajectory | EpisodeFailed, str | None, _Origin]] = []
+        #: Held results, their senders, where each came from (after its sender's hello?), and
+        #: how many hellos its worker index had said when it was held.
+        self.held: list[tuple[Trajectory | EpisodeFailed, str | None, _Origin, int]] = []
+        #: Hellos taken per worker index this session: a held result that came after one hello
+        #: is covered by the next one's `reported` (a hello queued for a dead session and the
+        #: hello for this one both arrive while greeting), so it is not counted again.
+        self.hellos: dict[int, int] = {}
         #: Refused episodes that no worker announced (forged, or a bug upstream): the buffer
         #: counts them as received, the accounting leaves them out of the run's episodes.
         self.foreign = 0
@@ -128,18 +135,23 @@ class Intake:
             and isinstance(message, (Trajectory, EpisodeFailed, Resent))
             and len(self.held) < self.max_held
         ):
+            index = self._index(message, sender)
+            hellos = -1 if index is None else self.hellos.get(index, 0)
             if isinstance(message, Resent):
-                self.held.append((message.result, sender, _HELD))
+                self.held.append((message.result, sender, _HELD, hellos))
             else:
-                greeted = self._index(message, sender) in self.ledger.greeted
-                self.held.append((message, sender, _HELD_AFTER_HELLO if greeted else _HELD))
+                greeted = index in self.ledger.greeted
+                self.held.append((message, sender, _HELD_AFTER_HELLO if greeted else _HELD, hellos))
         else:
             self.handle(message, sender, version=version, admitted=admitted)
 
     def release(self, *, version: int, admitted: int) -> None:
         """Handle the held episodes (the greeting is over, or the run ends)."""
         held, self.held = self.held, []
-        for result, sender, origin in held:  # results of a restart's backlog: not foreign
+        for result, sender, origin, hellos in held:  # results of a restart's backlog: not foreign
+            index = self._index(result, sender)
+            if origin.after_hello and index is not None and self.hellos.get(index, 0) != hellos:
+                origin = _HELD  # a later hello's `reported` counted it
             self._episode(result, sender, version, admitted, origin)
 
     def onto_this_timeline(self, traj: Trajectory) -> Trajectory:
@@ -204,7 +216,10 @@ class Intake:
         elif isinstance(message, GroupStarted):
             problem = self._group_problem(message, admitted)
             if problem is None:
-                for failure in self.ledger.group_started(message):  # a dead process's, late
+                lost, counted = self.ledger.group_started(message)
+                if counted:  # a dead process's, late: its lineage's id-less count, now by id
+                    self.buffer.count_unreceived(Cause.WORKER_LOST, -counted)
+                for failure in lost:
                     self._episode(failure, None, version, admitted, _OWN)
             else:
                 self.refusals.event(
@@ -215,11 +230,17 @@ class Intake:
                 self.refusals.event("bad_hello", "refused WorkerHello of worker index %d", message.index)
                 return
             index = message.index
+            if self.ledger.is_retired(index, message.incarnation):  # behind its successor's
+                self.refusals.event(
+                    "retired_hello", "refused the hello of a dead process of worker %d", index
+                )
+                return
+            self.hellos[index] = self.hellos.get(index, 0) + 1
             lost, unheard = self.ledger.hello(message, lambda gid: self._number_owner(gid) in (None, index))
             if lost or unheard:
                 log.warning(
-                    "envpool worker %d restarted: %d episodes lost with it (%d of them announced "
-                    "only in its lineage)",
+                    "envpool worker %d: %d episodes of its dead processes lost (%d known only from "
+                    "their lineage file)",
                     message.index,
                     len(lost) + unheard,
                     unheard,

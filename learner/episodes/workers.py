@@ -22,8 +22,12 @@ the members that have not reported yet, and per worker process how many episodes
   Each process writes how many episodes it announced to a file its successor reads
   (envpool/lineage.py) and names in its hello (`lineage`): what the dead processes announced
   beyond what the ledger heard is counted `worker_lost` at once (`unheard`; their ids are not
-  known). Their announcements that arrive late are among those; one no lineage counted is a
-  dead process's group, started and lost together.
+  known). A named process is `retired`: a hello of it (reordered behind its successor's) is
+  refused, and an announcement of it that arrives late is one of those counted, now known by
+  id (the count moves from `unheard` to the group's members, each `worker_lost`); one past
+  what the lineage said is a dead process's group too, started and lost together. The lineage
+  is taken on the worker key's word, as its results are: a forged one can misreport only that
+  worker's own episodes.
 
 The ledger also says where each worker index continues numbering (`next_groups`, announced in
 `PolicyVersion`): after the last group any of its processes started, so no group number is
@@ -88,14 +92,16 @@ class WorkerLedger:
         self.reports: Counter[tuple[int, str]] = Counter()
         #: `reports` as the latest saved checkpoint holds them.
         self.saved_reports: dict[tuple[int, str], int] = {}
-        #: Per worker index, its processes a successor replaced, newest last (at most
-        #: `_RETIRED_KEPT`): an announcement from one of them comes late, from the dead.
+        #: Per worker index, its processes a successor's lineage named dead, newest last (at
+        #: most `_RETIRED_KEPT`): a hello or announcement from one of them comes late.
         self.retired: dict[int, list[str]] = {}
-        #: Per retired process, the episodes a lineage counted lost that the ledger never heard
-        #: announced: a late announcement of that process is one of them.
+        #: Per retired process, the episodes its lineage counted lost that the ledger never
+        #: heard announced: a late announcement of that process is one of them.
         self.unheard: Counter[tuple[int, str]] = Counter()
-        #: Episodes counted `worker_lost` from lineages (no ids), and late announcements.
+        #: Episodes counted `worker_lost` from lineages, without ids (late announcements take
+        #: theirs back: they are lost by id then).
         self.lost_unheard = 0
+        #: Announcements of retired processes that arrived after their successor's hello.
         self.late_groups = 0
 
     def rebase(self, group_base: int) -> None:
@@ -118,7 +124,6 @@ class WorkerLedger:
             self.restarts += 1
             lost = self._close(msg.index, before)
             self.reports.pop((msg.index, before), None)  # that process is gone: nothing to settle
-            self._retire(msg.index, before)
         unheard = self._hear_lineage(msg)
         key = (msg.index, msg.incarnation)
         self.started[key] = max(self.started[key], msg.started)  # the worker's count is the truth
@@ -131,32 +136,32 @@ class WorkerLedger:
             self.next_groups[msg.index] = max(self.next_groups[msg.index], msg.next_group)
         return lost, unheard
 
-    def group_started(self, msg: GroupStarted) -> list[EpisodeFailed]:
-        """A group announced; returns its members as `worker_lost` failures when its process
-        is retired and no lineage counted them (the announcement came late, from the dead)."""
+    def is_retired(self, index: int, incarnation: str) -> bool:
+        """Whether a successor's lineage named this process dead."""
+        return incarnation in self.retired.get(index, ())
+
+    def group_started(self, msg: GroupStarted) -> tuple[list[EpisodeFailed], int]:
+        """A group announced. From a retired process (late): its members as `worker_lost`
+        failures, and how many of them its lineage had counted without ids (to count again by
+        id: the caller takes them back from the id-less count)."""
         key = (msg.index, msg.incarnation)
         if 0 <= msg.index < self.workers:
             self.next_groups[msg.index] = max(
                 self.next_groups[msg.index], group_number(msg.group_id) + self.workers
             )
-        if msg.incarnation in self.retired.get(msg.index, ()):
-            self.late_groups += 1
-            if self.unheard[key] >= msg.group_size:  # counted lost already, from the lineage
-                self.unheard[key] -= msg.group_size
-                return []
-            self.started[key] += msg.group_size
-            self.open[msg.group_id] = _OpenGroup(
-                msg.index,
-                msg.incarnation,
-                msg.group_size,
-                {member_id(msg.group_id, m) for m in range(msg.group_size)},
-            )
-            return self._close(msg.index, msg.incarnation)
-        self.incarnations.setdefault(msg.index, msg.incarnation)
         members = {member_id(msg.group_id, m) for m in range(msg.group_size)}
+        if self.is_retired(msg.index, msg.incarnation):
+            self.late_groups += 1
+            counted = msg.group_size if self.unheard[key] >= msg.group_size else 0
+            self.unheard[key] -= counted
+            self.lost_unheard -= counted
+            self.started[key] += msg.group_size - counted  # past the lineage: started now
+            self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
+            return self._close(msg.index, msg.incarnation), counted
+        self.incarnations.setdefault(msg.index, msg.incarnation)
         self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
         self.started[key] += msg.group_size
-        return []
+        return [], 0
 
     def owner(self, group_id: str) -> int | None:
         """The worker index that started this group, while it has members to report."""

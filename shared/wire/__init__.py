@@ -41,6 +41,7 @@ from millstream.shared.wire.control import (
     member_id,
 )
 from millstream.shared.wire.experience import (
+    MAX_COUNT,
     MAX_PREDECESSORS,
     EpisodeFailed,
     EvalResult,
@@ -106,6 +107,7 @@ __all__ = [
     "Resent",
     "Predecessor",
     "MAX_PREDECESSORS",
+    "MAX_COUNT",
     "WorkerHello",
     "GroupStarted",
     "EvalResult",

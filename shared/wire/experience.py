@@ -25,6 +25,7 @@ __all__ = [
     "WorkerHello",
     "Predecessor",
     "MAX_PREDECESSORS",
+    "MAX_COUNT",
     "GroupStarted",
     "EvalResult",
     "Resent",
@@ -132,9 +133,16 @@ class PoolDone(WireMessage, tag="pool_done", frozen=True):
     episodes_failed: int
 
 
-#: Most predecessors a hello names: the launcher restarts a worker with a growing pause, so more
-#: deaths than this within one learner checkpoint would take many minutes.
+#: Most predecessors a hello names (the latest ones that announced anything): the launcher
+#: restarts a worker with a growing pause, so more deaths than this before a successor's hello
+#: reaches a learner that keeps it would take many minutes.
 MAX_PREDECESSORS = 8
+
+#: Largest episode count a message may state: far past any run, and small enough that no sum of
+#: them overflows the 64-bit integers of metrics and checkpoints.
+MAX_COUNT = 2**40
+
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 
 
 class Predecessor(msgspec.Struct, array_like=True, frozen=True):
@@ -142,7 +150,7 @@ class Predecessor(msgspec.Struct, array_like=True, frozen=True):
     from the file each process writes before it announces a group (envpool/lineage.py)."""
 
     incarnation: Id
-    announced: int
+    announced: Count
 
 
 class WorkerHello(WireMessage, tag="worker_hello", frozen=True):
@@ -160,8 +168,8 @@ class WorkerHello(WireMessage, tag="worker_hello", frozen=True):
     incarnation: str
     #: Episodes this process started so far, and the results it pushed before this hello (all
     #: of them ahead of it on its connection: envpool/redelivery.py).
-    started: int = 0
-    reported: int = 0
+    started: Count = 0
+    reported: Count = 0
     #: Episodes still running, by id (`<gid>-e<m>`).
     live: list[str] = []
     #: The group number this process would start next.
