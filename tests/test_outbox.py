@@ -99,3 +99,25 @@ async def test_one_wake_up_sends_everything_queued_while_thousands_of_tasks_run(
         tg.cancel_scope.cancel()
     assert sent == 2000
     assert outbox.statistics()["queued"] == 0
+
+
+async def test_put_with_room_takes_no_scheduler_round():
+    """The admission loop queues one announcement a group: with room, `put` must not yield
+    (a round each throttled admission at 1,000 live episodes: 9,000 -> 5,800 turns/s)."""
+    outbox = Outbox(RecordingChannel(), Unsettled(0, "p", max_bytes=0), size=2048)
+    rounds = 0
+
+    async def count_rounds() -> None:
+        nonlocal rounds
+        while True:
+            rounds += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(count_rounds)
+        await anyio.lowlevel.checkpoint()
+        before = rounds
+        for number in range(1000):
+            await outbox.put(GroupStarted(0, "p", group_id(number), 2))
+        assert rounds == before
+        tg.cancel_scope.cancel()
