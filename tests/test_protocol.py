@@ -30,6 +30,13 @@ floats = st.floats(allow_nan=False, width=64)
 
 def strategy_for(tp):
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:  # msgspec.Meta bounds: generate within them
+        base, *metas = typing.get_args(tp)
+        meta = next((m for m in metas if isinstance(m, msgspec.Meta)), None)
+        if base is int and meta is not None:
+            low = meta.ge if meta.ge is not None else -(2**31)
+            return st.integers(low, min(meta.le if meta.le is not None else 2**31 - 1, 2**31 - 1))
+        return strategy_for(base)
     if tp is int:
         return i32
     if tp is float:
@@ -55,7 +62,7 @@ def strategy_for(tp):
 
 
 def struct_strategy(cls):
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     return st.builds(cls, **{f: strategy_for(hints[f]) for f in cls.__struct_fields__})
 
 
