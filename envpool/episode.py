@@ -36,7 +36,7 @@ from contextlib import nullcontext
 import anyio
 
 from millstream.envpool.actors.client import TurnClient
-from millstream.envpool.actors.generation import GenerationFailed, Retry, Sampling
+from millstream.envpool.actors.generation import Generation, GenerationFailed, Retry, Sampling
 from millstream.envpool.chat import ChatFormat
 from millstream.envpool.deadlines import Deadlines, running_deadlines
 from millstream.envpool.envs import Env, Observation, StepResult
@@ -180,47 +180,68 @@ async def _play(
     retry = Retry.from_config(cfg)
     carried: list[int] = []  # carry-over ids that open the current reply (Delethink)
     for turn in range(cfg.max_turns):
-        gen = await client.generate(
-            record.visible(),
-            sampling,
-            seed=sampling_seed(spec.seed, spec.member, turn),
-            retry=retry,
-            affinity=spec.episode_id,
+        # The generation and the step's result go straight into the record (no local keeps
+        # them): what an episode holds while it waits is what 10,000 live episodes cost.
+        seed = sampling_seed(spec.seed, spec.member, turn)
+        response = _take_reply(
+            record,
+            chat,
+            obs,
+            await client.generate(
+                record.visible(), sampling, seed=seed, retry=retry, affinity=spec.episode_id
+            ),
         )
-        record.add_reply(gen, trained=obs.trained, anchor=obs.anchor)
-        response = chat.decode(gen.token_ids)
-        record.texts.append(response)
-        result = await clock.env_call("step", env.step, response, cfg.step_timeout_s)
-        _take_step(record, result)
-        if result.done:
+        obs, done = _take_step(record, await clock.env_call("step", env.step, response, cfg.step_timeout_s))
+        if done:
             break
         if turn == cfg.max_turns - 1:
             record.truncated = Truncation.MAX_TURNS  # no prompt for a turn that is never played
             break
-        obs = result.observation
         if obs.new_context:
             carried = _fresh_context(
-                record, chat, system, obs, carried + gen.token_ids, sampling, max_model_len
+                record, chat, system, obs, carried + record.last_reply(), sampling, max_model_len
             )
             if record.truncated is not None:
                 break
             continue
         carried = []
-        bridge = chat.close_turn(gen.token_ids) + chat.next_prompt(obs.text)
-        if record.visible_length() + len(bridge) + sampling.max_tokens > max_model_len:
+        if not _next_prompt(record, chat, obs, sampling, max_model_len):
             record.truncated = Truncation.CONTEXT_FULL  # no room for a whole turn: trained, not failed
             break
-        record.add_prompt(bridge)
     return record.trajectory()
 
 
-def _take_step(record: EpisodeRecord, result: StepResult) -> None:
-    """The environment's answer to a reply: its reward, validity, success and next text."""
+def _take_reply(record: EpisodeRecord, chat: ChatFormat, obs: Observation, gen: Generation) -> str:
+    """A generation into the record, as the reply to `obs`; returns its text for the env."""
+    record.add_reply(gen, trained=obs.trained, anchor=obs.anchor)
+    response = chat.decode(gen.token_ids)
+    record.texts.append(response)
+    return response
+
+
+def _take_step(record: EpisodeRecord, result: StepResult) -> tuple[Observation, bool]:
+    """The environment's answer to a reply: its reward, validity, success and next text.
+
+    Returns the next observation and whether the episode is done.
+    """
     record.rewards.append(float(result.reward))
     record.invalid_actions += 0 if result.info.get("valid", True) else 1
     if "success" in result.info:
         record.success = bool(result.info["success"])
     record.texts.append(result.observation.text)
+    return result.observation, result.done
+
+
+def _next_prompt(
+    record: EpisodeRecord, chat: ChatFormat, obs: Observation, sampling: Sampling, max_model_len: int
+) -> bool:
+    """The last reply closed and the next observation opened, as prompt tokens, when a whole
+    turn still fits (`max_model_len`); False when it does not."""
+    bridge = chat.close_turn(record.last_reply()) + chat.next_prompt(obs.text)
+    if record.visible_length() + len(bridge) + sampling.max_tokens > max_model_len:
+        return False
+    record.add_prompt(bridge)
+    return True
 
 
 def _fresh_context(

@@ -22,6 +22,7 @@ and loss only where the turn is trained. The model's text is never re-tokenized 
 from __future__ import annotations
 
 import time
+from array import array
 from dataclasses import dataclass
 
 from millstream.envpool.actors.generation import Generation, GenerationFailed
@@ -75,8 +76,9 @@ class EpisodeRecord:
         self.spec = spec
         self.started = time.monotonic()
         self.ids: list[int] = []
-        #: Generated tokens: (start and end in `ids`, trained, their logprobs, their versions).
-        self.spans: list[tuple[int, int, bool, list[float], list[int]]] = []
+        #: Generated tokens: (start and end in `ids`, trained, their logprobs, their versions),
+        #: packed (`_pack_reply`).
+        self.spans: list[tuple[int, int, bool, array[float], int | list[int]]] = []
         self.segment = 0
         self.segment_starts: list[int] = []
         self.rewards: list[float] = []
@@ -99,12 +101,22 @@ class EpisodeRecord:
         return len(self.turn_starts)
 
     def visible(self) -> list[int]:
-        """The context the model currently sees (a copy)."""
-        return self.ids[self.segment :]
+        """The context the model currently sees.
+
+        In the first segment that is `ids` itself, not a copy: an episode waits on its request
+        with its prompt in hand, and at 10,000 live episodes a copy each is megabytes. The
+        request is encoded when it is sent (envpool/actors/client.py), and the record grows
+        only after the reply, so the list may be shared. Do not change what this returns.
+        """
+        return self.ids if self.segment == 0 else self.ids[self.segment :]
 
     def visible_length(self) -> int:
         """How many tokens the model currently sees."""
         return len(self.ids) - self.segment
+
+    def last_reply(self) -> list[int]:
+        """The token ids of the last reply (a copy)."""
+        return self.ids[self.turn_starts[-1] : self.turn_ends[-1]]
 
     def extends(self, prompt_ids: list[int]) -> bool:
         """Does `prompt_ids` continue the current context token for token?"""
@@ -121,13 +133,13 @@ class EpisodeRecord:
         self.ids.extend(ids)
 
     def add_reply(self, gen: Generation, *, trained: bool = True, anchor: str = "") -> None:
-        """One turn's generated tokens, with their logprobs and versions (kept, not copied)."""
+        """One turn's generated tokens, with their logprobs and versions (packed: `_pack_reply`)."""
         start = len(self.ids)
         self.turn_starts.append(start)
         self.request_ids.append(gen.request_id)
         self.anchors.append(anchor)
         self.ids.extend(gen.token_ids)
-        self.spans.append((start, len(self.ids), trained, gen.logprobs, gen.versions))
+        self.spans.append((start, len(self.ids), trained, *_pack_reply(gen)))
         self.turn_ends.append(len(self.ids))
 
     def token_lists(self) -> tuple[list[int], list[float], list[int]]:
@@ -138,9 +150,13 @@ class EpisodeRecord:
             if trained:
                 mask[start:end] = [1] * (end - start)
             # Cut to the span, so a generation whose lists disagree cannot shift the others.
-            span_logprobs, span_versions = span_logprobs[: end - start], span_versions[: end - start]
-            logprobs[start : start + len(span_logprobs)] = span_logprobs
-            versions[start : start + len(span_versions)] = span_versions
+            span_logprobs = span_logprobs[: end - start]
+            logprobs[start : start + len(span_logprobs)] = span_logprobs.tolist()
+            if isinstance(span_versions, int):
+                versions[start:end] = [span_versions] * (end - start)
+            else:
+                span_versions = span_versions[: end - start]
+                versions[start : start + len(span_versions)] = span_versions
         return mask, logprobs, versions
 
     def add_call(self, prompt_ids: list[int], gen: Generation, text: str) -> bool:
@@ -223,3 +239,17 @@ class EpisodeRecord:
             success=self.success,
             request_ids=self.request_ids,
         )
+
+
+def _pack_reply(gen: Generation) -> tuple[array[float], int | list[int]]:
+    """A reply's logprobs as doubles, and its versions as one int when one policy made it all.
+
+    A live episode holds every reply it made until it ends; as Python lists, each token's
+    logprob is a float object (24 bytes plus its 8-byte slot) and its version another slot.
+    Packed, a 24-token reply holds about 200 bytes instead of 1,000. Per turn that is one copy
+    into an array and one count; the lists are laid out again only when the episode ends.
+    """
+    versions = gen.versions
+    if versions and len(versions) == len(gen.token_ids) and versions.count(versions[0]) == len(versions):
+        return array("d", gen.logprobs), versions[0]
+    return array("d", gen.logprobs), versions

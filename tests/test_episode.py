@@ -2,6 +2,8 @@
 the turns an observation shapes (untrained turns, fresh contexts, invalid actions) against the
 synthetic actor or a scripted client."""
 
+import gc
+
 import anyio
 import pytest
 from helpers import Recorder, keys_for
@@ -427,3 +429,51 @@ def test_infinite_limits_mean_no_limit(synthetic, tiny_model_dir):
         episode_timeout_s=inf,
     )
     assert isinstance(traj, Trajectory) and traj.num_turns == 2
+
+
+class HoldCheckingClient(ScriptedClient):
+    """A scripted client whose replies take a moment, so that `watch` can see, while the episode
+    waits (suspended, as at 10,000 live episodes), what still holds its earlier generations."""
+
+    def __init__(self, replies):
+        super().__init__(replies)
+        self.holders, self.prompt_ids, self.waiting, self.looks = [], [], False, 0
+
+    async def generate(self, prompt_token_ids, sampling, **kw):
+        self.prompt_ids.append(id(prompt_token_ids))
+        self.waiting = True
+        await anyio.sleep(0.05)
+        self.waiting = False
+        return await super().generate(prompt_token_ids, sampling, **kw)
+
+    async def watch(self):
+        while True:
+            await anyio.sleep(0.005)
+            if self.waiting and self.generations:
+                self.looks += 1
+                for gen in self.generations:
+                    others = [r for r in gc.get_referrers(gen) if r is not self.generations]
+                    self.holders += [type(r).__name__ for r in others]
+
+
+def test_a_waiting_episode_holds_no_earlier_generation_and_no_copy_of_its_context(tiny_model_dir):
+    steps = [(Observation(f"More {k}.", f"s{k}"), 0.5, k == 2, {"valid": True}) for k in range(3)]
+    env = Scripted(Observation("Hi.", "s0"), steps)
+    chat = ChatFormat.from_model_dir(tiny_model_dir)
+    client = HoldCheckingClient([[131, 132, STOP], [133, STOP], [134, STOP]])
+    spec = EpisodeSpec("e0", "g0", seed=11, member=0, group_size=1, env_name="test")
+
+    async def main():
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client.watch)
+            traj = await run_episode(spec, env, chat, client, EnvPoolConfig(max_tokens=4), 1024)
+            tg.cancel_scope.cancel()
+        return traj
+
+    traj = anyio.run(main, backend="trio")
+    assert isinstance(traj, Trajectory) and traj.num_turns == 3
+    assert client.looks >= 2
+    assert client.holders == []  # before: the episode's coroutine held the last `Generation`
+    # Every request was handed the record's own context, not a copy per turn.
+    assert len(set(client.prompt_ids)) == 1
+    assert traj.logprobs[traj.turn_starts[1]] == -0.5 and traj.versions[traj.turn_starts[1]] == 3

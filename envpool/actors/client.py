@@ -56,6 +56,7 @@ from millstream.shared.wire import (
     Abort,
     ActorInfo,
     Cause,
+    Codec,
     ErrorReply,
     GenerateError,
     GenerateRequest,
@@ -132,6 +133,7 @@ class ActorClient:
         self._runs_deadlines = deadlines is None
         self._ids = itertools.count()
         self._routes: dict[str, PendingRequest] = {}
+        self._codec = Codec()  # requests are encoded as they are sent (`_send_request`)
         self.stats = ClientStats()
         self.info: ActorInfo | None = None
         self._info_event = anyio.Event()
@@ -332,17 +334,21 @@ class ActorClient:
     async def _send_request(
         self, pending: PendingRequest, prompt_token_ids: list[int], sampling: Sampling, seed: int | None
     ) -> None:
-        request = GenerateRequest(
-            pending.out.request_id,
-            prompt_token_ids,
-            sampling.max_tokens,
-            sampling.temperature,
-            sampling.top_p,
-            seed,
-            list(sampling.stop_token_ids),
-            sampling.ignore_eos,
-            sampling.min_tokens,
-            sampling.top_logprobs,
+        # Encoded here, not by the channel's writer later: the prompt is often the episode's own
+        # record (`EpisodeRecord.visible`), so the request must not hold on to it once queued.
+        request = self._codec.encode_one(
+            GenerateRequest(
+                pending.out.request_id,
+                prompt_token_ids,
+                sampling.max_tokens,
+                sampling.temperature,
+                sampling.top_p,
+                seed,
+                list(sampling.stop_token_ids),
+                sampling.ignore_eos,
+                sampling.min_tokens,
+                sampling.top_logprobs,
+            )
         )
         try:
             await self.channel.send(request, timeout=sampling.timeout_s)

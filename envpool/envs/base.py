@@ -61,7 +61,7 @@ __all__ = [
 ENTRY_POINT_GROUP = "millstream.envs"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slotted: one per live episode, 10,000 at a time
 class Observation:
     text: str
     #: Canonical state key: equal strings mean equal states (GiGPO anchors).
@@ -74,7 +74,7 @@ class Observation:
     carry_tokens: int = 0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StepResult:
     observation: Observation
     reward: float
