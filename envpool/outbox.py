@@ -87,22 +87,21 @@ class Outbox:
         The receiving end stays open when this task is cancelled (the worker stopping): an
         episode cancelled with it still queues its result instead of failing on a closed
         stream."""
+        try:
+            while True:
+                await self._send(await self._rx.receive())
+                await self._drain()
+        except anyio.EndOfStream:
+            self._sent_last.set()
+
+    async def _drain(self) -> None:
+        """Send what is queued, without a scheduler round each; EndOfStream after the last."""
         while True:
             try:
-                message = await self._rx.receive()
-            except anyio.EndOfStream:
-                break
+                message = self._rx.receive_nowait()
+            except anyio.WouldBlock:
+                return
             await self._send(message)
-            while True:  # the rest of what is queued, without a scheduler round each
-                try:
-                    message = self._rx.receive_nowait()
-                except anyio.WouldBlock:
-                    break
-                except anyio.EndOfStream:
-                    self._sent_last.set()
-                    return
-                await self._send(message)
-        self._sent_last.set()
 
     async def _send(self, message: Message) -> None:
         outgoing: Outgoing = message

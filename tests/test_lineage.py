@@ -161,3 +161,24 @@ def test_a_lineage_that_says_less_than_the_learner_heard_changes_nothing():
     learner.take(WorkerHello(0, "b", lineage=[Predecessor("a", SIZE)]))
     assert learner.buffer.statistics()["failed"] == {str(Cause.WORKER_LOST): 2 * SIZE}
     assert learner.ledger.started_total == 2 * SIZE and learner.ledger.lost_unheard == 0
+
+
+def test_what_is_left_unheard_survives_a_checkpoint_in_either_layout():
+    """A retired process's id-less count goes through `state_dict`; a checkpoint written before
+    the count lived beside its process (a list of processes, and "unheard" apart) loads too."""
+    learner = Learner()
+    learner.take(WorkerHello(0, "a"), announce("a", 0))
+    learner.take(WorkerHello(0, "b", lineage=[Predecessor("a", 3 * SIZE)]))
+    state = learner.ledger.state_dict()
+    older = dict(state, retired={"0": ["a"]}, unheard=[[0, "a", 2 * SIZE]])
+    for saved in (state, older):
+        restored = WorkerLedger(1, 0, SIZE)
+        restored.load_state_dict(saved)
+        assert restored.is_retired(0, "a") and not restored.is_retired(0, "b")
+        # A late announcement of a counted group moves its count to its members, once each.
+        _, counted = restored.group_started(announce("a", 1))
+        assert counted == SIZE
+        _, counted = restored.group_started(announce("a", 2))
+        assert counted == SIZE
+        _, counted = restored.group_started(announce("a", 3))
+        assert counted == 0  # past what the lineage said

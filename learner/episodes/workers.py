@@ -93,11 +93,10 @@ class WorkerLedger:
         #: `reports` as the latest saved checkpoint holds them.
         self.saved_reports: dict[tuple[int, str], int] = {}
         #: Per worker index, its processes a successor's lineage named dead, newest last (at
-        #: most `_RETIRED_KEPT`): a hello or announcement from one of them comes late.
-        self.retired: dict[int, list[str]] = {}
-        #: Per retired process, the episodes its lineage counted lost that the ledger never
-        #: heard announced: a late announcement of that process is one of them.
-        self.unheard: Counter[tuple[int, str]] = Counter()
+        #: most `_RETIRED_KEPT`): a hello or announcement from one of them comes late. Each
+        #: with the episodes its lineage counted lost that the ledger never heard announced:
+        #: a late announcement of that process is one of them.
+        self.retired: dict[int, dict[str, int]] = {}
         #: Episodes counted `worker_lost` from lineages, without ids (late announcements take
         #: theirs back: they are lost by id then).
         self.lost_unheard = 0
@@ -138,7 +137,7 @@ class WorkerLedger:
 
     def is_retired(self, index: int, incarnation: str) -> bool:
         """Whether a successor's lineage named this process dead."""
-        return incarnation in self.retired.get(index, ())
+        return incarnation in self.retired.get(index, {})
 
     def group_started(self, msg: GroupStarted) -> tuple[list[EpisodeFailed], int]:
         """A group announced. From a retired process (late): its members as `worker_lost`
@@ -152,8 +151,9 @@ class WorkerLedger:
         members = {member_id(msg.group_id, m) for m in range(msg.group_size)}
         if self.is_retired(msg.index, msg.incarnation):
             self.late_groups += 1
-            counted = msg.group_size if self.unheard[key] >= msg.group_size else 0
-            self.unheard[key] -= counted
+            unheard = self.retired[msg.index]
+            counted = msg.group_size if unheard[msg.incarnation] >= msg.group_size else 0
+            unheard[msg.incarnation] -= counted
             self.lost_unheard -= counted
             self.started[key] += msg.group_size - counted  # past the lineage: started now
             self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
@@ -230,13 +230,12 @@ class WorkerLedger:
 
     def _retire(self, index: int, incarnation: str) -> None:
         """`incarnation` of worker `index` is dead (a successor said hello, or named it)."""
-        retired = self.retired.setdefault(index, [])
+        retired = self.retired.setdefault(index, {})
         if incarnation in retired:
             return
-        retired.append(incarnation)
-        for gone in retired[:-_RETIRED_KEPT]:
-            self.unheard.pop((index, gone), None)
-        del retired[:-_RETIRED_KEPT]
+        retired[incarnation] = 0
+        while len(retired) > _RETIRED_KEPT:
+            del retired[next(iter(retired))]  # the oldest: dicts keep insertion order
 
     def _hear_lineage(self, msg: WorkerHello) -> int:
         """Count what the dead processes a hello names announced beyond what the ledger heard
@@ -250,7 +249,7 @@ class WorkerLedger:
             unheard = dead.announced - self.started[key]
             if unheard > 0:
                 self.started[key] = dead.announced
-                self.unheard[key] += unheard
+                self.retired[msg.index][dead.incarnation] += unheard
                 total += unheard
         self.lost_unheard += total
         return total
@@ -296,8 +295,7 @@ class WorkerLedger:
             "lost": self.lost,
             "restarts": self.restarts,
             "reports": [[i, inc, n] for (i, inc), n in self.reports.items()],
-            "retired": {str(i): list(incs) for i, incs in self.retired.items()},
-            "unheard": [[i, inc, n] for (i, inc), n in self.unheard.items() if n],
+            "retired": {str(i): [[inc, n] for inc, n in incs.items()] for i, incs in self.retired.items()},
             "lost_unheard": self.lost_unheard,
             "late_groups": self.late_groups,
         }
@@ -316,8 +314,20 @@ class WorkerLedger:
         self.started = Counter({(int(i), inc): int(n) for i, inc, n in state["started"]})
         self.lost, self.restarts = int(state["lost"]), int(state["restarts"])
         self.reports = Counter({(int(i), inc): int(n) for i, inc, n in state.get("reports", [])})
-        self.retired = {int(i): list(incs) for i, incs in state.get("retired", {}).items()}
-        self.unheard = Counter({(int(i), inc): int(n) for i, inc, n in state.get("unheard", [])})
+        self.retired = _load_retired(state)
         self.lost_unheard = int(state.get("lost_unheard", 0))
         self.late_groups = int(state.get("late_groups", 0))
         self.mark_saved(state)  # a checkpoint holds what it says, by definition
+
+
+def _load_retired(state: dict[str, Any]) -> dict[int, dict[str, int]]:
+    """`retired` from a checkpoint: [[process, unheard], ...] per index, or the layout before
+    2026-11-28 (a list of processes per index and a separate "unheard" list)."""
+    unheard = {(int(i), inc): int(n) for i, inc, n in state.get("unheard", [])}
+    retired: dict[int, dict[str, int]] = {}
+    for i, incs in state.get("retired", {}).items():
+        index = int(i)
+        retired[index] = {
+            inc[0]: int(inc[1]) if isinstance(inc, list) else unheard.get((index, inc), 0) for inc in incs
+        }
+    return retired
