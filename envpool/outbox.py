@@ -87,20 +87,25 @@ class Outbox:
         The receiving end stays open when this task is cancelled (the worker stopping): an
         episode cancelled with it still queues its result instead of failing on a closed
         stream."""
-        try:
-            while True:
-                await self._send(await self._rx.receive())
-                await self._drain()
-        except anyio.EndOfStream:
-            self._sent_last.set()
+        ended = False
+        while not ended:
+            try:
+                message = await self._rx.receive()
+            except anyio.EndOfStream:
+                break
+            await self._send(message)
+            ended = await self._drain()
+        self._sent_last.set()
 
-    async def _drain(self) -> None:
-        """Send what is queued, without a scheduler round each; EndOfStream after the last."""
+    async def _drain(self) -> bool:
+        """Send what is queued, without a scheduler round each; True when the stream ended."""
         while True:
             try:
                 message = self._rx.receive_nowait()
             except anyio.WouldBlock:
-                return
+                return False
+            except anyio.EndOfStream:
+                return True
             await self._send(message)
 
     async def _send(self, message: Message) -> None:

@@ -3,6 +3,7 @@ the turns an observation shapes (untrained turns, fresh contexts, invalid action
 synthetic actor or a scripted client."""
 
 import gc
+import itertools
 
 import anyio
 import pytest
@@ -431,36 +432,55 @@ def test_infinite_limits_mean_no_limit(synthetic, tiny_model_dir):
     assert isinstance(traj, Trajectory) and traj.num_turns == 2
 
 
-class HoldCheckingClient(ScriptedClient):
-    """A scripted client whose replies take a moment, so that `watch` can see, while the episode
-    waits (suspended, as at 10,000 live episodes), what still holds its earlier generations."""
+class KeptResults(Scripted):
+    """`Scripted`, keeping every step result it returned (for `HoldCheckingClient`)."""
 
-    def __init__(self, replies):
+    def __init__(self, first, steps):
+        super().__init__(first, steps)
+        self.results = []
+
+    async def step(self, action):
+        result = await super().step(action)
+        self.results.append(result)
+        return result
+
+
+class HoldCheckingClient(ScriptedClient):
+    """A scripted client that, asked for a reply, first lets `watch` look (from another task,
+    while the episode is suspended in its wait, as 10,000 live episodes are) at what still
+    refers to the episode's earlier generations and step results, besides the test's lists."""
+
+    def __init__(self, replies, env):
         super().__init__(replies)
-        self.holders, self.prompt_ids, self.waiting, self.looks = [], [], False, 0
+        self.env, self.holders, self.prompts_seen, self.looks = env, [], [], 0
+        self.to_watch, self.asks = anyio.create_memory_object_stream[anyio.Event](4)
 
     async def generate(self, prompt_token_ids, sampling, **kw):
-        self.prompt_ids.append(id(prompt_token_ids))
-        self.waiting = True
-        await anyio.sleep(0.05)
-        self.waiting = False
+        self.prompts_seen.append(prompt_token_ids)
+        if self.generations:
+            looked = anyio.Event()
+            self.to_watch.send_nowait(looked)
+            with anyio.fail_after(10):
+                await looked.wait()
         return await super().generate(prompt_token_ids, sampling, **kw)
 
     async def watch(self):
-        while True:
-            await anyio.sleep(0.005)
-            if self.waiting and self.generations:
-                self.looks += 1
-                for gen in self.generations:
-                    others = [r for r in gc.get_referrers(gen) if r is not self.generations]
-                    self.holders += [type(r).__name__ for r in others]
+        # Plain loops: a comprehension naming `held` would make it a closure cell, a referrer.
+        async for looked in self.asks:
+            self.looks += 1
+            ours = (self.generations, self.env.results)
+            for held in itertools.chain(*ours):  # (a list of them would refer to them too)
+                for referrer in gc.get_referrers(held):
+                    if referrer is not ours[0] and referrer is not ours[1]:
+                        self.holders.append(f"{type(held).__name__} held by a {type(referrer).__name__}")
+            looked.set()
 
 
 def test_a_waiting_episode_holds_no_earlier_generation_and_no_copy_of_its_context(tiny_model_dir):
     steps = [(Observation(f"More {k}.", f"s{k}"), 0.5, k == 2, {"valid": True}) for k in range(3)]
-    env = Scripted(Observation("Hi.", "s0"), steps)
+    env = KeptResults(Observation("Hi.", "s0"), steps)
     chat = ChatFormat.from_model_dir(tiny_model_dir)
-    client = HoldCheckingClient([[131, 132, STOP], [133, STOP], [134, STOP]])
+    client = HoldCheckingClient([[131, 132, STOP], [133, STOP], [134, STOP]], env)
     spec = EpisodeSpec("e0", "g0", seed=11, member=0, group_size=1, env_name="test")
 
     async def main():
@@ -472,8 +492,9 @@ def test_a_waiting_episode_holds_no_earlier_generation_and_no_copy_of_its_contex
 
     traj = anyio.run(main, backend="trio")
     assert isinstance(traj, Trajectory) and traj.num_turns == 3
-    assert client.looks >= 2
-    assert client.holders == []  # before: the episode's coroutine held the last `Generation`
+    assert client.looks == 2
+    # Before: the episode's coroutine held the last `Generation` and the last `StepResult`.
+    assert client.holders == []
     # Every request was handed the record's own context, not a copy per turn.
-    assert len(set(client.prompt_ids)) == 1
+    assert all(prompt is traj.token_ids for prompt in client.prompts_seen)
     assert traj.logprobs[traj.turn_starts[1]] == -0.5 and traj.versions[traj.turn_starts[1]] == 3

@@ -21,10 +21,11 @@ the members that have not reported yet, and per worker process how many episodes
   die while a learner dies before its next checkpoint: the learner never hears of those groups.
   Each process writes how many episodes it announced to a file its successor reads
   (envpool/lineage.py) and names in its hello (`lineage`): what the dead processes announced
-  beyond what the ledger heard is counted `worker_lost` at once (`unheard`; their ids are not
-  known). A named process is `retired`: a hello of it (reordered behind its successor's) is
-  refused, and an announcement of it that arrives late is one of those counted, now known by
-  id (the count moves from `unheard` to the group's members, each `worker_lost`); one past
+  beyond what the ledger heard is counted `worker_lost` at once (their ids are not known; the
+  count is kept per dead process, in `retired`). A named process is retired: a hello of it
+  (reordered behind its successor's) is refused, and an announcement of it that arrives late is
+  one of those counted, now known by id (the count moves from its process's id-less count to
+  the group's members, each `worker_lost`); one past
   what the lineage said is a dead process's group too, started and lost together. The lineage
   is taken on the worker key's word, as its results are: a forged one can misreport only that
   worker's own episodes.
@@ -326,8 +327,11 @@ def _load_retired(state: dict[str, Any]) -> dict[int, dict[str, int]]:
     unheard = {(int(i), inc): int(n) for i, inc, n in state.get("unheard", [])}
     retired: dict[int, dict[str, int]] = {}
     for i, incs in state.get("retired", {}).items():
-        index = int(i)
-        retired[index] = {
-            inc[0]: int(inc[1]) if isinstance(inc, list) else unheard.get((index, inc), 0) for inc in incs
-        }
+        index, kept = int(i), {}
+        for entry in incs:  # [process, unheard], or the older layout's process alone
+            if isinstance(entry, str):
+                kept[entry] = unheard.get((index, entry), 0)
+            else:
+                kept[str(entry[0])] = int(entry[1])
+        retired[index] = kept
     return retired
