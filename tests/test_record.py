@@ -88,7 +88,7 @@ def test_a_request_is_encoded_as_it_is_queued_so_the_record_may_grow():
     """The client hands the channel bytes, not a message holding the episode's own list: a
     request still queued when its turn ended (a timeout) must not go out with a later prompt."""
     channel = QueueOnly()
-    client = ActorClient(channel, "w0")  # type: ignore[arg-type]
+    client = ActorClient(channel, "w0")
     prompt = [5, 6, 7]
 
     async def main():
