@@ -49,7 +49,8 @@ from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
 from millstream.shared.models.tiny import build_tiny_model
-from millstream.shared.process.allocator import allocator_library
+from millstream.shared.process.allocator import allocator_environment
+from millstream.shared.process.openmp import openmp_environment
 from millstream.shared.process.runtime import free_port
 from millstream.shared.wire.keys import load_keys
 from millstream.shared.wire.transport import open_channel
@@ -233,11 +234,11 @@ def _read_json_line(stream: IO[str], proc: subprocess.Popen, timeout_s: float = 
 
 
 def _spawn(
-    stack: ExitStack, command: list[str], log: Path, preload: str | None, **kwargs: Any
+    stack: ExitStack, command: list[str], log: Path, engine_env: dict[str, str], **kwargs: Any
 ) -> subprocess.Popen:
-    """One engine's process, under the actor's allocator (`actor.allocator`): the hop, not malloc."""
+    """One engine's process, with the actor's allocator and OpenMP wait policy: the hop compared."""
     out = log.open("wb")
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **({"LD_PRELOAD": preload} if preload else {}))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **engine_env)
     proc = subprocess.Popen(command, stderr=out, start_new_session=True, env=env, **kwargs)
     stack.callback(_stop, proc)
     return proc
@@ -274,7 +275,7 @@ def _healthy(url: str) -> bool:
 def start_engines(
     stack: ExitStack, cfg: Config, config_path: Path, work: Path
 ) -> tuple[subprocess.Popen, subprocess.Popen, str, subprocess.Popen]:
-    preload = allocator_library(cfg)
+    engine_env = {**allocator_environment(cfg), **openmp_environment(cfg)}  # as the actor's own
     actor = _spawn(
         stack,
         [
@@ -287,7 +288,7 @@ def start_engines(
             str(work / "ready"),
         ],
         work / "actor.log",
-        preload,
+        engine_env,
         stdout=subprocess.DEVNULL,
     )
     _wait(lambda: (work / "ready").exists(), actor, "the actor")
@@ -296,7 +297,7 @@ def start_engines(
         stack,
         [sys.executable, "-m", "millstream.bench.baselines.overhead_engine", str(config_path)],
         work / "asyncllm.log",
-        preload,
+        engine_env,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -317,7 +318,7 @@ def start_engines(
         "--disable-uvicorn-access-log",
     ]
     url = f"http://127.0.0.1:{port}"
-    server = _spawn(stack, serve, work / "vllm-serve.log", preload, stdout=subprocess.DEVNULL)
+    server = _spawn(stack, serve, work / "vllm-serve.log", engine_env, stdout=subprocess.DEVNULL)
     _wait(lambda: _healthy(url), server, "vllm serve")
     print("vllm serve ready", flush=True)
     return actor, engine, url, server

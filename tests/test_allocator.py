@@ -20,7 +20,7 @@ TCMALLOC = find_tcmalloc()
 
 def test_auto_is_tcmalloc_for_the_vllm_engine_on_cpu_and_glibc_for_the_rest(monkeypatch):
     monkeypatch.setattr(allocator, "find_tcmalloc", lambda: "/lib/libtcmalloc_minimal.so.4")
-    monkeypatch.setattr(allocator, "has_gpu", lambda: False)  # no GPU device nodes
+    monkeypatch.setattr("millstream.shared.process.cpus.has_gpu", lambda: False)  # no GPU device nodes
     assert allocator_library(load_config(None, [])) == "/lib/libtcmalloc_minimal.so.4"
     assert allocator_library(load_config(None, ["actor.kind=synthetic"])) is None
     assert allocator_library(load_config(None, ["actor.device=cuda"])) is None

@@ -132,6 +132,16 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "A path: that library."
         ),
     ] = "auto"
+    omp_wait: Annotated[
+        Literal["auto", "passive", "active", "library"],
+        _doc(
+            "How the engine's OpenMP threads wait at their barriers (OMP_WAIT_POLICY; shared/"
+            "process/openmp.py; the actor starts itself again with it set). auto: passive for "
+            "the vLLM engine on CPU, where the threads share their cores with the engine's own "
+            "busy loop and the actor (spinning cost half of the Worker's CPU on 2 cores), unless "
+            "the environment sets OMP_WAIT_POLICY; unchanged on GPU. library: OpenMP's default."
+        ),
+    ] = "auto"
     startup_timeout_s: Annotated[
         float,
         _doc(

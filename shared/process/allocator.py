@@ -30,13 +30,20 @@ import ctypes.util
 import glob
 import logging
 import os
-import sys
 from pathlib import Path
 
 from millstream.shared.config import Config, ConfigError
-from millstream.shared.process.cpus import has_gpu
+from millstream.shared.process.cpus import engine_on_cpu
+from millstream.shared.process.lifecycle import start_again_with
 
-__all__ = ["allocator_library", "check_allocator", "find_tcmalloc", "loaded", "preload_allocator"]
+__all__ = [
+    "allocator_environment",
+    "allocator_library",
+    "check_allocator",
+    "find_tcmalloc",
+    "loaded",
+    "preload_allocator",
+]
 
 log = logging.getLogger("actor")
 
@@ -58,13 +65,6 @@ def find_tcmalloc() -> str | None:
     return name or None
 
 
-def _engine_on_cpu(cfg: Config) -> bool:
-    """The vLLM engine, on the CPU (`auto` on a machine with NVIDIA device nodes is not)."""
-    if cfg.actor.kind != "vllm" or cfg.actor.device == "cuda":
-        return False
-    return cfg.actor.device == "cpu" or not has_gpu()
-
-
 def allocator_library(cfg: Config) -> str | None:
     """The library the actor process should preload, or None for glibc's malloc. A path is
     made absolute (the actor may run in another directory); a bare name is the loader's to find."""
@@ -73,7 +73,7 @@ def allocator_library(cfg: Config) -> str | None:
         return None
     if choice != "auto":
         return os.path.abspath(choice) if "/" in choice else choice
-    return find_tcmalloc() if _engine_on_cpu(cfg) else None
+    return find_tcmalloc() if engine_on_cpu(cfg) else None
 
 
 def check_allocator(cfg: Config) -> None:
@@ -105,20 +105,23 @@ def preload_allocator(cfg: Config) -> None:
     """Start this process again with the configured allocator preloaded, unless it is loaded
     already (or none is configured or found). Call it before the role's work starts: nothing
     done before it survives, so what it costs is the imports before it (about 2 s of torch)."""
+    start_again_with(allocator_environment(cfg))
+
+
+def allocator_environment(cfg: Config) -> dict[str, str]:
+    """`LD_PRELOAD` as this process needs it to run under the configured allocator, or nothing
+    when it does already (or none is configured or found, or the loader ignored the name)."""
     library = allocator_library(cfg)
     if library is None:
-        if cfg.actor.allocator == "auto" and _engine_on_cpu(cfg):
+        if cfg.actor.allocator == "auto" and engine_on_cpu(cfg):
             log.info("glibc's malloc: no tcmalloc here (Debian: apt-get install libtcmalloc-minimal4)")
-        return
+        return {}
     preloaded = os.environ.get("LD_PRELOAD", "")
     if loaded(library):
         log.info("memory allocator: %s", library)
-        return
+        return {}
     if library in preloaded.split(":"):  # named, and the loader ignored it: do not loop
         log.warning("memory allocator: %s is in LD_PRELOAD but not loaded; glibc's malloc", library)
-        return
+        return {}
     check_allocator(cfg)
-    env = dict(os.environ, LD_PRELOAD=":".join(filter(None, (library, preloaded))))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+    return {"LD_PRELOAD": ":".join(filter(None, (library, preloaded)))}

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from millstream.shared.config import Config, ConfigError
 
-__all__ = ["CpuShare", "apply_share", "check_cpus", "parse_cores", "role_share"]
+__all__ = ["CpuShare", "apply_share", "check_cpus", "engine_on_cpu", "has_gpu", "parse_cores", "role_share"]
 
 #: The environment variables thread pools read at start: OpenMP (torch, vLLM-CPU), MKL, and the
 #: Rust pool of Hugging Face tokenizers.
@@ -66,6 +66,13 @@ def parse_cores(spec: str) -> tuple[int, ...]:
 def has_gpu() -> bool:
     """An NVIDIA device node on this machine (read without importing torch)."""
     return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def engine_on_cpu(cfg: Config) -> bool:
+    """The actor's vLLM engine runs on the CPU (`auto` on a machine with NVIDIA device nodes does not)."""
+    if cfg.actor.kind != "vllm" or cfg.actor.device == "cuda":
+        return False
+    return cfg.actor.device == "cpu" or not has_gpu()
 
 
 def _auto_split(available: Sequence[int]) -> dict[str, tuple[int, ...] | None]:

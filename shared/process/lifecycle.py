@@ -26,15 +26,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
 
 __all__ = [
+    "start_again_with",
     "ENV_PARENT",
     "ENV_RUN",
     "stop_on_signals",
@@ -55,6 +57,18 @@ ENV_RUN = "MILLSTREAM_RUN"
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 T = TypeVar("T")
+
+
+def start_again_with(changes: Mapping[str, str]) -> None:
+    """Replace this process by itself run again (same pid, same arguments) with `changes` in
+    its environment; nothing when there are none. For what a library reads once, when it loads
+    (a preloaded allocator, OpenMP's settings): call it before the role's work starts, since
+    nothing done before it survives."""
+    if not changes:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **changes})
 
 
 def stop_on_signals() -> None:

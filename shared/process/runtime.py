@@ -33,9 +33,10 @@ from typing import Any, NoReturn
 import orjson
 
 from millstream.shared.config import Config, ConfigError, load_config
-from millstream.shared.process.allocator import preload_allocator
+from millstream.shared.process.allocator import allocator_environment
 from millstream.shared.process.cpus import apply_share, role_share
-from millstream.shared.process.lifecycle import reap_children, stop_on_signals, watch_parent
+from millstream.shared.process.lifecycle import reap_children, start_again_with, stop_on_signals, watch_parent
+from millstream.shared.process.openmp import openmp_environment
 
 __all__ = [
     "role_args",
@@ -105,7 +106,8 @@ def run_role(
     preload: bool = False,
 ) -> NoReturn:
     """Parse the role's arguments, run `body(cfg, ns)`, and exit with its status (see above);
-    `preload`: under the configured memory allocator (the actor: shared/process/allocator.py)."""
+    `preload`: under the configured memory allocator and OpenMP wait policy (the actor:
+    shared/process/allocator.py, shared/process/openmp.py)."""
     try:
         cfg, ns = role_args(role, argv, check=check, options=options)
     except ConfigError as exc:
@@ -113,7 +115,8 @@ def run_role(
         sys.exit(2)
     if preload:
         try:
-            preload_allocator(cfg)  # may start this process again: before anything that must last
+            # May start this process again: before anything that must last.
+            start_again_with({**allocator_environment(cfg), **openmp_environment(cfg)})
         except (ConfigError, OSError) as exc:  # a path that is not there; an exec that failed
             print(f"millstream {role}: {exc}", file=sys.stderr)
             sys.exit(SETUP_FAILED)

@@ -1,0 +1,58 @@
+"""The actor's engine runs with OpenMP threads that sleep at their barriers on CPU
+(shared/process/openmp.py): the policy is resolved from the config and the environment, and the
+actor's process starts itself again with it, so that OpenMP, which reads it once when torch
+loads it, runs with it."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from millstream.shared.config import load_config
+from millstream.shared.process.openmp import openmp_environment, wait_policy
+
+
+@pytest.fixture
+def no_policy(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr("millstream.shared.process.cpus.has_gpu", lambda: False)
+
+
+def test_the_policy_follows_the_config_and_an_operators_environment(no_policy, monkeypatch):
+    assert wait_policy(load_config(None, [])) == "PASSIVE"  # vLLM on CPU
+    assert wait_policy(load_config(None, ["actor.kind=synthetic"])) is None
+    assert wait_policy(load_config(None, ["actor.device=cuda"])) is None
+    assert wait_policy(load_config(None, ["actor.omp_wait=active"])) == "ACTIVE"
+    assert wait_policy(load_config(None, ["actor.omp_wait=library"])) is None
+    assert openmp_environment(load_config(None, [])) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # set by whoever started the actor
+    assert wait_policy(load_config(None, [])) is None and openmp_environment(load_config(None, [])) == {}
+    assert openmp_environment(load_config(None, ["actor.omp_wait=passive"])) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    assert openmp_environment(load_config(None, ["actor.omp_wait=passive"])) == {}  # no loop
+
+
+def test_the_actors_process_runs_again_with_the_policy_its_openmp_reads(tmp_path):
+    """run_role(preload=True), as the actor's entry point calls it: one pid, started twice, and
+    the OpenMP that torch loads afterwards reports the policy (OMP_DISPLAY_ENV)."""
+    role = (
+        "import os, sys\n"
+        "from millstream.shared.process.runtime import run_role\n"
+        "def body(cfg, ns):\n"
+        "    import torch  # loads OpenMP, which reads its environment now\n"
+        "    print('body', os.getpid(), os.environ.get('OMP_WAIT_POLICY'), flush=True)\n"
+        "print('start', os.getpid(), flush=True)\n"
+        "run_role('actor', body, sys.argv[1:], preload=True)\n"
+    )
+    argv = ["actor.allocator=system", "actor.device=cpu", f"run.dir={tmp_path}", "actor.cpus=all"]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "TRUE"}
+    out = subprocess.run(
+        [sys.executable, "-c", role, *argv], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    starts = [line for line in lines if line.startswith("start ")]
+    assert len(starts) == 2 and len(set(starts)) == 1, lines  # started again, same pid
+    assert f"body {starts[0].split()[1]} PASSIVE" in lines, lines
+    assert "OMP_WAIT_POLICY = 'PASSIVE'" in out.stderr, out.stderr[-2000:]
