@@ -419,3 +419,19 @@ def check_accounting(run_dir: Path, workers: int = 1) -> dict:
 def read_episodes(run_dir: Path) -> list[dict[str, Any]]:
     """Every episode record of a run, from its trajectory store (shared/store/trajstore.py)."""
     return read_store(run_dir / STORE_FILE)
+
+
+def run_started_again(
+    code: str, argv: list[str], env: dict[str, str], timeout_s: float = 120
+) -> tuple[subprocess.CompletedProcess, list[str], str]:
+    """Run `code`, which prints "start <pid>" and then calls `run_role(..., preload=True)`, and
+    check that it ran once more as the same process (the actor starting itself again with its
+    allocator and OpenMP settings). Returns the run, its output lines and the pid."""
+    out = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout_s, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    starts = [line for line in lines if line.startswith("start ")]
+    assert len(starts) == 2 and len(set(starts)) == 1, lines  # started again, same pid
+    return out, lines, starts[0].split()[1]

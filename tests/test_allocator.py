@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_started_again
 
 from millstream.shared.config import ConfigError, load_config
 from millstream.shared.process import allocator
@@ -90,15 +91,9 @@ def test_a_role_started_with_preload_runs_its_body_under_the_library(tmp_path):
     library = _gomp()
     argv = [f"actor.allocator={library}", f"run.dir={tmp_path}", "actor.cpus=all"]
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    out = subprocess.run(
-        [sys.executable, "-c", _ROLE, *argv], capture_output=True, text=True, timeout=60, env=env
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    starts = [line for line in lines if line.startswith("start ")]
-    assert len(starts) == 2 and len(set(starts)) == 1, lines  # started again, same pid
+    _, lines, started = run_started_again(_ROLE, argv, env, timeout_s=60)
     pid, mapped, preload = json.loads(lines[-1])
-    assert starts[0] == f"start {pid}" and mapped and preload.split(":")[0] == library
+    assert started == str(pid) and mapped and preload.split(":")[0] == library
 
 
 def test_a_library_missing_at_the_actors_start_stops_it_as_a_setup_failure(tmp_path):

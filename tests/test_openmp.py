@@ -4,10 +4,9 @@ actor's process starts itself again with it, so that OpenMP, which reads it once
 loads it, runs with it."""
 
 import os
-import subprocess
-import sys
 
 import pytest
+from helpers import run_started_again
 
 from millstream.shared.config import load_config
 from millstream.shared.process.openmp import openmp_environment, wait_policy
@@ -48,12 +47,6 @@ def test_the_actors_process_runs_again_with_the_policy_its_openmp_reads(tmp_path
     )
     argv = ["actor.allocator=system", "actor.device=cpu", f"run.dir={tmp_path}", "actor.cpus=all"]
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "VERBOSE"}
-    out = subprocess.run(
-        [sys.executable, "-c", role, *argv], capture_output=True, text=True, timeout=120, env=env
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    starts = [line for line in lines if line.startswith("start ")]
-    assert len(starts) == 2 and len(set(starts)) == 1, lines  # started again, same pid
-    assert f"body {starts[0].split()[1]} PASSIVE" in lines, lines
+    out, lines, pid = run_started_again(role, argv, env)
+    assert f"body {pid} PASSIVE" in lines, lines
     assert "GOMP_SPINCOUNT = '0'" in out.stderr, out.stderr[-2000:]
