@@ -14,7 +14,8 @@ from millstream.shared.process.openmp import openmp_environment, wait_policy
 
 @pytest.fixture
 def no_policy(monkeypatch):
-    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "CUDA_VISIBLE_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr("millstream.shared.process.cpus.has_gpu", lambda: False)
 
 
@@ -32,6 +33,15 @@ def test_the_policy_follows_the_config_and_an_operators_environment(no_policy, m
     assert openmp_environment(load_config(None, ["actor.omp_wait=passive"])) == {}  # no loop
 
 
+def test_auto_leaves_gpu_engines_alone_and_knows_a_gpu_hidden_from_the_role(no_policy, monkeypatch):
+    monkeypatch.setattr("millstream.shared.process.cpus.has_gpu", lambda: True)
+    assert wait_policy(load_config(None, [])) is None  # device=auto on a GPU machine: CUDA
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # Ray's for a role given no GPU: on CPU
+    assert wait_policy(load_config(None, [])) == "PASSIVE"
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")  # an operator tuned OpenMP: left alone
+    assert wait_policy(load_config(None, [])) is None
+
+
 def test_the_actors_process_runs_again_with_the_policy_its_openmp_reads(tmp_path):
     """run_role(preload=True), as the actor's entry point calls it: one pid, started twice, and
     the OpenMP that torch loads afterwards sleeps at once (OMP_DISPLAY_ENV: its spin count is 0;
@@ -46,7 +56,8 @@ def test_the_actors_process_runs_again_with_the_policy_its_openmp_reads(tmp_path
         "run_role('actor', body, sys.argv[1:], preload=True)\n"
     )
     argv = ["actor.allocator=system", "actor.device=cpu", f"run.dir={tmp_path}", "actor.cpus=all"]
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | {"OMP_DISPLAY_ENV": "VERBOSE"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    env |= {"OMP_DISPLAY_ENV": "VERBOSE"}
     out, lines, pid = run_started_again(role, argv, env)
     assert f"body {pid} PASSIVE" in lines, lines
     assert "GOMP_SPINCOUNT = '0'" in out.stderr, out.stderr[-2000:]

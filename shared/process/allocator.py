@@ -11,7 +11,8 @@ all of the actor's growth. tcmalloc, which vLLM's CPU documentation asks for, ke
 free lists and gives memory back; vLLM's CPU wheel may bundle it (vllm/libs) but 0.32's does not.
 
 A library has to be loaded before the process starts allocating, so it is named in `LD_PRELOAD`
-and the process started again: the actor does that itself at its start (`preload_allocator`),
+and the process started again: the actor does that itself at its start (`allocator_environment`,
+with OpenMP's settings: shared/process/runtime.py),
 before its engine forks its EngineCore and Worker, which inherit it. Whoever starts the actor
 (the launcher, Ray, a shell) needs to do nothing, and one that already set `LD_PRELOAD` with the
 library is not started twice.

@@ -69,10 +69,12 @@ def has_gpu() -> bool:
 
 
 def engine_on_cpu(cfg: Config) -> bool:
-    """The actor's vLLM engine runs on the CPU (`auto` on a machine with NVIDIA device nodes does not)."""
+    """The actor's vLLM engine runs on the CPU: `auto` does where the machine has no NVIDIA
+    device nodes, or where `CUDA_VISIBLE_DEVICES` hides them (Ray does, for a role with no GPU)."""
     if cfg.actor.kind != "vllm" or cfg.actor.device == "cuda":
         return False
-    return cfg.actor.device == "cpu" or not has_gpu()
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1")
+    return cfg.actor.device == "cpu" or hidden or not has_gpu()
 
 
 def _auto_split(available: Sequence[int]) -> dict[str, tuple[int, ...] | None]:

@@ -36,9 +36,9 @@ from typing import Any, TypeVar
 import anyio
 
 __all__ = [
-    "start_again_with",
     "ENV_PARENT",
     "ENV_RUN",
+    "start_again_with",
     "stop_on_signals",
     "run_until_signal",
     "watch_parent",

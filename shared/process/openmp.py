@@ -13,8 +13,8 @@ Worker used 107 ms of CPU per 1,000 tokens instead of 225, and tokens/s rose for
 alone (AsyncLLM) and behind millstream alike. So:
 
 - `"auto"` (the default): `PASSIVE` for the vLLM engine on CPU, unless the environment already
-  sets `OMP_WAIT_POLICY` (an operator's choice wins); nothing for CUDA engines and the synthetic
-  actor.
+  sets `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` (an operator's choice wins); nothing for CUDA
+  engines and the synthetic actor.
 - `"passive"` / `"active"`: that policy.
 - `"library"`: OpenMP's own default (spin, then sleep).
 
@@ -40,7 +40,8 @@ def wait_policy(cfg: Config) -> str | None:
     if choice == "library":
         return None
     if choice == "auto":
-        return "PASSIVE" if engine_on_cpu(cfg) and "OMP_WAIT_POLICY" not in os.environ else None
+        chosen = "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ
+        return "PASSIVE" if engine_on_cpu(cfg) and not chosen else None
     return choice.upper()
 
 
