@@ -49,9 +49,7 @@ from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
 from millstream.shared.models.tiny import build_tiny_model
-from millstream.shared.process.allocator import allocator_environment
-from millstream.shared.process.openmp import openmp_environment
-from millstream.shared.process.runtime import free_port
+from millstream.shared.process.runtime import engine_environment, free_port
 from millstream.shared.wire.keys import load_keys
 from millstream.shared.wire.transport import open_channel
 
@@ -275,7 +273,7 @@ def _healthy(url: str) -> bool:
 def start_engines(
     stack: ExitStack, cfg: Config, config_path: Path, work: Path
 ) -> tuple[subprocess.Popen, subprocess.Popen, str, subprocess.Popen]:
-    engine_env = {**allocator_environment(cfg), **openmp_environment(cfg)}  # as the actor's own
+    engine_env = engine_environment(cfg)  # as the actor's own
     actor = _spawn(
         stack,
         [

@@ -45,11 +45,12 @@ def test_the_process_starts_itself_again_under_the_library_once():
     code = (
         "import json, os, sys\n"
         "from millstream.shared.config import load_config\n"
-        "from millstream.shared.process.allocator import preload_allocator\n"
+        "from millstream.shared.process.allocator import allocator_environment\n"
+        "from millstream.shared.process.lifecycle import start_again_with\n"
         f"cfg = load_config(None, ['actor.allocator={TCMALLOC}'])\n"
         "print('start', os.getpid(), flush=True)\n"
-        "preload_allocator(cfg)\n"
-        "preload_allocator(cfg)\n"
+        "start_again_with(allocator_environment(cfg))\n"
+        "start_again_with(allocator_environment(cfg))\n"
         "mapped = any('tcmalloc' in line for line in open('/proc/self/maps'))\n"
         "print(json.dumps([os.getpid(), mapped, os.environ['LD_PRELOAD']]))\n"
     )

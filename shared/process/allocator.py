@@ -35,7 +35,6 @@ from pathlib import Path
 
 from millstream.shared.config import Config, ConfigError
 from millstream.shared.process.cpus import engine_on_cpu
-from millstream.shared.process.lifecycle import start_again_with
 
 __all__ = [
     "allocator_environment",
@@ -43,7 +42,6 @@ __all__ = [
     "check_allocator",
     "find_tcmalloc",
     "loaded",
-    "preload_allocator",
 ]
 
 log = logging.getLogger("actor")
@@ -102,16 +100,10 @@ def loaded(library: str) -> bool:
     return any(m.startswith(name) for m in mapped for name in names)
 
 
-def preload_allocator(cfg: Config) -> None:
-    """Start this process again with the configured allocator preloaded, unless it is loaded
-    already (or none is configured or found). Call it before the role's work starts: nothing
-    done before it survives, so what it costs is the imports before it (about 2 s of torch)."""
-    start_again_with(allocator_environment(cfg))
-
-
 def allocator_environment(cfg: Config) -> dict[str, str]:
     """`LD_PRELOAD` as this process needs it to run under the configured allocator, or nothing
-    when it does already (or none is configured or found, or the loader ignored the name)."""
+    when it does already (or none is configured or found, or the loader ignored the name).
+    Starting again with it costs the imports before it (about 2 s of torch)."""
     library = allocator_library(cfg)
     if library is None:
         if cfg.actor.allocator == "auto" and engine_on_cpu(cfg):

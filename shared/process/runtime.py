@@ -39,6 +39,7 @@ from millstream.shared.process.lifecycle import reap_children, start_again_with,
 from millstream.shared.process.openmp import openmp_environment
 
 __all__ = [
+    "engine_environment",
     "role_args",
     "run_role",
     "setup_logging",
@@ -116,7 +117,7 @@ def run_role(
     if preload:
         try:
             # May start this process again: before anything that must last.
-            start_again_with({**allocator_environment(cfg), **openmp_environment(cfg)})
+            start_again_with(engine_environment(cfg))
         except (ConfigError, OSError) as exc:  # a path that is not there; an exec that failed
             print(f"millstream {role}: {exc}", file=sys.stderr)
             sys.exit(SETUP_FAILED)
@@ -163,6 +164,13 @@ def exit_now(code: int) -> NoReturn:
         except (OSError, ValueError):  # closed, or a broken pipe: nothing left to say there
             pass
     os._exit(code)
+
+
+def engine_environment(cfg: Config) -> dict[str, str]:
+    """What the actor's engine needs in its environment from its start, and this process lacks:
+    the allocator's `LD_PRELOAD` and OpenMP's wait policy (both read once, when loaded). The
+    actor starts itself again with it; a benchmark gives it to the engines it starts."""
+    return {**allocator_environment(cfg), **openmp_environment(cfg)}
 
 
 def _take_cores(role: str, cfg: Config, ns: argparse.Namespace) -> None:
