@@ -32,7 +32,11 @@ def test_settle_takes_full_collections_off_cpythons_schedule_and_restore_puts_th
     try:
         young, middle, oldest = gc.get_threshold()
         assert (young, middle) == (YOUNG_THRESHOLD, before[1]) and oldest > 10**8
-        assert gc.get_freeze_count() > 0 and heap.statistics()["frozen"] == gc.get_freeze_count()
+        # Frozen objects can still die (another test's thread dropping its last reference),
+        # so the count only shrinks while we read it: the report lies between two reads.
+        first = gc.get_freeze_count()
+        reported = heap.statistics()["frozen"]
+        assert 0 < gc.get_freeze_count() <= reported <= first
     finally:
         heap.restore()
     assert gc.get_threshold() == before and gc.get_freeze_count() == 0
