@@ -23,7 +23,9 @@ test the learner's bound. The formula is `shared.wire.admit_limit`.
 With several envpool workers, worker `i` of `W` owns group numbers `base + i, base + i + W, ...`,
 so the workers share one global count without talking to each other. A restarted worker (same
 index, new process) continues at `PolicyVersion.next_groups[i]`, after every group its earlier
-process announced (`GroupStarted`), so no group number is used twice.
+processes announced (`GroupStarted`) that the learner heard of, and past the last group its
+lineage file names (`numbered_past`: envpool/lineage.py), which also counts the announcements
+that died with a process; so no group number is used twice.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ __all__ = ["AdmissionGate"]
 
 
 class AdmissionGate:
-    def __init__(self, *, worker_index: int = 0, workers: int = 1) -> None:
+    def __init__(self, *, worker_index: int = 0, workers: int = 1, numbered_past: int = 0) -> None:
         if not 0 <= worker_index < workers:
             raise ValueError(f"worker_index {worker_index} outside [0, {workers})")
         self.worker_index = worker_index
         self.workers = workers
+        #: The first number past every group this index's earlier processes announced.
+        self.numbered_past = numbered_past
         self.version: int | None = None
         self.limit = 0
         self.group_base: int | None = None
@@ -60,7 +64,7 @@ class AdmissionGate:
             # and never goes back within this process.
             fresh = self.group_base is None
             self.group_base, self.session = message.group_base, message.session
-            floor = message.group_base + self.worker_index
+            floor = max(message.group_base + self.worker_index, self.numbered_past)
             if self.worker_index < len(message.next_groups):
                 floor = max(floor, message.next_groups[self.worker_index])
             if not fresh:

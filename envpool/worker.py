@@ -112,7 +112,6 @@ class Worker:
             )
 
             self.endpoint = Endpoint(self.chat, self.client, pool, lambda: self.max_model_len)
-        self.gate = AdmissionGate(worker_index=worker_index, workers=pool.workers)
         self.index = worker_index
         #: This process; a restarted worker (same index) is a new incarnation.
         self.incarnation = uuid.uuid4().hex[:12]
@@ -121,6 +120,9 @@ class Worker:
         #: What this process announced, in a file its successor reads; what its predecessors did.
         self.lineage = Lineage.open(
             Path(cfg.run.dir) / f"envpool-w{worker_index}.lineage" if cfg.run.dir else None, self.incarnation
+        )
+        self.gate = AdmissionGate(
+            worker_index=worker_index, workers=pool.workers, numbered_past=self.lineage.numbered_past
         )
         #: Pushed results no learner checkpoint holds yet, for a restarted learner.
         self.unsettled = Unsettled(worker_index, self.incarnation, int(pool.redeliver_mib * 2**20))
@@ -206,7 +208,7 @@ class Worker:
             # an announcement that dies in the queues with this process (envpool/lineage.py).
             size = self.cfg.train.group_size
             await self.outbox.put(GroupStarted(self.index, self.incarnation, group_id(number), size))
-            self.lineage.announce(size)
+            self.lineage.announce(size, number)
             self._start_group(episodes, number)
 
     async def _greet_actor(self) -> None:

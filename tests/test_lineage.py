@@ -1,6 +1,7 @@
 """What a dead worker process announced reaches the learner through its successor
-(envpool/lineage.py): the count survives a SIGKILL in a real file, and the learner counts what
-it never heard announced as `worker_lost`, once, late announcements included
+(envpool/lineage.py): the count and the group numbers survive a SIGKILL in a real file, the
+successor numbers past them, and the learner counts what it never heard announced as
+`worker_lost`, once, late announcements and late results included
 (learner/episodes/workers.py).
 
 The whole protocol, with worker and learner deaths at random moments, is
@@ -16,6 +17,7 @@ import sys
 
 import pytest
 
+from millstream.envpool.gate import AdmissionGate
 from millstream.envpool.lineage import Lineage, read_lineage
 from millstream.learner.episodes.accounting import close_accounts
 from millstream.learner.episodes.intake import Intake
@@ -30,9 +32,12 @@ from millstream.shared.wire import (
     Codec,
     EpisodeFailed,
     GroupStarted,
+    PolicyVersion,
     PoolDone,
     Predecessor,
     ProtocolError,
+    Resent,
+    Trajectory,
     WorkerHello,
     group_id,
     member_id,
@@ -43,19 +48,22 @@ SIZE = 4
 
 def test_a_killed_process_leaves_its_count_for_its_successor(tmp_path):
     """A process announcing as fast as it can is killed with SIGKILL: the file holds the count
-    it had reached (what it printed last, or one group more), and the next process reads it."""
+    and the group numbers it had reached (what it printed last, or one group more), and the
+    next process reads them and numbers past them."""
     path = tmp_path / "envpool-w0.lineage"
     first = Lineage.open(path, "aaaa")
-    first.announce(SIZE)
+    first.announce(SIZE, 3)
     first.close()
     code = (
         "import sys\n"
         "from pathlib import Path\n"
         "from millstream.envpool.lineage import Lineage\n"
         f"lineage = Lineage.open(Path({str(path)!r}), 'bbbb')\n"
+        "number = 5\n"
         "while True:\n"
-        f"    lineage.announce({SIZE})\n"
+        f"    lineage.announce({SIZE}, number)\n"
         "    print(lineage.announced, flush=True)\n"
+        "    number += 2\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -64,21 +72,46 @@ def test_a_killed_process_leaves_its_count_for_its_successor(tmp_path):
     proc.wait(timeout=30)
     after = read_lineage(path)
     assert [p.incarnation for p in after] == ["aaaa", "bbbb"]
-    assert after[0].announced == SIZE
+    assert after[0] == Predecessor("aaaa", SIZE, 3, 3)
     assert printed[-1] <= after[1].announced  # it may have written one more before the kill
+    groups = after[1].announced // SIZE
+    assert (after[1].first_group, after[1].last_group) == (5, 5 + 2 * (groups - 1))
     successor = Lineage.open(path, "cccc")
     assert successor.predecessors == after
+    assert successor.numbered_past == after[1].last_group + 1
     assert [p.incarnation for p in read_lineage(path)] == ["aaaa", "bbbb", "cccc"]
 
 
 def test_a_file_names_only_the_latest_predecessors(tmp_path):
     path = tmp_path / "envpool-w0.lineage"
     for n in range(MAX_PREDECESSORS + 3):
-        Lineage.open(path, f"p{n}").announce(n)
+        Lineage.open(path, f"p{n}").announce(n, n)
     named = Lineage.open(path, "last").predecessors
     assert [p.incarnation for p in named] == [f"p{n}" for n in range(3, MAX_PREDECESSORS + 3)]
     assert [p.announced for p in named] == list(range(3, MAX_PREDECESSORS + 3))
     assert Lineage.open(None, "by-hand").predecessors == []  # no run directory: no file
+
+
+def test_a_file_of_the_older_layout_reads_without_numbers_and_a_bad_line_is_skipped(tmp_path):
+    path = tmp_path / "envpool-w0.lineage"
+    path.write_bytes(
+        b"old 00000000000000000008\n"  # before the numbers: read, with none
+        b"bad 00000000000000000004 -0000000000000000001 -0000000000000000001\n"  # count, no group
+        b"new 00000000000000000004 00000000000000000006 00000000000000000006\n"
+    )
+    assert read_lineage(path) == [Predecessor("old", 8), Predecessor("new", SIZE, 6, 6)]
+    assert Lineage.open(path, "next").numbered_past == 7
+
+
+def test_a_successor_numbers_past_its_predecessors_groups_the_learner_never_heard_of():
+    """The learner says where worker 1 of 2 continues (next_groups: past what it heard); the
+    lineage says its dead process announced up to group 9, whose announcement died with it."""
+    gate = AdmissionGate(worker_index=1, workers=2, numbered_past=10)
+    gate.update(PolicyVersion(0, 100, session="s", next_groups=[4, 5]))
+    assert gate.next_group == 11
+    fresh = AdmissionGate(worker_index=1, workers=2)
+    fresh.update(PolicyVersion(0, 100, session="s", next_groups=[4, 5]))
+    assert fresh.next_group == 5
 
 
 class Learner:
@@ -168,10 +201,12 @@ def test_what_is_left_unheard_survives_a_checkpoint_in_either_layout():
     the count lived beside its process (a list of processes, and "unheard" apart) loads too."""
     learner = Learner()
     learner.take(WorkerHello(0, "a"), announce("a", 0))
-    learner.take(WorkerHello(0, "b", lineage=[Predecessor("a", 3 * SIZE)]))
+    learner.take(WorkerHello(0, "b", lineage=[Predecessor("a", 3 * SIZE, 0, 2)]))
     state = learner.ledger.state_dict()
-    older = dict(state, retired={"0": ["a"]}, unheard=[[0, "a", 2 * SIZE]])
-    for saved in (state, older):
+    no_numbers = {key: value for key, value in state.items() if key not in ("counted", "unclaimed")}
+    no_numbers["retired"] = {"0": [["a", 2 * SIZE]]}
+    older = dict(no_numbers, retired={"0": ["a"]}, unheard=[[0, "a", 2 * SIZE]])
+    for saved in (state, no_numbers, older):
         restored = WorkerLedger(1, 0, SIZE)
         restored.load_state_dict(saved)
         assert restored.is_retired(0, "a") and not restored.is_retired(0, "b")
@@ -182,3 +217,40 @@ def test_what_is_left_unheard_survives_a_checkpoint_in_either_layout():
         assert counted == SIZE
         _, counted = restored.group_started(announce("a", 3))
         assert counted == 0  # past what the lineage said
+
+
+def trajectory(number: int, member: int) -> Trajectory:
+    gid = group_id(number)
+    return Trajectory(
+        member_id(gid, member),
+        gid,
+        seed=0,
+        env="echo",
+        token_ids=[1, 1],
+        loss_mask=[0, 1],
+        logprobs=[0.0, -0.5],
+        versions=[-1, 0],
+        reward=1.0,
+        turn_rewards=[1.0],
+        num_turns=1,
+        group_size=SIZE,
+        duration_s=0.1,
+    )
+
+
+@pytest.mark.parametrize("before_the_lineage", [False, True])
+def test_a_result_of_a_group_never_heard_of_is_received_not_lost(before_the_lineage):
+    """Process a announced groups 0-2; the learner heard of group 0 only. Group 1's results
+    arrive anyway (pushed again to a restarted learner), before its successor's hello named it
+    or after: they leave the id-less count, group 1 is not lost, and group 0's (heard) and
+    group 3's (not a's: past its last group) count nothing back."""
+    learner = Learner()
+    learner.take(WorkerHello(0, "a", next_group=0), announce("a", 0))
+    late = [Resent("a", trajectory(1, m)) for m in range(SIZE)]
+    hello = WorkerHello(0, "b", next_group=3, lineage=[Predecessor("a", 3 * SIZE, 0, 2)])
+    learner.take(*(late + [hello] if before_the_lineage else [hello] + late))
+    ledger = learner.ledger
+    assert ledger.lost_unheard == SIZE and ledger.unclaimed == {}  # group 2's, without ids
+    assert learner.buffer.statistics()["failed"] == {str(Cause.WORKER_LOST): 2 * SIZE}  # 0 and 2
+    assert not ledger.received_unknown(0, group_id(0)) and not ledger.received_unknown(0, group_id(3))
+    assert ledger.lost_unheard == SIZE

@@ -222,6 +222,8 @@ class SimWorker:
         self.started = 0
         self.live: list[str] = []
         self.next_number = index if next_number is None else next_number
+        #: The numbers of the first and the last group this process started (-1: none yet).
+        self.first_number = self.last_number = -1
         self.session: str | None = None
         #: The processes of this index that died before this one, oldest first.
         self.predecessors: list[SimWorker] = []
@@ -230,13 +232,24 @@ class SimWorker:
         self.late_delivered = 0
 
     def successor(self) -> SimWorker:
-        """The process the launcher starts after this one died with what it kept and queued."""
+        """The process the launcher starts after this one died with what it kept and queued.
+        It numbers past the last group any predecessor started (its lineage file says which)."""
         after = SimWorker(self.index, int(self.incarnation[-1]) + 1, self.next_number)
         after.predecessors = [*self.predecessors, self]
         return after
 
+    def die(self, late: float, ghosts: list[SimWorker]) -> SimWorker:
+        """Killed: the first `late` share of its connection's queue was in the kernel's buffers
+        and still arrives (from `ghosts`), the rest dies with it. Returns its successor."""
+        self.dead = True
+        self.wire = deque(list(self.wire)[: int(len(self.wire) * late)])
+        ghosts.append(self)
+        return self.successor()
+
     def start_group(self) -> str:
         gid = group_id(self.next_number)
+        self.first_number = self.next_number if self.first_number < 0 else self.first_number
+        self.last_number = self.next_number
         self.next_number += WORKERS
         self.wire.append(GroupStarted(self.index, self.incarnation, gid, GROUP_SIZE))
         self.started += GROUP_SIZE
@@ -255,13 +268,17 @@ class SimWorker:
         """What envpool/worker.py does with each `PolicyVersion`."""
         if announcement.session != self.session:
             self.wire.extend(self.kept.unsaved(announcement))
-            lineage = [Predecessor(p.incarnation, p.started) for p in self.predecessors]  # its file
+            lineage = [  # its file
+                Predecessor(p.incarnation, p.started, p.first_number, p.last_number)
+                for p in self.predecessors
+            ]
             hello = WorkerHello(
                 self.index,
                 self.incarnation,
                 self.started,
                 self.kept.pushed,
                 live=sorted(self.live),
+                next_group=self.next_number,
                 lineage=lineage[-MAX_PREDECESSORS:],
             )
             self.wire.append(hello)
@@ -290,11 +307,7 @@ def play(learner: Learner, workers: list[SimWorker], rng: random.Random, ticks: 
     checkpoint = learner.checkpoint()
     for tick in range(ticks):
         if tick == plan["worker_death"]:
-            dead = workers[0]
-            dead.dead = True
-            dead.wire = deque(list(dead.wire)[: int(len(dead.wire) * plan["late"])])
-            plan["ghosts"].append(dead)
-            workers[0] = dead.successor()
+            workers[0] = workers[0].die(plan["late"], plan["ghosts"])
             workers[0].hear(learner.announcement())
         for w in workers:
             if rng.random() < 0.3 or not w.live:
@@ -314,10 +327,17 @@ def play(learner: Learner, workers: list[SimWorker], rng: random.Random, ticks: 
 
 
 def restart(
-    checkpoint: dict, workers: list[SimWorker], rng: random.Random, lost: float, max_held: int | None
+    checkpoint: dict,
+    workers: list[SimWorker],
+    rng: random.Random,
+    lost: float,
+    max_held: int | None,
+    plan: dict,
 ) -> Learner:
     """The learner died: part of each connection's queue with it (`lost`); a new session from
-    the checkpoint greets every worker (each pushes again what it lacks, then says hello)."""
+    the checkpoint greets every worker (each pushes again what it lacks, then says hello). With
+    `plan["greeting_death"]`, worker 0 dies once it queued its greeting, before the learner
+    took all of it, and its successor greets in its place."""
     for w in workers:
         for _ in range(int(len(w.wire) * lost)):
             w.wire.popleft()
@@ -327,8 +347,12 @@ def restart(
     learner.intake.max_held = max_held if max_held is not None else learner.intake.max_held
     for w in workers:
         w.hear(learner.announcement())
-    while any(w.wire for w in workers):
-        deliver(learner, workers, rng, 1)
+    if plan["greeting_death"]:
+        deliver(learner, workers, rng, rng.randrange(0, 4))
+        workers[0] = workers[0].die(plan["late"], plan["ghosts"])
+        workers[0].hear(learner.announcement())
+    while any(w.wire for w in workers + plan["ghosts"]):
+        deliver(learner, workers + plan["ghosts"], rng, 1)
     learner.end_greeting()
     return learner
 
@@ -341,8 +365,11 @@ def restart(
     worker_death=st.none() | st.integers(0, 240),
     late=st.sampled_from([0.0, 0.5, 1.0]),
     max_held=st.sampled_from([None, 3]),
+    greeting_death=st.booleans(),
 )
-def test_learner_restarts_lose_nothing_the_workers_kept(seed, lost, heard, worker_death, late, max_held):
+def test_learner_restarts_lose_nothing_the_workers_kept(
+    seed, lost, heard, worker_death, late, max_held, greeting_death
+):
     """Workers run groups while the learner takes their results and checkpoints; it dies twice
     at random moments, and of what was in flight a random share (`lost`) dies with its sockets;
     the rest arrives as the backlog. A worker hears each announcement only with probability
@@ -353,8 +380,9 @@ def test_learner_restarts_lose_nothing_the_workers_kept(seed, lost, heard, worke
     those whose announcements died with it (or with a learner that died before its next
     checkpoint) counted from its successor's lineage, and the accounts still count every
     episode every process started, whatever share of its queue (`late`) still arrives after
-    its successor's hello. With `max_held`, a restarted learner holds only that many messages
-    through its greeting and takes the rest as they come."""
+    its successor's hello. With `greeting_death`, worker 0 also dies during each restarted
+    learner's greeting, after it queued its hello. With `max_held`, a restarted learner holds
+    only that many messages through its greeting and takes the rest as they come."""
     rng = random.Random(seed)
     workers = [SimWorker(i) for i in range(WORKERS)]
     learner = Learner()
@@ -362,12 +390,18 @@ def test_learner_restarts_lose_nothing_the_workers_kept(seed, lost, heard, worke
         w.hear(learner.announcement())
     first, second = rng.randrange(40, 120), rng.randrange(20, 120)
     ghosts: list[SimWorker] = []
-    death = {"heard": heard, "worker_death": worker_death, "late": late, "ghosts": ghosts}
+    death = {
+        "heard": heard,
+        "worker_death": worker_death,
+        "late": late,
+        "ghosts": ghosts,
+        "greeting_death": greeting_death,
+    }
     checkpoint = play(learner, workers, rng, first, death)
-    learner = restart(checkpoint, workers, rng, lost, max_held)
+    learner = restart(checkpoint, workers, rng, lost, max_held, death)
     later = death | {"worker_death": None if worker_death is None else worker_death - first}
     checkpoint = play(learner, workers, rng, second, later)
-    learner = restart(checkpoint, workers, rng, lost, max_held)
+    learner = restart(checkpoint, workers, rng, lost, max_held, death)
     for w in workers:  # the rest of the run: every live episode reports, then PoolDone
         while w.live:
             w.finish_one(rng, learner.version)

@@ -283,6 +283,13 @@ class Intake:
         started = self.ledger.reporter(message.group_id)
         return started if started is not None and started[0] == index else None
 
+    def _received_unknown(self, message: Trajectory | EpisodeFailed, sender: str | None) -> None:
+        """One of the run's results, of a group the ledger does not know, was received: if a
+        dead process's lineage had counted it lost without an id, it is not lost."""
+        index = self._index(message, sender)
+        if index is not None and self.ledger.received_unknown(index, message.group_id):
+            self.buffer.count_unreceived(Cause.WORKER_LOST, -1)
+
     def _group_problem(self, message: GroupStarted, admitted: int) -> str | None:
         """What is wrong with a group announcement, or None. Only admitted numbers of the
         worker's own, the run's group size and a known worker index: an announcement may not
@@ -354,12 +361,15 @@ class Intake:
         # Whose result it is, asked before `reported` may close its group; counted for that
         # process if the buffer took it (not a duplicate) as one of the run's, from its sender.
         process = self._pusher(message, sender, origin) if expected else None
+        unknown_group = self.ledger.owner(message.group_id) is None
         received = self.buffer.received
         reason = self.buffer.accept(message, refusal, remember=expected, resent=trusted)
         if self.buffer.received > received:
             self.relabeled += relabeled
             if process is not None:
                 self.ledger.credit(process)
+            if unknown_group and (reason is None or expected):  # one of the run's, not foreign
+                self._received_unknown(message, sender)
         closes = reporter is None and found is not None and found.closes_slot
         if reason is None or closes:
             self.ledger.reported(message.episode_id, message.group_id)  # its slot is closed

@@ -26,7 +26,11 @@ the members that have not reported yet, and per worker process how many episodes
   (reordered behind its successor's) is refused, and an announcement of it that arrives late is
   one of those counted, now known by id (the count moves from its process's id-less count to
   the group's members, each `worker_lost`); one past
-  what the lineage said is a dead process's group too, started and lost together. The lineage
+  what the lineage said is a dead process's group too, started and lost together. A result of
+  one of those groups that arrives after all (pushed again to a restarted learner before its
+  process died, or held through the greeting) is received, not lost: the lineage's group
+  numbers say whose it is, the record of what the ledger heard (learner/episodes/lineages.py)
+  says it was one of the unheard, and it leaves the id-less count. The lineage
   is taken on the worker key's word, as its results are: a forged one can misreport only that
   worker's own episodes.
 
@@ -47,10 +51,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from millstream.learner.episodes.lineages import EVERYTHING, CountedGroups, Retired, claim, load_retired
 from millstream.shared.wire import (
     Cause,
     EpisodeFailed,
     GroupStarted,
+    Predecessor,
     Settled,
     WorkerHello,
     group_number,
@@ -96,10 +102,18 @@ class WorkerLedger:
         #: Per worker index, its processes a successor's lineage named dead, newest last (at
         #: most `_RETIRED_KEPT`): a hello or announcement from one of them comes late. Each
         #: with the episodes its lineage counted lost that the ledger never heard announced:
-        #: a late announcement of that process is one of them.
-        self.retired: dict[int, dict[str, int]] = {}
+        #: a late announcement of that process is one of them, and so is a result it pushed
+        #: again of a group the ledger does not know (its number is the process's).
+        self.retired: dict[int, dict[str, Retired]] = {}
+        #: Per worker process, the group numbers its `started` covers (what it said in a hello,
+        #: what it announced since): the rest of a dead one's lineage range is what it counted
+        #: unheard (learner/episodes/lineages.py).
+        self.counted: dict[tuple[int, str], CountedGroups] = {}
+        #: Per worker index, results received of groups nobody announced to the ledger, by group
+        #: number, before a lineage or a hello said whose they were (`received_unknown`).
+        self.unclaimed: dict[int, Counter[int]] = {}
         #: Episodes counted `worker_lost` from lineages, without ids (late announcements take
-        #: theirs back: they are lost by id then).
+        #: theirs back: they are lost by id then; a late result takes its own back).
         self.lost_unheard = 0
         #: Announcements of retired processes that arrived after their successor's hello.
         self.late_groups = 0
@@ -124,9 +138,14 @@ class WorkerLedger:
             self.restarts += 1
             lost = self._close(msg.index, before)
             self.reports.pop((msg.index, before), None)  # that process is gone: nothing to settle
-        unheard = self._hear_lineage(msg)
+        dead, unheard = self._hear_lineage(msg)
+        lost += dead
+        if before is not None and before != msg.incarnation and not self.is_retired(msg.index, before):
+            self.counted.pop((msg.index, before), None)  # dead, and no lineage names it
         key = (msg.index, msg.incarnation)
         self.started[key] = max(self.started[key], msg.started)  # the worker's count is the truth
+        self.counted.setdefault(key, CountedGroups()).cover_below(msg.next_group)
+        claim(self.unclaimed, msg.index, lambda number: number < msg.next_group)  # its `started` has them
         # Every result it pushed came before this hello on its one connection (pushed again if
         # a dead learner had it), and no step is taken while greeting: the next checkpoint holds
         # all of them.
@@ -150,11 +169,12 @@ class WorkerLedger:
                 self.next_groups[msg.index], group_number(msg.group_id) + self.workers
             )
         members = {member_id(msg.group_id, m) for m in range(msg.group_size)}
+        self.counted.setdefault(key, CountedGroups()).add(group_number(msg.group_id), self.workers)
         if self.is_retired(msg.index, msg.incarnation):
             self.late_groups += 1
-            unheard = self.retired[msg.index]
-            counted = msg.group_size if unheard[msg.incarnation] >= msg.group_size else 0
-            unheard[msg.incarnation] -= counted
+            dead = self.retired[msg.index][msg.incarnation]
+            counted = msg.group_size if dead.unheard >= msg.group_size else 0
+            dead.unheard -= counted
             self.lost_unheard -= counted
             self.started[key] += msg.group_size - counted  # past the lineage: started now
             self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
@@ -163,6 +183,34 @@ class WorkerLedger:
         self.open[msg.group_id] = _OpenGroup(msg.index, msg.incarnation, msg.group_size, members)
         self.started[key] += msg.group_size
         return [], 0
+
+    def received_unknown(self, index: int, group_id: str) -> bool:
+        """A result of a group the ledger does not know was received (held through a greeting,
+        pushed again, or from a worker not greeted yet). If a dead process of worker `index`
+        started it (its lineage's group numbers hold it) and its lineage counted episodes the
+        ledger never heard of, this was one of them, counted lost without an id: it is taken
+        back from that count (True: the caller takes it back from the buffer's count too). If
+        no lineage named its process yet, it is remembered for the one that will (`unclaimed`).
+
+        A live process's unknown groups are counted by its hello's `started`, and its successor
+        numbers past its last group (envpool/gate.py), so the number tells whose it is."""
+        try:
+            number = group_number(group_id)
+        except ValueError:
+            return False
+        for incarnation, dead in self.retired.get(index, {}).items():
+            if dead.unheard > 0 and dead.holds(number) and not self._counted(index, incarnation, number):
+                dead.unheard -= 1
+                self.lost_unheard -= 1
+                return True
+        live = self.incarnations.get(index)
+        if live is None or not self._counted(index, live, number):
+            self.unclaimed.setdefault(index, Counter())[number] += 1
+        return False
+
+    def _counted(self, index: int, incarnation: str, number: int) -> bool:
+        counted = self.counted.get((index, incarnation))
+        return counted is not None and number in counted
 
     def owner(self, group_id: str) -> int | None:
         """The worker index that started this group, while it has members to report."""
@@ -234,26 +282,46 @@ class WorkerLedger:
         retired = self.retired.setdefault(index, {})
         if incarnation in retired:
             return
-        retired[incarnation] = 0
+        retired[incarnation] = Retired()
         while len(retired) > _RETIRED_KEPT:
-            del retired[next(iter(retired))]  # the oldest: dicts keep insertion order
+            oldest = next(iter(retired))  # dicts keep insertion order
+            del retired[oldest]
+            self.counted.pop((index, oldest), None)
 
-    def _hear_lineage(self, msg: WorkerHello) -> int:
-        """Count what the dead processes a hello names announced beyond what the ledger heard
-        (started, and lost at once); returns how many."""
-        total = 0
+    def _hear_lineage(self, msg: WorkerHello) -> tuple[list[EpisodeFailed], int]:
+        """Close the groups of the dead processes a hello names (the one it replaced is not
+        always the one the ledger knew as live: a restored checkpoint may predate it), and
+        count what they announced beyond what the ledger heard (started, and lost at once);
+        returns the failures, and how many were counted without ids."""
+        failures, total = [], 0
         for dead in msg.lineage:
             if dead.incarnation == msg.incarnation:
                 continue  # not dead: a hello never names its own process
+            failures += self._close(msg.index, dead.incarnation)
             self._retire(msg.index, dead.incarnation)
-            key = (msg.index, dead.incarnation)
-            unheard = dead.announced - self.started[key]
-            if unheard > 0:
-                self.started[key] = dead.announced
-                self.retired[msg.index][dead.incarnation] += unheard
-                total += unheard
+            total += self._count_unheard(msg.index, dead)
         self.lost_unheard += total
-        return total
+        return failures, total
+
+    def _count_unheard(self, index: int, dead: Predecessor) -> int:
+        """What a dead process announced beyond what the ledger heard, less its results that
+        arrived before its successor's hello of groups the ledger never heard of (received,
+        not lost); kept with its retired entry, and returned."""
+        retired = self.retired[index][dead.incarnation]
+        if dead.first_group >= 0:
+            retired.first_group, retired.last_group = dead.first_group, dead.last_group
+        key = (index, dead.incarnation)
+        unheard = dead.announced - self.started[key]
+        if unheard <= 0:
+            return 0
+        self.started[key] = dead.announced
+
+        def its_unheard(number: int) -> bool:
+            return retired.holds(number) and not self._counted(index, dead.incarnation, number)
+
+        unheard -= claim(self.unclaimed, index, its_unheard, limit=unheard)
+        retired.unheard += unheard
+        return unheard
 
     def _close(self, index: int, incarnation: str) -> list[EpisodeFailed]:
         failures = []
@@ -296,9 +364,14 @@ class WorkerLedger:
             "lost": self.lost,
             "restarts": self.restarts,
             "reports": [[i, inc, n] for (i, inc), n in self.reports.items()],
-            "retired": {str(i): [[inc, n] for inc, n in incs.items()] for i, incs in self.retired.items()},
+            "retired": {
+                str(i): [[inc, r.unheard, r.first_group, r.last_group] for inc, r in incs.items()]
+                for i, incs in self.retired.items()
+            },
             "lost_unheard": self.lost_unheard,
             "late_groups": self.late_groups,
+            "counted": [[i, inc, c.state()] for (i, inc), c in self.counted.items()],
+            "unclaimed": [[i, n, k] for i, numbers in self.unclaimed.items() for n, k in numbers.items()],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -315,23 +388,14 @@ class WorkerLedger:
         self.started = Counter({(int(i), inc): int(n) for i, inc, n in state["started"]})
         self.lost, self.restarts = int(state["lost"]), int(state["restarts"])
         self.reports = Counter({(int(i), inc): int(n) for i, inc, n in state.get("reports", [])})
-        self.retired = _load_retired(state)
+        self.retired = load_retired(state)
+        if "counted" in state:
+            self.counted = {(int(i), inc): CountedGroups.from_state(c) for i, inc, c in state["counted"]}
+        else:  # a checkpoint from before the record: take nothing back from id-less counts
+            self.counted = {key: CountedGroups(EVERYTHING) for key in self.started}
+        self.unclaimed = {}
+        for i, number, count in state.get("unclaimed", []):
+            self.unclaimed.setdefault(int(i), Counter())[int(number)] = int(count)
         self.lost_unheard = int(state.get("lost_unheard", 0))
         self.late_groups = int(state.get("late_groups", 0))
         self.mark_saved(state)  # a checkpoint holds what it says, by definition
-
-
-def _load_retired(state: dict[str, Any]) -> dict[int, dict[str, int]]:
-    """`retired` from a checkpoint: [[process, unheard], ...] per index, or the layout before
-    2026-11-28 (a list of processes per index and a separate "unheard" list)."""
-    unheard = {(int(i), inc): int(n) for i, inc, n in state.get("unheard", [])}
-    retired: dict[int, dict[str, int]] = {}
-    for i, incs in state.get("retired", {}).items():
-        index, kept = int(i), {}
-        for entry in incs:  # [process, unheard], or the older layout's process alone
-            if isinstance(entry, str):
-                kept[entry] = unheard.get((index, entry), 0)
-            else:
-                kept[str(entry[0])] = int(entry[1])
-        retired[index] = kept
-    return retired

@@ -146,11 +146,17 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
 
 
 class Predecessor(msgspec.Struct, array_like=True, frozen=True):
-    """A dead process of the hello's worker index, and how many episodes it announced: read
-    from the file each process writes before it announces a group (envpool/lineage.py)."""
+    """A dead process of the hello's worker index, how many episodes it announced and the
+    numbers of its first and last group (-1: none, or a file from before protocol 11): read
+    from the file each process writes before it announces a group (envpool/lineage.py).
+
+    The numbers let the learner tell a dead process's results from its successor's (which
+    numbers past them) when they arrive with no announcement it heard."""
 
     incarnation: Id
     announced: Count
+    first_group: Annotated[int, msgspec.Meta(ge=-1, le=MAX_COUNT)] = -1
+    last_group: Annotated[int, msgspec.Meta(ge=-1, le=MAX_COUNT)] = -1
 
 
 class WorkerHello(WireMessage, tag="worker_hello", frozen=True):

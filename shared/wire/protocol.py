@@ -70,7 +70,7 @@ __all__ = ["PROTOCOL_VERSION", "ProtocolError", "Message", "Outgoing", "Packet",
 
 #: Bumped on any incompatible change of a message. A peer with another version is refused with a
 #: clear error instead of misreading fields.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class ProtocolError(ValueError):
