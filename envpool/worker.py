@@ -271,7 +271,9 @@ class Worker:
         log.info("%s: learner session %s, saying hello", self.name, first.session or "(unnamed)")
 
         def hello() -> WorkerHello:  # `reported` is filled in as it is sent (envpool/outbox.py)
-            next_group = self.gate.next_group if self.gate.group_base is not None else 0
+            # Before its first group: past its predecessors' (the learner may not know them all).
+            numbered = self.gate.group_base is not None
+            next_group = self.gate.next_group if numbered else self.lineage.numbered_past
             live = sorted(self.live_ids)
             return WorkerHello(
                 self.index,

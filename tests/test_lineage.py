@@ -21,6 +21,7 @@ from millstream.envpool.gate import AdmissionGate
 from millstream.envpool.lineage import Lineage, read_lineage
 from millstream.learner.episodes.accounting import close_accounts
 from millstream.learner.episodes.intake import Intake
+from millstream.learner.episodes.lineages import EVERYTHING
 from millstream.learner.episodes.validate import EpisodeCheck
 from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.replay import ReplayBuffer
@@ -210,6 +211,9 @@ def test_what_is_left_unheard_survives_a_checkpoint_in_either_layout():
         restored = WorkerLedger(1, 0, SIZE)
         restored.load_state_dict(saved)
         assert restored.is_retired(0, "a") and not restored.is_retired(0, "b")
+        if "counted" not in saved:  # the live process heard all below its numbering; a, unknown
+            assert restored.counted[(0, "b")].below == restored.next_groups[0]
+            assert restored.counted[(0, "a")].below == EVERYTHING
         # A late announcement of a counted group moves its count to its members, once each.
         _, counted = restored.group_started(announce("a", 1))
         assert counted == SIZE
@@ -254,3 +258,17 @@ def test_a_result_of_a_group_never_heard_of_is_received_not_lost(before_the_line
     assert learner.buffer.statistics()["failed"] == {str(Cause.WORKER_LOST): 2 * SIZE}  # 0 and 2
     assert not ledger.received_unknown(0, group_id(0)) and not ledger.received_unknown(0, group_id(3))
     assert ledger.lost_unheard == SIZE
+
+
+def test_a_lineage_closes_the_groups_of_every_process_it_names_not_only_the_live_one():
+    """A restored checkpoint knew process a as live; b (a's successor, which greeted the dead
+    learner after that checkpoint) announced a group; c's hello names both dead: the groups of
+    both are closed, their members `worker_lost` by id."""
+    learner = Learner()
+    learner.take(WorkerHello(0, "a"), announce("a", 0), announce("b", 1))
+    assert learner.ledger.incarnations[0] == "a"
+    lineage = [Predecessor("a", SIZE, 0, 0), Predecessor("b", SIZE, 1, 1)]
+    learner.take(WorkerHello(0, "c", next_group=2, lineage=lineage))
+    assert learner.ledger.open == {}
+    assert learner.buffer.statistics()["failed"] == {str(Cause.WORKER_LOST): 2 * SIZE}
+    assert learner.ledger.lost_unheard == 0 and learner.ledger.unclaimed == {}

@@ -278,7 +278,9 @@ class SimWorker:
                 self.started,
                 self.kept.pushed,
                 live=sorted(self.live),
-                next_group=self.next_number,
+                # Where its numbering stands; before its first group a worker from before
+                # 2026-11-28 said 0 (the learner must not keep what it cannot place for it).
+                next_group=self.next_number if self.started else 0,
                 lineage=lineage[-MAX_PREDECESSORS:],
             )
             self.wire.append(hello)
@@ -429,6 +431,7 @@ def test_learner_restarts_lose_nothing_the_workers_kept(
         w.hear(learner.announcement())
         assert w.kept.statistics()["kept"] == 0, w.kept.statistics()
     assert accounts["open_groups"] == 0
+    assert learner.ledger.unclaimed == {}  # every result of an unknown group was placed
 
 
 def test_a_greeting_holds_what_a_dead_learner_may_have_had_since_its_checkpoint():

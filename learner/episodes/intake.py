@@ -368,7 +368,9 @@ class Intake:
             self.relabeled += relabeled
             if process is not None:
                 self.ledger.credit(process)
-            if unknown_group and (reason is None or expected):  # one of the run's, not foreign
+            # One of the run's (not foreign) that a worker pushed (not the learner's own
+            # failures for a closed group).
+            if unknown_group and origin.pushed and (reason is None or expected):
                 self._received_unknown(message, sender)
         closes = reporter is None and found is not None and found.closes_slot
         if reason is None or closes:

@@ -199,10 +199,13 @@ class WorkerLedger:
         except ValueError:
             return False
         for incarnation, dead in self.retired.get(index, {}).items():
-            if dead.unheard > 0 and dead.holds(number) and not self._counted(index, incarnation, number):
+            if not dead.holds(number):
+                continue
+            if dead.unheard > 0 and not self._counted(index, incarnation, number):
                 dead.unheard -= 1
                 self.lost_unheard -= 1
                 return True
+            return False  # a dead process's, heard of (or all its unheard came back already)
         live = self.incarnations.get(index)
         if live is None or not self._counted(index, live, number):
             self.unclaimed.setdefault(index, Counter())[number] += 1
@@ -391,8 +394,15 @@ class WorkerLedger:
         self.retired = load_retired(state)
         if "counted" in state:
             self.counted = {(int(i), inc): CountedGroups.from_state(c) for i, inc, c in state["counted"]}
-        else:  # a checkpoint from before the record: take nothing back from id-less counts
-            self.counted = {key: CountedGroups(EVERYTHING) for key in self.started}
+        else:  # a checkpoint from before the record: the live processes heard all below where
+            # their numbering stood; of the others nothing is known, so nothing is taken back
+            self.counted = {
+                (i, inc): CountedGroups(
+                    self.next_groups[i] if self.incarnations.get(i) == inc else EVERYTHING
+                )
+                for i, inc in self.started
+                if 0 <= i < self.workers
+            }
         self.unclaimed = {}
         for i, number, count in state.get("unclaimed", []):
             self.unclaimed.setdefault(int(i), Counter())[int(number)] = int(count)
