@@ -3,8 +3,9 @@
     python -m millstream.bench.overhead [--quick] [--rounds 3] [--concurrency 64,256]
 
 The same tiny Qwen2 model (float32, CPU), the same engine settings (batch width, KV budget, whole
-prompt prefill: the actor's `build_engine`), the same prompts and exactly the same output
-lengths (`ignore_eos`, `min_tokens`), temperature 1, the sampled token's logprob, through:
+prompt prefill: the actor's `build_engine`; its EngineCore's priority), the same prompts and
+exactly the same output lengths (`ignore_eos`, `min_tokens`), temperature 1, the sampled
+token's logprob, through:
 
 - **millstream**: the actor process (`python -m millstream.actor`), driven over ZeroMQ with CURVE
   by envpool's `ActorClient` (trio): streamed deltas with logprobs and policy versions, as every
@@ -49,6 +50,7 @@ from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
 from millstream.shared.models.tiny import build_tiny_model
+from millstream.shared.process.enginecore import engine_core_nice, lower_engine_cores
 from millstream.shared.process.runtime import engine_environment, free_port
 from millstream.shared.wire.keys import load_keys
 from millstream.shared.wire.transport import open_channel
@@ -57,8 +59,7 @@ __all__ = ["main"]
 
 #: Transport errors retried per HTTP request, as the official OpenAI client does by default.
 HTTP_RETRIES = 2
-#: Busiest threads kept per sample in `threads_ms_per_ktok`.
-THREADS_KEPT = 12
+THREADS_KEPT = 12  # the busiest threads kept per sample in `threads_ms_per_ktok`
 
 
 class Load:
@@ -86,12 +87,11 @@ class Load:
 class OneAwake:
     """Keeps every engine but the measured one stopped (SIGSTOP of its process group).
 
-    On a machine whose cores the engine fills, an idle vLLM engine is not idle: its worker and
-    engine core keep spinning (`sched_yield`) for a second after their last step, and any
-    background thread that wakes takes a core from the measured engine's OpenMP threads, which
-    then wait for each other at every barrier. Measured without this, samples of one system
-    varied by a factor of 1.5 and whichever system ran right after another inherited its spin.
-    `settle_s` lets the measured engine's own spinners see the clock has moved and go idle.
+    An idle vLLM engine is not idle: its worker and engine core spin (`sched_yield`) for a second
+    after their last step, and a thread that wakes takes a core from the measured engine's OpenMP
+    threads, which then wait for each other at every barrier. Without this, samples of one system
+    varied 1.5x and whichever system ran after another inherited its spin. `settle_s` lets the
+    measured engine's own spinners see the clock has moved and go idle.
     """
 
     def __init__(self, groups: dict[str, int], settle_s: float = 0.5) -> None:
@@ -319,6 +319,9 @@ def start_engines(
     server = _spawn(stack, serve, work / "vllm-serve.log", engine_env, stdout=subprocess.DEVNULL)
     _wait(lambda: _healthy(url), server, "vllm serve")
     print("vllm serve ready", flush=True)
+    if (nice := engine_core_nice(cfg)) is not None:  # as the actor lowers its own EngineCore
+        for proc in (engine, server):
+            lower_engine_cores(nice, proc.pid)
     return actor, engine, url, server
 
 

@@ -1,5 +1,6 @@
 """The real vLLM actor (one per session, see conftest): streaming, logprobs, aborts, weights."""
 
+import os
 from pathlib import Path
 
 import anyio
@@ -286,3 +287,13 @@ def test_the_engine_processes_are_forked_from_the_actor(actor):
     assert sorted(engine.values()) == ["VLLM::EngineCore", "VLLM::Worker"], engine
     for pid, title in engine.items():
         assert libc_at(pid) == libc_at(actor.proc.pid), title
+    # On CPU the EngineCore's busy loop yields to every other thread (shared/process/enginecore.py);
+    # the Worker, which computes, keeps the actor's priority.
+    nice = {
+        title: {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+        for pid, title in engine.items()
+    }
+    assert nice == {
+        "VLLM::EngineCore": {19},
+        "VLLM::Worker": {os.getpriority(os.PRIO_PROCESS, actor.proc.pid)},
+    }

@@ -142,6 +142,16 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "the environment sets OMP_WAIT_POLICY; unchanged on GPU. library: OpenMP's default."
         ),
     ] = "auto"
+    engine_core_priority: Annotated[
+        Literal["auto", "low", "normal"],
+        _doc(
+            "The scheduling priority of vLLM's EngineCore process (shared/process/enginecore.py). "
+            "On CPU it waits for each step in a loop that only yields, a core of runnable work "
+            "that starved the envpool and the actor's front end on 2 cores (stalls up to 0.5 s). "
+            "auto: low (nice 19: the loop yields to every other thread) for the vLLM engine on "
+            "CPU, unchanged on GPU. low: nice 19 anywhere. normal: unchanged."
+        ),
+    ] = "auto"
     startup_timeout_s: Annotated[
         float,
         _doc(

@@ -1,0 +1,62 @@
+"""The vLLM EngineCore's busy loop yields to other threads on a CPU box
+(shared/process/enginecore.py): the priority follows the config, and every thread of each
+EngineCore process under a root is lowered, nothing else. The real actor's own EngineCore is
+checked in tests/test_actor.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from millstream.shared.config import load_config
+from millstream.shared.process.enginecore import LOW, engine_core_nice, lower_engine_cores
+
+#: A process titled as vLLM titles its processes, with a second thread, that waits to be killed.
+TITLED = (
+    "import sys, threading, time, setproctitle\n"
+    "setproctitle.setproctitle(sys.argv[1])\n"
+    "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    "print('up', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr("millstream.shared.process.cpus.has_gpu", lambda: False)
+
+
+def test_the_priority_follows_the_config(on_cpu, monkeypatch):
+    assert engine_core_nice(load_config(None, [])) == LOW  # vLLM on CPU
+    assert engine_core_nice(load_config(None, ["actor.engine_core_priority=normal"])) is None
+    assert engine_core_nice(load_config(None, ["actor.kind=synthetic"])) is None  # no EngineCore
+    assert engine_core_nice(load_config(None, ["actor.device=cuda"])) is None
+    assert engine_core_nice(load_config(None, ["actor.device=cuda", "actor.engine_core_priority=low"])) == LOW
+    monkeypatch.setattr("millstream.shared.process.cpus.has_gpu", lambda: True)
+    assert engine_core_nice(load_config(None, [])) is None  # device=auto on a GPU machine
+
+
+def test_every_thread_of_each_engine_core_is_lowered_and_nothing_else():
+    procs = {
+        title: subprocess.Popen([sys.executable, "-c", TITLED, title], stdout=subprocess.PIPE, text=True)
+        for title in ("VLLM::EngineCore", "VLLM::Worker")
+    }
+    try:
+        for proc in procs.values():
+            assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        lowered = lower_engine_cores(LOW)
+        core, worker = procs["VLLM::EngineCore"].pid, procs["VLLM::Worker"].pid
+        assert lowered == [core]
+        nice = {
+            pid: {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+            for pid in (core, worker)
+        }
+        assert nice == {core: {LOW}, worker: {os.getpriority(os.PRIO_PROCESS, 0)}}
+        assert len(os.listdir(f"/proc/{core}/task")) == 2  # both of its threads
+        assert lower_engine_cores(LOW, root=worker) == []  # none under another root
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait(timeout=10)
