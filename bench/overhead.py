@@ -88,10 +88,9 @@ class OneAwake:
     """Keeps every engine but the measured one stopped (SIGSTOP of its process group).
 
     An idle vLLM engine is not idle: its worker and engine core spin (`sched_yield`) for a second
-    after their last step, and a thread that wakes takes a core from the measured engine's OpenMP
-    threads, which then wait for each other at every barrier. Without this, samples of one system
-    varied 1.5x and whichever system ran after another inherited its spin. `settle_s` lets the
-    measured engine's own spinners see the clock has moved and go idle.
+    after their last step, taking cores from the measured engine's OpenMP threads. Without this,
+    samples of one system varied 1.5x and a system run after another inherited its spin.
+    `settle_s` lets the measured engine's own spinners see the clock has moved and go idle.
     """
 
     def __init__(self, groups: dict[str, int], settle_s: float = 0.5) -> None:
@@ -319,9 +318,9 @@ def start_engines(
     server = _spawn(stack, serve, work / "vllm-serve.log", engine_env, stdout=subprocess.DEVNULL)
     _wait(lambda: _healthy(url), server, "vllm serve")
     print("vllm serve ready", flush=True)
-    if (nice := engine_core_nice(cfg)) is not None:  # as the actor lowers its own EngineCore
-        for proc in (engine, server):
-            lower_engine_cores(nice, proc.pid)
+    nice = engine_core_nice(cfg)  # as the actor lowers its own EngineCore
+    if nice is not None and not all(lower_engine_cores(nice, proc.pid) for proc in (engine, server)):
+        raise RuntimeError("found no EngineCore of AsyncLLM or vllm serve to lower: unfair")
     return actor, engine, url, server
 
 

@@ -22,6 +22,18 @@ TITLED = (
 )
 
 
+#: A process (in a group of its own) that starts one of those per title and says their pids.
+PARENT = (
+    "import os, subprocess, sys, time\n"
+    "os.setpgid(0, 0)\n"
+    f"titled = {TITLED!r}\n"
+    "for title in ('VLLM::EngineCore', 'VLLM::Worker'):\n"
+    "    child = subprocess.Popen([sys.executable, '-c', titled, title])\n"
+    "    print(child.pid, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
 @pytest.fixture
 def on_cpu(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -39,15 +51,15 @@ def test_the_priority_follows_the_config(on_cpu, monkeypatch):
 
 
 def test_every_thread_of_each_engine_core_is_lowered_and_nothing_else():
-    procs = {
-        title: subprocess.Popen([sys.executable, "-c", TITLED, title], stdout=subprocess.PIPE, text=True)
-        for title in ("VLLM::EngineCore", "VLLM::Worker")
-    }
+    """Under this test's own root (the session's real actor is this process's child too)."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     try:
-        for proc in procs.values():
-            assert proc.stdout is not None and proc.stdout.readline() == "up\n"
-        lowered = lower_engine_cores(LOW)
-        core, worker = procs["VLLM::EngineCore"].pid, procs["VLLM::Worker"].pid
+        assert parent.stdout is not None
+        pids = {title: int(parent.stdout.readline()) for title in ("VLLM::EngineCore", "VLLM::Worker")}
+        for _ in pids:
+            assert parent.stdout.readline() == "up\n"
+        lowered = lower_engine_cores(LOW, root=parent.pid)
+        core, worker = pids["VLLM::EngineCore"], pids["VLLM::Worker"]
         assert lowered == [core]
         nice = {
             pid: {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
@@ -57,6 +69,5 @@ def test_every_thread_of_each_engine_core_is_lowered_and_nothing_else():
         assert len(os.listdir(f"/proc/{core}/task")) == 2  # both of its threads
         assert lower_engine_cores(LOW, root=worker) == []  # none under another root
     finally:
-        for proc in procs.values():
-            proc.kill()
-            proc.wait(timeout=10)
+        os.killpg(parent.pid, 9)
+        parent.wait(timeout=10)

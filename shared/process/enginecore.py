@@ -20,6 +20,10 @@ mostly runs while the other threads sleep; the Worker, which computes, keeps its
   synthetic actor.
 - `"low"`: nice 19 wherever the engine runs. `"normal"`: unchanged.
 
+Where the learner computes on the actor's cores (a one-core box, or `actor.cpus=all` with a
+learner on the same cores), a nice-19 EngineCore gets about 1.5% of a core against a learner
+that never yields, and generation all but stops while it trains: set `"normal"` there.
+
 Raising a nice value needs no privilege. Linux keeps the value per thread, and a thread starts
 with its creator's: so every thread of the EngineCore is set once it runs (`lower_engine_cores`),
 and those it starts later inherit it.
@@ -42,8 +46,12 @@ log = logging.getLogger(__name__)
 #: The nice value of a low-priority EngineCore: the lowest priority short of SCHED_IDLE.
 LOW = 19
 
-#: The process title vLLM gives its EngineCore (with a suffix under data parallelism).
-_TITLE = b"VLLM::EngineCore"
+
+def _title_prefix() -> bytes:
+    """The process title vLLM gives its EngineCore (`<prefix>::EngineCore`, with `_DP<n>` under
+    data parallelism); the prefix is `VLLM_PROCESS_NAME_PREFIX`'s. Without the setproctitle
+    package vLLM sets no title, and nothing is found."""
+    return os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM").encode() + b"::EngineCore"
 
 
 def engine_core_nice(cfg: Config) -> int | None:
@@ -57,7 +65,8 @@ def engine_core_nice(cfg: Config) -> int | None:
 def lower_engine_cores(nice: int, root: int | None = None) -> list[int]:
     """Set every thread of each vLLM EngineCore process under `root` (default: this process)
     to `nice`; returns their process ids (none found: none changed, and the caller says so)."""
-    cores = [pid for pid in descendants(root) if _title(pid).startswith(_TITLE)]
+    prefix = _title_prefix()
+    cores = [pid for pid in descendants(root) if _title(pid).startswith(prefix)]
     for pid in cores:
         for tid in _threads(pid):
             try:
