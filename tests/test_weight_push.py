@@ -148,7 +148,10 @@ def test_a_receive_left_running_is_abandoned_by_the_next_one():
     """An update the actor gave up on must not block the next one (a re-attached learner's):
     the new receive gets a fresh buffer and completes; the old thread writes only its own."""
     sender, receiver_group, _stores = gloo_pair()
-    stale_group = gloo_pair()[1]  # a group nobody will send on
+    # A group nobody will send on. Its sender side is kept alive: collected, it closes its end,
+    # the stale receive fails at once, and a receive that ended may lend the next one its buffer.
+    stale = gloo_pair()
+    stale_group = stale[1]
     flat, receiver = FlatWeights("float32", "gloo"), WeightReceiver()
     weights = model()
     flat.lay_out(weights)
