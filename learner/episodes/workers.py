@@ -163,13 +163,11 @@ class WorkerLedger:
         """A group announced. From a retired process (late): its members as `worker_lost`
         failures, and how many of them its lineage had counted without ids (to count again by
         id: the caller takes them back from the id-less count)."""
-        key = (msg.index, msg.incarnation)
+        key, number = (msg.index, msg.incarnation), group_number(msg.group_id)
         if 0 <= msg.index < self.workers:
-            self.next_groups[msg.index] = max(
-                self.next_groups[msg.index], group_number(msg.group_id) + self.workers
-            )
+            self.next_groups[msg.index] = max(self.next_groups[msg.index], number + self.workers)
         members = {member_id(msg.group_id, m) for m in range(msg.group_size)}
-        self.counted.setdefault(key, CountedGroups()).add(group_number(msg.group_id), self.workers)
+        self.counted.setdefault(key, CountedGroups()).add(number, self.workers)
         if self.is_retired(msg.index, msg.incarnation):
             self.late_groups += 1
             dead = self.retired[msg.index][msg.incarnation]
