@@ -106,12 +106,15 @@ def through_checkout(tree: Path, model: Path, concurrency: int, episodes: int) -
 
 def _envpool_numbers(report: dict) -> dict[str, float]:
     per_episode = report["bytes_per_live_episode"] or 0.0
+    # CPU microseconds per turn of each process (the worker, the synthetic actor, the driver);
+    # absent in reports of checkouts from before `millstream stress` measured it.
+    per_turn = report.get("cpu", {}).get("us_per_turn", {})
     return {
         "turns_s": float(report["steady"]["turns_per_s"]),
         "turns_s_wall": float(report["turns_per_s"]),
         "p99_ms": 1000 * float(report["turn_latency_s"]["p99"]),
         "kib_per_episode": per_episode / 1024,
-    }
+    } | {f"cpu_us_per_turn_{name}": float(us) for name, us in per_turn.items()}
 
 
 async def _http_episodes(url: str, chat: ChatFormat, concurrency: int, episodes: int) -> dict[str, float]:

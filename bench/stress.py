@@ -29,6 +29,7 @@ import argparse
 import atexit
 import functools
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,7 @@ from pathlib import Path
 
 import zmq
 
+from millstream.bench.kit.procstat import CpuMeter
 from millstream.bench.kit.stress_report import (
     ResultWindow,
     StatsFollower,
@@ -247,6 +249,8 @@ def run_stress(ns: argparse.Namespace) -> dict:
                 "millstream.envpool",
                 ["--config", str(out / "config.toml"), "--worker-index", str(i)],
             )
+        roots = {name: proc.pid for name, proc in sup.procs.items()} | {"driver": os.getpid()}
+        cpu = CpuMeter(roots, alone=frozenset({"driver"}))
         t0 = time.monotonic()
         final = False
         last_beat = last_line = 0.0
@@ -280,9 +284,12 @@ def run_stress(ns: argparse.Namespace) -> dict:
                             done[m.worker] = m
             accounted = sum(outcomes.values())
             timed_out = now - t0 > ns.timeout_s
+            if turns and not cpu.started:
+                cpu.start(turns)  # from the first finished episode, as the steady window
             if not final and (accounted >= ns.episodes or timed_out):
                 final = True  # workers end what still runs as run_ended, then send PoolDone
                 final_at = now
+                cpu.stop(turns)
             if now - last_line >= 1.0:
                 follower.poll()
                 line = follower.progress_line(now - t0, accounted, ns.episodes, outcomes)
@@ -314,6 +321,7 @@ def run_stress(ns: argparse.Namespace) -> dict:
         episodes=ns.episodes,
     )
     report["steady"] = window.summary()
+    report["cpu"] = {"s": cpu.cpu_s, "turns": cpu.work, "us_per_turn": cpu.per_unit_us()}
     if store is not None:
         report["store"] = {**store.statistics(), "bytes": (out / STORE_FILE).stat().st_size}
     write_json(report, out / "report.json")

@@ -38,7 +38,7 @@ import anyio
 from millstream.envpool.actors.client import TurnClient
 from millstream.envpool.actors.generation import Generation, GenerationFailed, Retry, Sampling
 from millstream.envpool.chat import ChatFormat
-from millstream.envpool.deadlines import Deadlines, running_deadlines
+from millstream.envpool.deadlines import Deadlines, now, running_deadlines
 from millstream.envpool.envs import Env, Observation, StepResult
 from millstream.envpool.record import EpisodeRecord, EpisodeSpec
 from millstream.envpool.seeds import sampling_seed
@@ -87,7 +87,7 @@ class _Clock:
         """`await coro_fn(arg)` within `timeout_s`: the environment's exception becomes an
         `EnvFailure` (env_error); running out of time cancels the episode (env_timeout)."""
         self.calling = what, timeout_s
-        timer = self.deadlines.call_at(anyio.current_time() + timeout_s, self._call_timed_out)
+        timer = self.deadlines.call_at(now() + timeout_s, self._call_timed_out)
         try:
             return await coro_fn(arg)
         except anyio.get_cancelled_exc_class():
@@ -102,7 +102,7 @@ async def call_env(what: str, coro_fn, arg, timeout_s: float):
     """One environment call with its own timed scope (the debugger's; episodes use `_Clock`)."""
     try:
         # A class-based scope rather than `fail_after` (cheaper, and this runs twice a turn).
-        with anyio.CancelScope(deadline=anyio.current_time() + timeout_s) as scope:
+        with anyio.CancelScope(deadline=now() + timeout_s) as scope:
             return await coro_fn(arg)
     except anyio.get_cancelled_exc_class():
         raise
@@ -139,7 +139,7 @@ async def run_episode(
     try:
         with anyio.CancelScope() as scope:
             clock = _Clock(deadlines, scope, cfg.episode_timeout_s)
-            timer = deadlines.call_at(anyio.current_time() + clock.limit_s, clock.episode_timed_out)
+            timer = deadlines.call_at(now() + clock.limit_s, clock.episode_timed_out)
             try:
                 return await _play(record, env, chat, client, cfg, turn, max_model_len, starting, clock)
             finally:

@@ -210,6 +210,46 @@ def test_pss_counts_a_forked_childs_shared_pages_once():
         os.waitpid(child, 0)
 
 
+def test_cpu_meter_counts_a_tree_with_its_children_and_the_driver_alone():
+    """CPU per unit of work between start and stop: a child that burns CPU counts with its
+    parent's tree, but not with a name measured alone (the stress driver)."""
+    import os
+    import subprocess
+    import sys
+
+    from millstream.bench.kit.procstat import CpuMeter
+
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "subprocess.Popen([sys.executable, '-c', "
+            "'import time\\nwhile time.process_time() < 0.6: pass\\ntime.sleep(60)'])\n"
+            "time.sleep(60)",
+        ]
+    )
+    try:
+        meter = CpuMeter({"tree": parent.pid, "driver": os.getpid()}, alone=frozenset({"driver"}))
+        assert not meter.started and meter.per_unit_us() == {}
+        meter.start(work=10)
+        assert meter.started
+        deadline = time.monotonic() + 60  # the grandchild spins 0.6 s of CPU meanwhile
+        while True:
+            meter.stop(work=20)
+            if meter.cpu_s["tree"] >= 0.3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert meter.work == 10
+        assert meter.cpu_s["tree"] >= 0.3, meter.cpu_s
+        assert meter.cpu_s["driver"] < meter.cpu_s["tree"]  # its children are not its own
+        assert meter.per_unit_us()["tree"] == pytest.approx(1e6 * meter.cpu_s["tree"] / 10)
+    finally:
+        subprocess.run(["pkill", "-KILL", "-P", str(parent.pid)], check=False)
+        parent.kill()
+        parent.wait()
+
+
 def test_rounds_keep_a_breakdown_beside_the_numbers_they_summarize():
     """A sample may carry a breakdown (the overhead benchmark's per-thread CPU): kept per
     sample as it came, left out of the medians, which cover the numbers only."""

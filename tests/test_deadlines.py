@@ -8,11 +8,27 @@ import random
 import anyio
 import pytest
 
-from millstream.envpool.deadlines import NEVER, Deadlines, running_deadlines
+from millstream.envpool.deadlines import NEVER, Deadlines, now, running_deadlines
 
 
 def run(fn):
     return anyio.run(fn, backend="trio")
+
+
+@pytest.mark.parametrize("backend", ["trio", "asyncio"])
+def test_now_reads_the_clock_anyio_reads_on_either_backend(backend):
+    """`now()` is the running loop's clock (trio's read directly, asyncio's through anyio):
+    deadlines set with one and fired by the other must agree."""
+
+    async def main():
+        for _ in range(3):
+            before = anyio.current_time()
+            ours = now()
+            after = anyio.current_time()
+            assert before <= ours <= after
+            await anyio.sleep(0.01)
+
+    anyio.run(main, backend=backend)
 
 
 def test_deadlines_fire_once_never_early_and_within_a_few_ticks():

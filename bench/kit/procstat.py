@@ -9,6 +9,8 @@ memory (bench/soak: forked processes share pages, which RSS counts once per proc
 `tree_pss_by_name(root)` the same split by process name (which of the actor's processes grows).
 `tree_thread_cpu_s(root)` splits the tree's CPU by process and thread name (bench/overhead.py:
 which thread of which process pays the hop), as `top -H` would, from /proc/PID/task.
+`CpuMeter` is CPU per unit of work between two moments (bench/stress.py: microseconds of each
+process per turn, which is what bounds turns/s on a box of few cores).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 from millstream.envpool.stats import rss_bytes
 
 __all__ = [
+    "CpuMeter",
     "cpu_s",
     "tree_cpu_s",
     "tree_fds",
@@ -128,6 +131,50 @@ def tree_fds(root: int) -> int:
         except OSError:  # ended meanwhile
             continue
     return total
+
+
+class CpuMeter:
+    """CPU seconds of named process trees between a `start` and a `stop`, per unit of work.
+
+    A process started by a measured one (vLLM's engine core under an actor) counts with it,
+    except for the names in `alone`: the driver that started the others (`os.getpid()`) counts
+    only its own CPU, not its children's.
+    """
+
+    def __init__(self, roots: dict[str, int], alone: frozenset[str] = frozenset()) -> None:
+        self.roots, self.alone = roots, alone
+        self._start: dict[str, float] = {}
+        self._work_at_start = 0.0
+        self.cpu_s: dict[str, float] = {}
+        self.work = 0.0
+
+    @property
+    def started(self) -> bool:
+        return bool(self._start)
+
+    def start(self, work: float) -> None:
+        """The window opens: CPU so far, and how much work is done already."""
+        self._start = self._read()
+        self._work_at_start = work
+
+    def stop(self, work: float) -> None:
+        """The window closes (before the processes end: an ended process reads 0)."""
+        if not self._start:
+            return
+        now = self._read()
+        self.cpu_s = {name: now[name] - self._start[name] for name in self.roots}
+        self.work = work - self._work_at_start
+
+    def _read(self) -> dict[str, float]:
+        return {
+            name: _cpu(pid) if name in self.alone else tree_cpu_s(pid) for name, pid in self.roots.items()
+        }
+
+    def per_unit_us(self) -> dict[str, float]:
+        """Microseconds of CPU per unit of work, by name; empty if no work was measured."""
+        if self.work <= 0:
+            return {}
+        return {name: 1e6 * s / self.work for name, s in self.cpu_s.items()}
 
 
 def _tree(root: int) -> list[int]:

@@ -264,6 +264,9 @@ def format_table(report: dict[str, Any]) -> str:
         ("peak live", f"{report['peak_live']}"),
         ("memory/live episode", "-" if per_ep is None else f"{per_ep / 1024:.1f} KiB"),
     ]
+    per_turn = report.get("cpu", {}).get("us_per_turn")
+    if per_turn:
+        rows.append(("CPU per turn", ", ".join(f"{k} {v:.0f} us" for k, v in per_turn.items())))
     for cause, count in report["failures_by_cause"].items():
         rows.append((f"failed: {cause}", str(count)))
     rows.append(("LOST", str(report["lost"])))

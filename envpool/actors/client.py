@@ -48,7 +48,7 @@ from millstream.envpool.actors.generation import (
     with_retries,
 )
 from millstream.envpool.actors.pending import PendingRequest
-from millstream.envpool.deadlines import NEVER, Deadlines
+from millstream.envpool.deadlines import NEVER, Deadlines, now
 from millstream.shared.obs.metrics import LatencyHistogram
 from millstream.shared.obs.ratelog import RateLog
 from millstream.shared.wire import (
@@ -195,7 +195,7 @@ class ActorClient:
             return
         if reply.token_ids:
             if out.first_token_s is None:
-                out.first_token_s = anyio.current_time() - pending.sent_at
+                out.first_token_s = now() - pending.sent_at
             out.token_ids += reply.token_ids
             out.logprobs += reply.logprobs
             if reply.top_logprobs:
@@ -306,7 +306,7 @@ class ActorClient:
     ) -> Generation:
         """One request, no retry: its generation, or `GenerationFailed`."""
         request_id = f"{self.worker}-{next(self._ids)}"
-        sent_at = anyio.current_time()
+        sent_at = now()
         pending = self._routes[request_id] = PendingRequest(request_id, sampling, sent_at)
         self.stats.requests += 1
         self.stats.live += 1
@@ -320,7 +320,7 @@ class ActorClient:
             if pending.out.finish_reason == "abort":
                 raise GenerationFailed(Cause.ACTOR_ABORT, "the actor aborted the request")
             self.stats.completed += 1
-            self.stats.latency.add(anyio.current_time() - sent_at)
+            self.stats.latency.add(now() - sent_at)
             return pending.out
         except GenerationFailed as exc:
             exc.request_id, exc.partial = request_id, pending.out

@@ -46,7 +46,7 @@ from millstream.envpool.actors.generation import (
     Retry,
     Sampling,
 )
-from millstream.envpool.deadlines import Deadlines
+from millstream.envpool.deadlines import Deadlines, now
 from millstream.shared.config import TransportConfig
 from millstream.shared.obs.metrics import LatencyHistogram
 from millstream.shared.wire import ActorInfo, Cause, ReplicaRef
@@ -220,7 +220,7 @@ class Router:
     def _pick_now(self, affinity: str | None) -> _Replica | None:
         """The episode's own replica when it can take the turn now (most turns), else None."""
         sticky = self.replicas.get(self._sticky.get(affinity, "")) if affinity else None
-        if sticky is not None and self.usable(sticky) and anyio.current_time() >= sticky.shed_until:
+        if sticky is not None and self.usable(sticky) and now() >= sticky.shed_until:
             return sticky
         return None
 
@@ -234,8 +234,8 @@ class Router:
             had = affinity is not None and self._sticky.get(affinity) in self.replicas
             candidates = [r for r in self.replicas.values() if self.usable(r)]
             if candidates:
-                now = anyio.current_time()
-                fresh = [r for r in candidates if now >= r.shed_until] or candidates
+                at = now()
+                fresh = [r for r in candidates if at >= r.shed_until] or candidates
                 chosen = min(fresh, key=lambda r: r.load())
                 if affinity is not None:
                     if had:
@@ -243,9 +243,9 @@ class Router:
                     self._sticky[affinity] = chosen.name
                 return chosen
             changed = self._changed
-            with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            with anyio.move_on_after(max(0.0, deadline - now())):
                 await changed.wait()
-            if anyio.current_time() >= deadline:
+            if now() >= deadline:
                 raise GenerationFailed(
                     Cause.ACTOR_TIMEOUT, "no actor replica was available in time", retryable=False
                 )
@@ -270,9 +270,9 @@ class Router:
         for attempt in range(retry.retries + 1):
             replica = self._pick_now(affinity)
             if replica is None:
-                replica = await self._pick(affinity, anyio.current_time() + sampling.timeout_s)
+                replica = await self._pick(affinity, now() + sampling.timeout_s)
             replica.requests += 1
-            started = anyio.current_time()
+            started = now()
             try:
                 gen = await replica.client.generate_once(prompt_token_ids, sampling, seed=seed)
             except GenerationFailed as exc:
@@ -284,7 +284,7 @@ class Router:
                 continue
             replica.tokens += len(gen.token_ids)
             self.completed += 1
-            took = anyio.current_time() - started
+            took = now() - started
             replica.latency.add(took)
             self.latency.add(took)
             return gen
@@ -295,21 +295,21 @@ class Router:
         retry at once (the pick waits for a usable replica); timed out: back off."""
         if cause == Cause.ACTOR_OVERLOADED:
             replica.refusals += 1
-            replica.shed_until = anyio.current_time() + SHED_S
+            replica.shed_until = now() + SHED_S
             others = [r for r in self.replicas.values() if r is not replica and self.usable(r)]
             if others:
                 return
         elif cause == Cause.ACTOR_LOST:
             return
         else:  # timed out: a hung replica; the retry goes elsewhere if it can
-            replica.shed_until = anyio.current_time() + SHED_S
+            replica.shed_until = now() + SHED_S
         await anyio.sleep(backoff_s)
 
     async def handshake(self, *, timeout_s: float, retries: int, backoff_s: float) -> ActorInfo:
         """The first usable replica's `ActorInfo` (model, context length), as ActorClient's."""
         wait_s = timeout_s * (retries + 1) + backoff_s * 2 ** (retries + 1)
         try:
-            replica = await self._pick(None, anyio.current_time() + wait_s)
+            replica = await self._pick(None, now() + wait_s)
         except GenerationFailed:
             raise ActorUnreachable(f"no actor replica became available in {wait_s:.0f}s") from None
         self.info = await replica.client.handshake(timeout_s=timeout_s, retries=retries, backoff_s=backoff_s)

@@ -197,10 +197,11 @@ class Channel:
                 except zmq.Again:
                     break
                 await self._deliver(frames)
-            with anyio.CancelScope() as scope:
+            # One scope, with the bounded wait as its deadline: the writer cancels it when a
+            # send swallowed the edge (below), the deadline when an edge is missed anyway.
+            with anyio.CancelScope(deadline=anyio.current_time() + self._cfg.io_wait_s) as scope:
                 self._read_wait = scope
-                with anyio.move_on_after(self._cfg.io_wait_s):
-                    await anyio.wait_readable(fd)
+                await anyio.wait_readable(fd)
             self._read_wait = None
 
     def _recv_frames(self) -> list[bytes]:
