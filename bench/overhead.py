@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
@@ -105,10 +105,8 @@ class OneAwake:
 
     def wake_all(self) -> None:
         for group in self.groups.values():
-            try:
+            with suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
 
     def measuring(self, name: str, system: Any) -> Any:
         def alone() -> dict[str, float]:
@@ -233,10 +231,11 @@ def _read_json_line(stream: IO[str], proc: subprocess.Popen, timeout_s: float = 
 def _spawn(
     stack: ExitStack, command: list[str], log: Path, engine_env: dict[str, str], **kwargs: Any
 ) -> subprocess.Popen:
-    """One engine's process, with the actor's allocator and OpenMP wait policy: the hop compared."""
-    out = log.open("wb")
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **engine_env)
-    proc = subprocess.Popen(command, stderr=out, start_new_session=True, env=env, **kwargs)
+    """One engine's process, with the actor's allocator and OpenMP wait policy: the hop compared.
+    A group of its own (OneAwake stops it whole) in this session, as the launcher's roles
+    (bench/README.md, "Roles in one session": autogroup starved the client otherwise)."""
+    out, env = log.open("wb"), dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **engine_env)
+    proc = subprocess.Popen(command, stderr=out, process_group=0, env=env, **kwargs)
     stack.callback(_stop, proc)
     return proc
 

@@ -17,8 +17,9 @@ Three ways a run's processes could outlive it, and what closes each:
   `run_processes` finds nothing: the tests that count processes are Linux-only.
 
 Every process of a run also carries `MILLSTREAM_RUN` (the run directory) in its environment,
-inherited by whatever it spawns, and every role runs in a session of its own, so a test or an
-operator can find them all (`run_processes`), even the ones that overwrote their environment.
+inherited by whatever it spawns, and every role runs in a process group of its own (a role on a
+Ray node: a session of its own), so a test or an operator can find them all (`run_processes`),
+even the ones that overwrote their environment.
 """
 
 from __future__ import annotations
@@ -207,21 +208,26 @@ def reap_children(grace_s: float = 5.0) -> list[int]:
 
 def run_processes(run_dir: str | Path) -> list[int]:
     """Pids of live processes of the run in `run_dir`: those whose environment carries its
-    marker, and those in the session of a role it started (`<name>.pid` files).
+    marker, and those in the process group or the session of a role it started (`<name>.pid`
+    files: the launcher's roles lead a group, a role on a Ray node leads a session).
 
     Both are needed: a process that sets its title (vLLM's EngineCore and Worker do, through
     setproctitle) overwrites the memory /proc shows as its environment, but it stays in the
-    session of the role that started it, re-parented or not.
+    group and session of the role that started it, re-parented or not.
     """
     run_dir = Path(run_dir).resolve()
     marker = f"{ENV_RUN}={run_dir}".encode() + b"\0"
-    sessions = set()
+    roles = set()
     for pid_file in run_dir.glob("*.pid"):
         try:
-            sessions.add(int(pid_file.read_text()))
+            roles.add(int(pid_file.read_text()))
         except (OSError, ValueError):
             continue
-    return [pid for pid in _all_pids() if _alive(pid) and (_marked(pid, marker) or _session(pid) in sessions)]
+    return [
+        pid
+        for pid in _all_pids()
+        if _alive(pid) and (_marked(pid, marker) or not roles.isdisjoint(_group_and_session(pid)))
+    ]
 
 
 def session_processes(sid: int) -> list[int]:
@@ -245,11 +251,18 @@ def _marked(pid: int, marker: bytes) -> bool:
 
 
 def _session(pid: int) -> int | None:
+    ids = _group_and_session(pid)
+    return ids[1] if ids else None
+
+
+def _group_and_session(pid: int) -> tuple[int, ...]:
+    """(process group, session) of `pid`; () if it is gone."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return None
-    return int(stat[stat.rfind(")") + 2 :].split()[3])  # state, ppid, pgrp, session
+        return ()
+    fields = stat[stat.rfind(")") + 2 :].split()  # state, ppid, pgrp, session
+    return int(fields[2]), int(fields[3])
 
 
 def _alive(pid: int) -> bool:

@@ -1,6 +1,7 @@
 """The processes of one run: start them, watch them, say why one ended, stop them all.
 
-Each role runs as `python -m millstream.<role>` in a process group of its own, so stopping it
+Each role runs as `python -m millstream.<role>` in a process group of its own (in the
+launcher's session, so that the kernel schedules the run's processes as one), so stopping it
 also stops what it spawned (vLLM's EngineCore and Workers, torchrun's ranks). Each child is told
 three things in its environment (shared/process/lifecycle.py and shared/process/runtime.py read them):
 
@@ -118,7 +119,12 @@ class Supervisor:
             stderr=out,
             stdin=subprocess.DEVNULL,
             env=child_env,
-            start_new_session=True,
+            # A process group of its own (signals reach what the role spawned), in the
+            # launcher's session: Linux's autogroup scheduler (`sched_autogroup_enabled`, on in
+            # most distributions) shares the CPU between sessions first, and with the actor in
+            # a session of its own the envpool waited up to half a second for a core while the
+            # engine computed (bench/README.md, "Roles in one session").
+            process_group=0,
         )
         out.close()  # the child holds its own copy
         (self.run_dir / f"{name}.pid").write_text(str(self.procs[name].pid))
