@@ -235,6 +235,7 @@ def _spawn(
     A group of its own (OneAwake stops it whole) in this session, as the launcher's roles
     (bench/README.md, "Roles in one session": autogroup starved the client otherwise)."""
     out, env = log.open("wb"), dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **engine_env)
+    kwargs.setdefault("stdin", subprocess.DEVNULL)  # in this session a read would stop it (SIGTTIN)
     proc = subprocess.Popen(command, stderr=out, process_group=0, env=env, **kwargs)
     stack.callback(_stop, proc)
     return proc

@@ -4,6 +4,9 @@ own, all in the launcher's session, and found by `run_processes` through their g
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -24,26 +27,47 @@ time.sleep(60)
 def test_roles_share_the_launchers_session_and_lead_their_own_group(tmp_path: Path):
     """One session for the run: Linux's autogroup scheduler shares the CPU between sessions
     first, and an actor in a session of its own kept the envpool waiting for a core for up to half
-    a second while the engine computed. Signals still reach a role's whole group."""
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "role_module.py").write_text(ROLE)
-    child_file = tmp_path / "child.pid"
-    sup = Supervisor(tmp_path)
-    sup.start("role", "role_module", [str(child_file)], env={"PYTHONPATH": str(tmp_path)})
+    a second while the engine computed. Signals still reach a role's whole group, and a child
+    that hid its environment is found by its group, after its role died too."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (run_dir / "logs").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "role_module.py").write_text(ROLE)
+    child_file = elsewhere / "child"  # not a `*.pid` of the run directory
+    sup = Supervisor(run_dir)
+    sup.start("role", "role_module", [str(child_file)], env={"PYTHONPATH": str(elsewhere)})
     role = sup.procs["role"].pid
     try:
         deadline = time.monotonic() + 60
         while not child_file.exists() or not child_file.read_text():
-            assert time.monotonic() < deadline, sup.tail("role")
+            assert not sup.exited() and time.monotonic() < deadline, sup.tail("role")
             time.sleep(0.05)
         child = int(child_file.read_text())
         assert os.getsid(role) == os.getsid(0)  # the launcher's session
         assert os.getpgid(role) == role and os.getpgid(child) == role  # the role's own group
-        found = run_processes(tmp_path)
+        found = run_processes(run_dir)
         assert role in found and child in found  # the child by its group: its environment is empty
+        os.kill(role, signal.SIGKILL)  # the role dies; its child stays in its group
+        sup.procs["role"].wait()
+        assert run_processes(run_dir) == [child]
     finally:
         sup.stop(grace_s=5)
     deadline = time.monotonic() + 30
-    while run_processes(tmp_path) and time.monotonic() < deadline:
+    while run_processes(run_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert run_processes(tmp_path) == []
+    assert run_processes(run_dir) == []
+
+
+def test_a_live_process_that_took_a_roles_number_is_not_the_runs(tmp_path: Path):
+    """A pid file outlives its role, and the number may be reused: a live process under it that
+    does not carry the run's marker is not the run's, nor is its group or session."""
+    (tmp_path / "logs").mkdir()
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], process_group=0, env={}
+    )
+    try:
+        (tmp_path / "actor.pid").write_text(str(stranger.pid))
+        assert run_processes(tmp_path) == []
+    finally:
+        stranger.kill()
+        stranger.wait()

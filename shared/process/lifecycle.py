@@ -220,9 +220,14 @@ def run_processes(run_dir: str | Path) -> list[int]:
     roles = set()
     for pid_file in run_dir.glob("*.pid"):
         try:
-            roles.add(int(pid_file.read_text()))
+            pid = int(pid_file.read_text())
         except (OSError, ValueError):
             continue
+        # A live pid without the run's marker is not the role any more (its number was reused,
+        # or the file names another process): its group and session are someone else's. A dead
+        # role's number is not reused while its group or session has members.
+        if not _alive(pid) or _marked(pid, marker):
+            roles.add(pid)
     return [
         pid
         for pid in _all_pids()
