@@ -19,9 +19,12 @@ Output lengths are long-tailed on purpose, because that is where a synchronous b
   (`actor.synthetic_length_median`, `actor.synthetic_length_sigma`), capped by
   `envpool.max_tokens`; the learner is the real DeepSpeed learner on the tiny model.
 - `real` stack: one real vLLM-CPU actor (tiny model), started once and shared by every run
-  (`actor.connect`), and the real DeepSpeed learner. The tiny random model's lengths are
-  whatever it samples up to `envpool.max_tokens` (its stop token is rare: most turns run to the
-  cap), so this stack measures the overlap of generation and training more than the tail.
+  (`actor.connect`), and the real DeepSpeed learner. Turns are capped at 64 tokens, which most
+  of the tiny model's samples reach, so this stack measures the overlap of generation and
+  training, not the tail.
+- `real-tail` stack: the same, with the tail: one turn of up to 512 tokens, whatever lengths the
+  tiny model samples at temperature 1 (its end-of-turn token comes at random: 64 samples gave
+  median 186, mean 245, a quarter at the cap). A sync batch of 16 waits for its longest.
 
 Measured per run, from its metrics.jsonl: `train_s`, the learner's `perf/elapsed_s` at the last
 step (from the moment it starts waiting for its first batch: process start-up is left out, it
@@ -48,6 +51,7 @@ from pathlib import Path
 import orjson
 
 from millstream.bench.kit.rounds import Outcome, compare, results_dir, write_outcome
+from millstream.bench.kit.spawn import spawn
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.obs.metrics import read_jsonl
 
@@ -75,6 +79,16 @@ STACKS: dict[str, dict[str, list[str]]] = {
     "real": {
         "full": ["train.steps=8", "train.groups_per_batch=2", "train.group_size=8", "envpool.max_tokens=64"],
         "quick": ["train.steps=3", "train.groups_per_batch=2", "train.group_size=4", "envpool.max_tokens=32"],
+    },
+    "real-tail": {
+        "full": [
+            "train.steps=8", "train.groups_per_batch=2", "train.group_size=8",
+            "envpool.max_tokens=512", "envpool.env_args.turns=1",
+        ],
+        "quick": [
+            "train.steps=3", "train.groups_per_batch=2", "train.group_size=4",
+            "envpool.max_tokens=512", "envpool.env_args.turns=1",
+        ],
     },
 }  # fmt: skip
 COMMON = [
@@ -129,7 +143,7 @@ def start_vllm_actor(model: Path, work: Path) -> tuple[str, subprocess.Popen]:
         f"actor.address={address}", "transport.curve=false", "run.log_level=WARNING",
     ]  # fmt: skip
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=out, start_new_session=True)
+        proc = spawn(cmd, cwd=ROOT, stdout=out, stderr=out)
     deadline = time.monotonic() + 600
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -184,7 +198,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m millstream.bench.async_sync", description=__doc__.split("\n")[0]
     )
     p.add_argument("--quick", action="store_true", help="small runs (bench-quick)")
-    p.add_argument("--stacks", default=None, help="synthetic,real (quick default: synthetic only)")
+    p.add_argument("--stacks", default=None, help="synthetic,real,real-tail (quick default: synthetic only)")
     p.add_argument(
         "--staleness",
         default=None,

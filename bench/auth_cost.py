@@ -26,6 +26,7 @@ from pathlib import Path
 import anyio
 import orjson
 
+from millstream.bench.kit.spawn import spawn
 from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, TransportConfig
@@ -45,7 +46,7 @@ def _start_actor(kind: str, model: Path, keys: Path, curve: bool, work: Path) ->
         f"actor.address={address}", f"actor.kind={kind}", f"transport.curve={'true' if curve else 'false'}",
         f"transport.keys_dir={keys}", "actor.max_num_seqs=64", "run.log_level=WARNING",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -46,6 +46,7 @@ import httpx
 from millstream.bench.baselines.overhead_load import prompt_ids, run_load
 from millstream.bench.kit.procstat import thread_cpu_s, tree_cpu_s, tree_thread_cpu_s
 from millstream.bench.kit.rounds import compare, results_dir, write_outcome
+from millstream.bench.kit.spawn import spawn
 from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
@@ -233,10 +234,9 @@ def _spawn(
 ) -> subprocess.Popen:
     """One engine's process, with the actor's allocator and OpenMP wait policy: the hop compared.
     A group of its own (OneAwake stops it whole) in this session, as the launcher's roles
-    (bench/README.md, "Roles in one session": autogroup starved the client otherwise)."""
+    (bench/kit/spawn.py: autogroup starved the client otherwise)."""
     out, env = log.open("wb"), dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **engine_env)
-    kwargs.setdefault("stdin", subprocess.DEVNULL)  # in this session a read would stop it (SIGTTIN)
-    proc = subprocess.Popen(command, stderr=out, process_group=0, env=env, **kwargs)
+    proc = spawn(command, stderr=out, env=env, **kwargs)
     stack.callback(_stop, proc)
     return proc
 

@@ -111,7 +111,7 @@ def wait_for_file(
 
 
 def stop_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout_s: float = 30) -> None:
-    """Signal `proc`'s process group (it was started with start_new_session) and reap it."""
+    """Signal `proc`'s process group (it leads a group of its own) and reap it."""
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
@@ -177,7 +177,10 @@ def start_actor(
             cwd=ROOT,
             stdout=out,
             stderr=out,
-            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            # A group of its own in the test's session, as the launcher places roles: in a session
+            # of its own, autogroup gives it as much CPU as the tests' side (bench/kit/spawn.py).
+            process_group=0,
             env=dict(os.environ, PYTHONUNBUFFERED="1", **WATCHED, **(env or {})),
         )
     wait_for_file(ready, proc, timeout_s, f"the actor ({' '.join(overrides)})", log=log)

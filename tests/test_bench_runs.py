@@ -140,6 +140,23 @@ def test_one_awake_stops_every_engine_but_the_measured_one():
             p.wait()
 
 
+def test_spawn_leads_a_group_in_this_session_and_reads_nothing():
+    """A benchmark's engine leads a group of its own (killpg takes its children) in the
+    benchmark's session: in a session of its own, autogroup starved the measuring client."""
+    import os
+    import subprocess
+    import sys
+
+    from millstream.bench.kit.spawn import spawn
+
+    report = "import os, sys; print(os.getpgid(0), os.getsid(0), repr(sys.stdin.read()), flush=True)"
+    proc = spawn([sys.executable, "-c", report], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=30)
+    group, session, read = out.split()
+    assert int(group) == proc.pid and int(session) == os.getsid(0)
+    assert read == "''"  # stdin is /dev/null: a read ends at once, never waits on a terminal
+
+
 def test_thread_split_names_the_busy_thread_of_each_process():
     """bench/overhead.py says which thread pays for the hop: a named thread's CPU must land
     under its own name, and the tree's split must cover a child process's threads too."""

@@ -3,6 +3,7 @@
 rounds.py        interleaved rounds, spreads, the results folder, the record and its plot
 procstat.py      CPU time of processes from /proc
 replicas.py      synthetic actor replicas as processes
+spawn.py         an engine process in its own group, in the benchmark's session
 stress_report.py what `millstream stress` reports (also the turns/s window of pool_vs_http)
 fleet_report.py  the fleet benchmark's plot and text
 """

@@ -4,9 +4,9 @@
         addresses = [address for address, pid in started]
 
 Each replica is `python -m millstream.actor actor.kind=synthetic` (or another kind, by override)
-on loopback with `transport.curve=false`, in a session of its own, started together, killed on
-exit with everything it started (nothing to drain: a benchmark's turns are over by then). Also
-the synthetic replica's digest time.
+on loopback with `transport.curve=false`, in a process group of its own in this session
+(bench/kit/spawn.py), started together, killed on exit with everything it started (nothing to
+drain: a benchmark's turns are over by then). Also the synthetic replica's digest time.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from millstream.bench.kit.spawn import spawn
 from millstream.shared.process.runtime import free_port
 
 __all__ = ["replicas", "digest_s"]
@@ -44,7 +45,7 @@ def replicas(count: int, overrides: list[str], model: Path, work: Path) -> Itera
                 "transport.curve=false", "run.log_level=WARNING", *overrides,
             ]  # fmt: skip
             with (work / f"actor-{len(procs)}.log").open("wb") as log:
-                proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, cwd=ROOT)
+                proc = spawn(cmd, stdout=log, stderr=log, cwd=ROOT)
             procs.append((address, proc, ready))
         deadline = time.monotonic() + 300
         for k, (_, proc, ready) in enumerate(procs):
@@ -56,7 +57,7 @@ def replicas(count: int, overrides: list[str], model: Path, work: Path) -> Itera
         yield [(address, proc.pid) for address, proc, _ in procs]
     finally:
         for _, proc, _ in procs:  # nothing to drain: the benchmark's turns are over
-            # The whole session: a vLLM actor's engine processes are its children, and a
+            # The whole group: a vLLM actor's engine processes are its children, and a
             # SIGKILL of the actor alone left them running (3 GB each) after every benchmark.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
