@@ -1,9 +1,9 @@
 """Async against sync: wall time to train the same tokens, `train.max_staleness` 0 against 1, 2, 4.
 
-    python -m millstream.bench.async_sync [--quick] [--stacks synthetic,real] [--rounds 3]
+    python -m millstream.bench.async_sync [--quick] [--stacks synthetic,real,real-tail] [--rounds 3]
 
 Each sample is one whole `millstream run` (launcher, envpool, learner, actor), as a user runs it.
-Full size: both stacks below, staleness 0, 1, 2, 4, 3 rounds (about 17 minutes here). `--quick`:
+Full size: the three stacks below, staleness 0, 1, 2, 4, 3 rounds (about 30 minutes here). `--quick`:
 the synthetic stack only, staleness 0 against 4, short runs (about 2-3 minutes); the real stack
 takes a minute to start its vLLM actor and ~25 s a run, too long for `make bench-quick`
 (`--quick --stacks real` runs it small).
@@ -209,7 +209,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="results folder (bench/results/<date>-<host>/)")
     ns = p.parse_args(argv)
     ns.staleness = [int(k) for k in (ns.staleness or ("0,4" if ns.quick else "0,1,2,4")).split(",")]
-    ns.stacks = (ns.stacks or ("synthetic" if ns.quick else "synthetic,real")).split(",")
+    ns.stacks = (ns.stacks or ("synthetic" if ns.quick else ",".join(STACKS))).split(",")
     unknown = set(ns.stacks) - set(STACKS)
     if unknown:
         p.error(f"--stacks: unknown {sorted(unknown)}; known: {sorted(STACKS)}")
