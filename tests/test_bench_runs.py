@@ -151,7 +151,11 @@ def test_spawn_leads_a_group_in_this_session_and_reads_nothing():
 
     report = "import os, sys; print(os.getpgid(0), os.getsid(0), repr(sys.stdin.read()), flush=True)"
     proc = spawn([sys.executable, "-c", report], stdout=subprocess.PIPE, text=True)
-    out, _ = proc.communicate(timeout=30)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
     group, session, read = out.split()
     assert int(group) == proc.pid and int(session) == os.getsid(0)
     assert read == "''"  # stdin is /dev/null: a read ends at once, never waits on a terminal

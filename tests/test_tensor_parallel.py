@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import ConfigError, LearnerConfig
-from millstream.shared.process.lifecycle import session_processes
+from millstream.shared.process.lifecycle import group_processes
 from millstream.shared.process.runtime import SETUP_FAILED, check_tensor_parallel
 from millstream.shared.wire.weightsync import session_tag
 
@@ -121,14 +121,14 @@ def test_both_tensor_parallel_workers_load_the_learners_weights(tp_actor, tiny_m
 
 @pytest.mark.real
 def test_sigterm_to_a_hand_started_vllm_actor_stops_its_engine_processes(tp_actor):
-    """An actor started by hand (in a session of its own) and sent SIGTERM alone, not its
-    process group, stops vLLM's EngineCore and every Worker with it. It runs last in this
+    """An actor started by hand (leading a process group of its own) and sent SIGTERM alone,
+    not its group, stops vLLM's EngineCore and every Worker with it. It runs last in this
     module, on the module's TP=2 actor: one engine start less for the suite."""
     from test_lifecycle import titles, wait_gone
 
     _, _, proc = tp_actor
-    names = titles(session_processes(proc.pid))
+    names = titles(group_processes(proc.pid))
     assert {b"VLLM::EngineCore", b"VLLM::Worker_TP0", b"VLLM::Worker_TP1"} <= names, names
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=120) == 130
-    assert wait_gone(proc.pid, find=session_processes) == []
+    assert wait_gone(proc.pid, find=group_processes) == []

@@ -46,6 +46,7 @@ __all__ = [
     "descendants",
     "reap_children",
     "run_processes",
+    "group_processes",
     "session_processes",
 ]
 
@@ -233,6 +234,11 @@ def run_processes(run_dir: str | Path) -> list[int]:
         for pid in _all_pids()
         if _alive(pid) and (_marked(pid, marker) or not roles.isdisjoint(_group_and_session(pid)))
     ]
+
+
+def group_processes(pgid: int) -> list[int]:
+    """Pids of live processes in process group `pgid` (a role started as a group's leader)."""
+    return [pid for pid in _all_pids() if _group_and_session(pid)[:1] == (pgid,) and _alive(pid)]
 
 
 def session_processes(sid: int) -> list[int]:
