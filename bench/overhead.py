@@ -44,7 +44,7 @@ import anyio
 import httpx
 
 from millstream.bench.baselines.overhead_load import prompt_ids, run_load
-from millstream.bench.kit.procstat import thread_cpu_s, tree_cpu_s, tree_thread_cpu_s
+from millstream.bench.kit.procstat import labelled_threads, thread_cpu_s, thread_wait_s, tree_cpu_s
 from millstream.bench.kit.rounds import compare, results_dir, write_outcome
 from millstream.bench.kit.spawn import spawn
 from millstream.envpool.actors.client import ActorClient
@@ -122,26 +122,24 @@ def with_cpu(system: Any, roots: dict[str, int]) -> Any:
 
     `threads_ms_per_ktok` splits that CPU by thread ("ROOT:process/thread", ROOT one of
     `roots`, "bench" this process's own threads, the client's), the busiest first, so a sample
-    says which thread of which process pays for the hop, not only that something does."""
-
-    def threads() -> dict[str, float]:
-        split = {f"bench:{k}": v for k, v in thread_cpu_s(os.getpid()).items()}
-        for label, root in roots.items():
-            split.update({f"{label}:{k}": v for k, v in tree_thread_cpu_s(root).items()})
-        return split
+    says which thread of which process pays for the hop, not only that something does;
+    `threads_wait_ms_per_ktok` is the time the same threads waited runnable for a core."""
 
     def measured() -> dict[str, Any]:
-        before, split_before = tree_cpu_s(os.getpid()), threads()
+        before, cpu_before = tree_cpu_s(os.getpid()), labelled_threads(roots, thread_cpu_s)
+        wait_before = labelled_threads(roots, thread_wait_s)
         result = system()
         cpu = tree_cpu_s(os.getpid()) - before
         tokens = max(result["tokens"], 1)
-        used = {k: v - split_before.get(k, 0.0) for k, v in threads().items()}
-        busiest = sorted((k for k in used if used[k] > 0), key=used.__getitem__, reverse=True)
+        used = {k: v - cpu_before.get(k, 0.0) for k, v in labelled_threads(roots, thread_cpu_s).items()}
+        waited = {k: v - wait_before.get(k, 0.0) for k, v in labelled_threads(roots, thread_wait_s).items()}
+        busiest = sorted((k for k in used if used[k] > 0), key=used.__getitem__, reverse=True)[:THREADS_KEPT]
         return {
             **result,
             "cpu_ms_per_ktok": 1e6 * cpu / tokens,
             "busy_cores": cpu / result["wall_s"],
-            "threads_ms_per_ktok": {k: round(1e6 * used[k] / tokens, 1) for k in busiest[:THREADS_KEPT]},
+            "threads_ms_per_ktok": {k: round(1e6 * used[k] / tokens, 1) for k in busiest},
+            "threads_wait_ms_per_ktok": {k: round(1e6 * waited.get(k, 0.0) / tokens, 1) for k in busiest},
         }
 
     return measured

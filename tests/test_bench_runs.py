@@ -3,6 +3,7 @@ numbers are not checked (benchmarks measure, tests assert behaviour)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -159,6 +160,39 @@ def test_spawn_leads_a_group_in_this_session_and_reads_nothing():
     group, session, read = out.split()
     assert int(group) == proc.pid and int(session) == os.getsid(0)
     assert read == "''"  # stdin is /dev/null: a read ends at once, never waits on a terminal
+
+
+def test_thread_wait_counts_the_time_a_busy_thread_is_kept_from_its_core():
+    """Three processes that spin on one core each run a third of the time and wait for it two
+    thirds: the run-queue wait the overhead benchmark records per thread
+    (`threads_wait_ms_per_ktok`), not the CPU time beside it in the same file."""
+    import subprocess
+    import sys
+
+    from millstream.bench.kit.procstat import thread_cpu_s, thread_wait_s, tree_thread_wait_s
+
+    core = min(os.sched_getaffinity(0))
+    spin = (
+        f"import os, time\nos.sched_setaffinity(0, {{{core}}})\nt = time.monotonic()\n"
+        "while time.monotonic() - t < 1.0: pass\nprint('spun', flush=True)\ninput()"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        for _ in range(3)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == b"spun\n"  # now asleep in input()
+        waited = [sum(thread_wait_s(p.pid).values()) for p in procs]
+        ran = [sum(thread_cpu_s(p.pid).values()) for p in procs]
+        assert sum(waited) > 1.3 * sum(ran), (waited, ran)  # about 2x: each ran 1 s in 3
+        tree = tree_thread_wait_s(os.getpid())
+        assert sum(tree.values()) >= sum(waited)  # the children are in this process's tree
+        assert set(thread_wait_s(os.getpid())) == set(thread_cpu_s(os.getpid()))  # the same names
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_thread_split_names_the_busy_thread_of_each_process():

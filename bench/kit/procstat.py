@@ -8,7 +8,11 @@ is the same walk for resident memory (bench/learning/real_model.py: each role's 
 memory (bench/soak: forked processes share pages, which RSS counts once per process), and
 `tree_pss_by_name(root)` the same split by process name (which of the actor's processes grows).
 `tree_thread_cpu_s(root)` splits the tree's CPU by process and thread name (bench/overhead.py:
-which thread of which process pays the hop), as `top -H` would, from /proc/PID/task.
+which thread of which process pays the hop), as `top -H` would, from /proc/PID/task;
+`tree_thread_wait_s(root)` is the same split of the time threads were runnable and waited for a
+core (the scheduler's run-queue wait, /proc/PID/task/TID/schedstat): on a box whose VM has no
+hardware counters for `perf`, the one number that says a thread was kept from running.
+`labelled_threads(roots, per_process)` joins such splits for several trees and this process.
 `CpuMeter` is CPU per unit of work between two moments (bench/stress.py: microseconds of each
 process per turn, which is what bounds turns/s on a box of few cores).
 """
@@ -16,6 +20,7 @@ process per turn, which is what bounds turns/s on a box of few cores).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from millstream.envpool.stats import rss_bytes
@@ -30,6 +35,9 @@ __all__ = [
     "tree_pss_bytes",
     "tree_rss_bytes",
     "tree_thread_cpu_s",
+    "tree_thread_wait_s",
+    "thread_wait_s",
+    "labelled_threads",
 ]
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -63,15 +71,46 @@ def tree_thread_cpu_s(root: int) -> dict[str, float]:
     `VLLM::Worker`), Python threads keep their process's name unless they set one, and OpenMP's
     threads share their process's. Threads that ended are gone from the sum: compare two
     readings of long-lived threads only."""
-    totals: dict[str, float] = {}
-    for pid in _tree(root):
-        for key, seconds in thread_cpu_s(pid).items():
-            totals[key] = totals.get(key, 0.0) + seconds
-    return totals
+    return _tree_by_thread(root, thread_cpu_s)
+
+
+def tree_thread_wait_s(root: int) -> dict[str, float]:
+    """Seconds the threads under `root` waited runnable for a core so far, by the same names."""
+    return _tree_by_thread(root, thread_wait_s)
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """One process's CPU seconds so far, summed by "process name/thread name" (empty once ended)."""
+    return _by_thread(pid, lambda task: _stat_file(task / "stat")[1])
+
+
+def thread_wait_s(pid: int) -> dict[str, float]:
+    """One process's run-queue wait so far, in seconds, summed by "process name/thread name"."""
+    return _by_thread(pid, lambda task: int((task / "schedstat").read_text().split()[1]) / 1e9)
+
+
+PerThread = Callable[[int], dict[str, float]]
+
+
+def labelled_threads(roots: dict[str, int], per_process: PerThread) -> dict[str, float]:
+    """`per_process` (`thread_cpu_s` or `thread_wait_s`) of this process's threads, as
+    "bench:process/thread", and of each tree in `roots`, as "LABEL:process/thread"."""
+    split = {f"bench:{k}": v for k, v in per_process(os.getpid()).items()}
+    for label, root in roots.items():
+        split.update({f"{label}:{k}": v for k, v in _tree_by_thread(root, per_process).items()})
+    return split
+
+
+def _tree_by_thread(root: int, per_process: PerThread) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for pid in _tree(root):
+        for key, seconds in per_process(pid).items():
+            totals[key] = totals.get(key, 0.0) + seconds
+    return totals
+
+
+def _by_thread(pid: int, read: Callable[[Path], float]) -> dict[str, float]:
+    """`read(/proc/PID/task/TID)` of each thread of `pid`, summed by "process name/thread name"."""
     totals: dict[str, float] = {}
     try:
         process = Path(f"/proc/{pid}/comm").read_text().strip()
@@ -82,8 +121,8 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
         try:
             task = Path(f"/proc/{pid}/task/{tid}")
             thread = (task / "comm").read_text().strip()
-            seconds = _stat_file(task / "stat")[1]
-        except OSError:
+            seconds = read(task)
+        except (OSError, IndexError, ValueError):
             continue
         key = f"{process}/{thread}"
         totals[key] = totals.get(key, 0.0) + seconds
