@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def start_vllm_actor(model: Path, work: Path) -> tuple[str, subprocess.Popen]:
     deadline = time.monotonic() + 600
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, 9)  # its group: an engine process it started goes too
+            os.killpg(proc.pid, signal.SIGKILL)  # its group: an engine process it started goes too
             raise RuntimeError(f"the vLLM actor did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
     return address, proc

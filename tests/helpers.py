@@ -23,6 +23,7 @@ import orjson
 import pytest
 import zmq
 
+from millstream.bench.kit.spawn import spawn
 from millstream.envpool.actors.client import ActorClient
 from millstream.shared.config import Config, EnvPoolConfig, TransportConfig
 from millstream.shared.obs.metrics import read_jsonl, step_records
@@ -172,17 +173,9 @@ def start_actor(
         *overrides,
     ]
     with log.open("wb") as out:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=out,
-            stderr=out,
-            stdin=subprocess.DEVNULL,
-            # A group of its own in the test's session, as the launcher places roles: in a session
-            # of its own, autogroup gives it as much CPU as the tests' side (bench/kit/spawn.py).
-            process_group=0,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **WATCHED, **(env or {})),
-        )
+        # A group of its own in the test's session, as the launcher places roles.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **WATCHED, **(env or {}))
+        proc = spawn(cmd, cwd=ROOT, stdout=out, stderr=out, env=env)
     wait_for_file(ready, proc, timeout_s, f"the actor ({' '.join(overrides)})", log=log)
     return address, proc, log
 

@@ -238,12 +238,17 @@ def run_processes(run_dir: str | Path) -> list[int]:
 
 def group_processes(pgid: int) -> list[int]:
     """Pids of live processes in process group `pgid` (a role started as a group's leader)."""
-    return [pid for pid in _all_pids() if _group_and_session(pid)[:1] == (pgid,) and _alive(pid)]
+    return _members(0, pgid)
 
 
 def session_processes(sid: int) -> list[int]:
     """Pids of live processes in session `sid` (a role started with its own session)."""
-    return [pid for pid in _all_pids() if _session(pid) == sid and _alive(pid)]
+    return _members(1, sid)
+
+
+def _members(field: int, ident: int) -> list[int]:
+    """Live pids whose (group, session)[field] is `ident`."""
+    return [pid for pid in _all_pids() if _group_and_session(pid)[field:][:1] == (ident,) and _alive(pid)]
 
 
 def _all_pids() -> list[int]:
@@ -259,11 +264,6 @@ def _marked(pid: int, marker: bytes) -> bool:
     except OSError:
         return False
     return environ.startswith(marker) or b"\0" + marker in environ
-
-
-def _session(pid: int) -> int | None:
-    ids = _group_and_session(pid)
-    return ids[1] if ids else None
 
 
 def _group_and_session(pid: int) -> tuple[int, ...]:
