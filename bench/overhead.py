@@ -1,6 +1,7 @@
 """millstream's overhead against the engine alone: generated tokens/s, three ways, one model.
 
     python -m millstream.bench.overhead [--quick] [--rounds 3] [--concurrency 64,256]
+        [--systems millstream,vllm-serve[,asyncllm-again]] [--instances 1]
 
 The same tiny Qwen2 model (float32, CPU), the same engine settings (batch width, KV budget, whole
 prompt prefill: the actor's `build_engine`; its EngineCore's priority), the same prompts and
@@ -22,6 +23,14 @@ spinning for a second after its last step and takes cores from the measured one.
 median tokens/s against asyncllm; each sample also records the CPU time of every process under
 the benchmark per thousand tokens (with all cores busy it only mirrors tokens/s) and, for the two
 systems that stream, the time to each request's first token (median and 90th percentile).
+
+Each ratio also comes paired, round by round (`paired_ratios`: each round's sample over the
+reference's of the same round), and `--systems asyncllm-again` adds the A/A control: a second
+AsyncLLM process, the same engine as the reference started after it, whose ratio to the
+reference says how far two identical engines differ on this machine in one run.
+`--instances N` starts every engine afresh N times (in the opposite order every other time),
+runs `--rounds` with each set, and pools the samples: a ratio then rests on N starts of each
+engine, not on one.
 """
 
 from __future__ import annotations
@@ -34,25 +43,29 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from contextlib import ExitStack, suppress
 from functools import partial
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import anyio
 import httpx
 
+from millstream.bench.baselines.overhead_engines import (
+    lower_baseline_cores,
+    read_json_line,
+    start_actor,
+    start_asyncllm,
+    start_vllm_serve,
+)
 from millstream.bench.baselines.overhead_load import prompt_ids, run_load
 from millstream.bench.kit.procstat import labelled_threads, thread_cpu_s, thread_wait_s, tree_cpu_s
-from millstream.bench.kit.rounds import compare, results_dir, write_outcome
-from millstream.bench.kit.spawn import spawn
+from millstream.bench.kit.rounds import Outcome, compare, pooled, results_dir, write_outcome
 from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
 from millstream.shared.models.tiny import build_tiny_model
-from millstream.shared.process.enginecore import engine_core_nice, lower_engine_cores
-from millstream.shared.process.runtime import engine_environment, free_port
+from millstream.shared.process.runtime import free_port
 from millstream.shared.wire.keys import load_keys
 from millstream.shared.wire.transport import open_channel
 
@@ -174,7 +187,7 @@ def through_asyncllm(engine: subprocess.Popen, load: Load) -> dict[str, float]:
     assert engine.stdin is not None and engine.stdout is not None
     engine.stdin.write(json.dumps(load.command()) + "\n")
     engine.stdin.flush()
-    return dict(json.loads(_read_json_line(engine.stdout, engine)))
+    return dict(json.loads(read_json_line(engine.stdout, engine)))
 
 
 def through_vllm_serve(url: str, model: str, load: Load) -> dict[str, float]:
@@ -213,113 +226,91 @@ def through_vllm_serve(url: str, model: str, load: Load) -> dict[str, float]:
     return anyio.run(main, backend="asyncio")
 
 
-# --- starting the engines ---------------------------------------------------------------------
+# --- the systems ------------------------------------------------------------------------------
+
+OPTIONAL_SYSTEMS = ("millstream", "vllm-serve", "asyncllm-again")
+DEFAULT_SYSTEMS = ("millstream", "vllm-serve")
 
 
-def _read_json_line(stream: IO[str], proc: subprocess.Popen, timeout_s: float = 900) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = stream.readline()
-        if line.startswith("{"):
-            return line
-        if not line and proc.poll() is not None:
-            raise RuntimeError(f"the AsyncLLM process exited with {proc.returncode}")
-    raise TimeoutError("no answer from the AsyncLLM process")
+def systems_arg(text: str) -> tuple[str, ...]:
+    """`--systems`: names checked before any engine starts."""
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in OPTIONAL_SYSTEMS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown systems {unknown}: choose from {', '.join(OPTIONAL_SYSTEMS)}"
+        )
+    return names
 
 
-def _spawn(
-    stack: ExitStack, command: list[str], log: Path, engine_env: dict[str, str], **kwargs: Any
-) -> subprocess.Popen:
-    """One engine's process, with the actor's allocator and OpenMP wait policy: the hop compared.
-    A group of its own (OneAwake stops it whole) in this session, as the launcher's roles
-    (bench/kit/spawn.py: autogroup starved the client otherwise)."""
-    out, env = log.open("wb"), dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **engine_env)
-    proc = spawn(command, stderr=out, env=env, **kwargs)
-    stack.callback(_stop, proc)
-    return proc
+def start_systems(
+    stack: ExitStack, cfg: Config, work: Path, names: tuple[str, ...], model: str, backwards: bool
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """Start asyncllm and `names`, one at a time (actor, AsyncLLM, vllm serve, or `backwards`);
+    returns each one's measurement (a function of the load), reference first, and each one's
+    root process id."""
+    config_path = work / "config.toml"
+    started: dict[str, tuple[subprocess.Popen, Any]] = {}
+
+    def actor() -> None:
+        started["millstream"] = (start_actor(stack, cfg, config_path, work), partial(through_millstream, cfg))
+
+    def asyncllm(name: str) -> None:
+        engine = start_asyncllm(stack, cfg, config_path, work, name)
+        started[name] = (engine, partial(through_asyncllm, engine))
+
+    def serve() -> None:
+        server, url = start_vllm_serve(stack, cfg, work)
+        started["vllm-serve"] = (server, partial(through_vllm_serve, url, model))
+
+    steps = {
+        "millstream": actor,
+        "asyncllm": partial(asyncllm, "asyncllm"),
+        "asyncllm-again": partial(asyncllm, "asyncllm-again"),
+        "vllm-serve": serve,
+    }
+    wanted = [name for name in steps if name == "asyncllm" or name in names]
+    for name in reversed(wanted) if backwards else wanted:
+        steps[name]()
+    lower_baseline_cores(cfg, [proc for name, (proc, _) in started.items() if name != "millstream"])
+    order = ["asyncllm", *(n for n in OPTIONAL_SYSTEMS if n in names)]
+    return {n: started[n][1] for n in order}, {n: started[n][0].pid for n in order}
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGCONT)  # a stopped process would hold SIGTERM pending
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _wait(check: Any, proc: subprocess.Popen, what: str, timeout_s: float = 900) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with {proc.returncode} before it was ready")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} was not ready within {timeout_s}s")
-        time.sleep(0.5)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
-def start_engines(
-    stack: ExitStack, cfg: Config, config_path: Path, work: Path
-) -> tuple[subprocess.Popen, subprocess.Popen, str, subprocess.Popen]:
-    engine_env = engine_environment(cfg)  # as the actor's own
-    actor = _spawn(
-        stack,
-        [
-            sys.executable,
-            "-m",
-            "millstream.actor",
-            "--config",
-            str(config_path),
-            "--ready-file",
-            str(work / "ready"),
-        ],
-        work / "actor.log",
-        engine_env,
-        stdout=subprocess.DEVNULL,
+def say_ratios(title: str, outcome: Outcome) -> None:
+    paired = outcome.paired_ratios()
+    ratios = ", ".join(
+        f"{s}/asyncllm {r:.3f} (pairs {min(paired[s]):.2f}-{max(paired[s]):.2f})"
+        for s, r in outcome.ratios().items()
+        if s != "asyncllm"
     )
-    _wait(lambda: (work / "ready").exists(), actor, "the actor")
-    print("actor ready", flush=True)
-    engine = _spawn(
-        stack,
-        [sys.executable, "-m", "millstream.bench.baselines.overhead_engine", str(config_path)],
-        work / "asyncllm.log",
-        engine_env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
+    print(f"{title}: {ratios}", flush=True)
+
+
+def print_table(rows: list[tuple[str, int, Any]]) -> None:
+    """The run as a Markdown table: tokens/s, ratios (of medians; paired per round in brackets),
+    CPU per 1,000 tokens and the first token's p50, system by system."""
+    names = list(rows[0][2].samples) if rows else []
+    print(
+        f"\n| shape | concurrency | {' / '.join(names)} tok/s | ratio to asyncllm (pairs median, range) "
+        "| CPU ms per 1k tokens | first token p50 ms |"
     )
-    assert engine.stdout is not None
-    _read_json_line(engine.stdout, engine)
-    print("AsyncLLM ready", flush=True)
-    port, a = free_port(), cfg.actor
-    serve = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        *("--model", cfg.model.path, "--dtype", cfg.model.dtype, "--seed", str(cfg.run.seed)),
-        *("--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(a.max_model_len)),
-        *("--max-num-seqs", str(a.max_num_seqs), "--kv-cache-memory-bytes", str(a.kv_cache_bytes)),
-        *("--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(a.max_model_len, 8192))),
-        "--enforce-eager",
-        "--disable-uvicorn-access-log",
-    ]
-    url = f"http://127.0.0.1:{port}"
-    server = _spawn(stack, serve, work / "vllm-serve.log", engine_env, stdout=subprocess.DEVNULL)
-    _wait(lambda: _healthy(url), server, "vllm serve")
-    print("vllm serve ready", flush=True)
-    nice = engine_core_nice(cfg)  # as the actor lowers its own EngineCore
-    if nice is not None and not all(lower_engine_cores(nice, proc.pid) for proc in (engine, server)):
-        raise RuntimeError("found no EngineCore of AsyncLLM or vllm serve to lower: unfair")
-    return actor, engine, url, server
+    print("|---|---|---|---|---|---|")
+    for shape, concurrency, outcome in rows:
+        summary = outcome.summary()
+        systems, paired = summary["systems"], summary["paired_ratios"]
+        rates = " / ".join(f"{outcome.median(s):,.0f}" for s in names)
+        ratios = "; ".join(
+            f"{s} {r:.3f} ({paired[s]['median']:.2f}, {paired[s]['min']:.2f}-{paired[s]['max']:.2f})"
+            for s, r in outcome.ratios().items()
+            if s != "asyncllm"
+        )
+        cpu = " / ".join(f"{systems[s]['cpu_ms_per_ktok']['median']:,.0f}" for s in names)
+        first = " / ".join(
+            f"{systems[s]['first_token_ms_p50']['median']:.1f}" if "first_token_ms_p50" in systems[s] else "-"
+            for s in names
+        )
+        print(f"| {shape} | {concurrency} | {rates} | {ratios} | {cpu} | {first} |")
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -337,7 +328,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--waves", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument(
+        "--systems",
+        type=systems_arg,
+        default=DEFAULT_SYSTEMS,
+        help=f"compared with asyncllm, which always runs: any of {', '.join(OPTIONAL_SYSTEMS)} "
+        "(asyncllm-again: a second AsyncLLM, the A/A control)",
+    )
+    p.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        help="start every engine afresh this many times, --rounds each, the samples pooled "
+        "(an engine's speed differs from one start to the next: bench/README.md)",
+    )
     ns = p.parse_args(argv)
+    if ns.instances < 1 or ns.rounds < 1:
+        p.error("--instances and --rounds must be at least 1")
     # A SIGTERM unwinds like an exception, so the engines are woken and stopped, not left
     # SIGSTOPped as orphans.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -359,58 +366,40 @@ def main(argv: list[str] | None = None) -> int:
     config_path = work / "config.toml"
     config_path.write_text(dump_config(cfg))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    rows = []
-    with ExitStack() as stack:
-        actor, engine, url, server = start_engines(stack, cfg, config_path, work)
-        roots = {"asyncllm": engine.pid, "millstream": actor.pid, "vllm-serve": server.pid}
-        awake = OneAwake(roots)
-        stack.callback(awake.wake_all)
-        for shape in ns.shapes.split(","):
-            for concurrency in levels:
-                load = Load(shape, concurrency, ns, vocab)
-                outcome = compare(
-                    {
-                        name: awake.measuring(name, with_cpu(system, roots))
-                        for name, system in (
-                            ("asyncllm", partial(through_asyncllm, engine, load)),
-                            ("millstream", partial(through_millstream, cfg, load)),
-                            ("vllm-serve", partial(through_vllm_serve, url, str(model), load)),
-                        )
-                    },
-                    rounds=ns.rounds,
-                    metric="tokens_s",
-                    warmup=True,
-                    settings={
-                        **load.command(),
-                        "model": "tiny Qwen2, float32, CPU",
-                        "kv_bytes": cfg.actor.kv_cache_bytes,
-                    },
-                )
-                name = f"overhead-{shape}-c{concurrency}" + ("-quick" if ns.quick else "")
-                write_outcome(outcome, results_dir(), name)
-                ratios = outcome.ratios()
-                rows.append((shape, concurrency, outcome, ratios))
-                m, v = ratios["millstream"], ratios["vllm-serve"]
-                print(f"{name}: millstream/asyncllm {m:.3f}, vllm-serve/asyncllm {v:.3f}")
-    print(
-        "\n| shape | concurrency | asyncllm tok/s | millstream tok/s | vllm serve tok/s "
-        "| millstream / asyncllm | millstream / vllm serve | CPU ms per 1k tokens (a / m / v) "
-        "| first token p50 ms (a / m) |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    for shape, concurrency, outcome, _ in rows:
-        names = ("asyncllm", "millstream", "vllm-serve")
-        a, m, v = (outcome.median(s) for s in names)
-        systems = outcome.summary()["systems"]
-        cpu = " / ".join(f"{systems[s]['cpu_ms_per_ktok']['median']:,.0f}" for s in names)
-        first = " / ".join(
-            f"{systems[s]['first_token_ms_p50']['median']:.1f}" if "first_token_ms_p50" in systems[s] else "-"
-            for s in names[:2]
-        )
-        print(
-            f"| {shape} | {concurrency} | {a:,.0f} | {m:,.0f} | {v:,.0f} | {m / a:.3f} | {m / v:.3f} "
-            f"| {cpu} | {first} |"
-        )
+    per_load: dict[tuple[str, int], list[Outcome]] = {}
+    for instance in range(ns.instances):
+        with ExitStack() as stack:
+            runs, roots = start_systems(stack, cfg, work, ns.systems, str(model), backwards=instance % 2 == 1)
+            awake = OneAwake(roots)
+            stack.callback(awake.wake_all)
+            for shape in ns.shapes.split(","):
+                for concurrency in levels:
+                    load = Load(shape, concurrency, ns, vocab)
+                    outcome = compare(
+                        {
+                            n: awake.measuring(n, with_cpu(partial(run, load), roots))
+                            for n, run in runs.items()
+                        },
+                        rounds=ns.rounds,
+                        metric="tokens_s",
+                        warmup=True,
+                        settings={
+                            **load.command(),
+                            "model": "tiny Qwen2, float32, CPU",
+                            "kv_bytes": cfg.actor.kv_cache_bytes,
+                        },
+                    )
+                    name = f"overhead-{shape}-c{concurrency}" + ("-quick" if ns.quick else "")
+                    say_ratios(f"{name}, engines {instance + 1}/{ns.instances}", outcome)
+                    outcomes = per_load.setdefault((shape, concurrency), [])
+                    outcomes.append(outcome)
+                    # Written as it grows: a run cut short keeps what it measured.
+                    extra = {"per_instance": [o.summary() for o in outcomes]} if ns.instances > 1 else None
+                    write_outcome(pooled(outcomes), results_dir(), name, extra)
+    rows = [(shape, concurrency, pooled(outcomes)) for (shape, concurrency), outcomes in per_load.items()]
+    for shape, concurrency, outcome in rows:
+        say_ratios(f"overhead-{shape}-c{concurrency}, all {ns.instances} engine starts", outcome)
+    print_table(rows)
     return 0
 
 

@@ -317,6 +317,50 @@ def test_rounds_keep_a_breakdown_beside_the_numbers_they_summarize():
     assert outcome.median("a") == 3.0
 
 
+def test_paired_ratios_cancel_a_drift_the_ratio_of_medians_keeps():
+    """B is 0.9 of A in every round while the machine's speed moves 4x from round to round:
+    every pair says 0.9, and the pairs' spread is recorded beside the ratio of medians."""
+    from millstream.bench.kit.rounds import compare
+
+    speed = iter([10, 9, 18, 20, 5, 4.5])  # round 1 a, b; round 2 b, a (order flips); round 3 a, b
+    outcome = compare(
+        {"a": lambda: {"rate": next(speed)}, "b": lambda: {"rate": next(speed)}},
+        rounds=3,
+        metric="rate",
+        say=lambda _: None,
+    )
+    assert [s["rate"] for s in outcome.samples["b"]] == [9, 18, 4.5]
+    assert outcome.paired_ratios()["b"] == pytest.approx([0.9, 0.9, 0.9])
+    assert outcome.paired_ratios()["a"] == [1.0, 1.0, 1.0]
+    paired = outcome.summary()["paired_ratios"]["b"]
+    assert (paired["median"], paired["min"], paired["max"]) == pytest.approx((0.9, 0.9, 0.9))
+    assert outcome.ratios()["b"] == pytest.approx(9 / 10)
+
+
+def test_pooled_runs_keep_every_round_paired_in_run_order():
+    """Two runs of a comparison (engines started afresh for each) pool into one outcome whose
+    pairs are the runs' pairs; runs of different systems do not pool."""
+    from millstream.bench.kit.rounds import Outcome, pooled
+
+    first = Outcome("rate", {"a": [{"rate": 10.0}], "b": [{"rate": 8.0}]})
+    second = Outcome("rate", {"a": [{"rate": 20.0}, {"rate": 30.0}], "b": [{"rate": 22.0}, {"rate": 30.0}]})
+    both = pooled([first, second])
+    assert [s["rate"] for s in both.samples["b"]] == [8.0, 22.0, 30.0]
+    assert both.paired_ratios()["b"] == pytest.approx([0.8, 1.1, 1.0])
+    assert both.settings["runs"] == 2
+    with pytest.raises(ValueError, match="same systems"):
+        pooled([first, Outcome("rate", {"a": [{"rate": 1.0}], "c": [{"rate": 1.0}]})])
+
+
+def test_overhead_names_an_unknown_system_before_any_engine_starts(capsys):
+    from millstream.bench import overhead
+
+    with pytest.raises(SystemExit):
+        overhead.main(["--systems", "millstream,asyncllm-twice"])
+    assert "asyncllm-twice" in capsys.readouterr().err
+    assert overhead.systems_arg("asyncllm-again, millstream") == ("asyncllm-again", "millstream")
+
+
 @pytest.mark.real
 def test_pool_vs_http_plays_both_sides_against_the_same_engine(tmp_path):
     """envpool (real worker + synthetic actor) and the asyncio + HTTP baseline (the synthetic

@@ -14,7 +14,8 @@ warm or cold.
 A measurement function takes no argument and returns a dict of numbers (its own metrics: tokens/s,
 p99 latency, memory, ...). `compare` keeps every sample, and reports per metric the median and
 the spread (min, max) over the rounds, and for `metric` the ratio of each system's median to the
-first system's (the reference). Results go to `bench/results/<date>-<host>/<name>.json` with
+first system's (the reference), with the ratio of each round's pair (`paired_ratios`: its
+median and range). Results go to `bench/results/<date>-<host>/<name>.json` with
 the command that made them, and a PNG of the samples per round.
 """
 
@@ -33,7 +34,7 @@ from typing import Any
 
 import orjson
 
-__all__ = ["Outcome", "compare", "spread", "results_dir", "write_outcome", "machine"]
+__all__ = ["Outcome", "compare", "pooled", "spread", "results_dir", "write_outcome", "machine"]
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"  # bench/results
 
@@ -55,11 +56,25 @@ class Outcome:
         base = self.median(reference)
         return {name: (self.median(name) / base if base else float("nan")) for name in self.samples}
 
+    def paired_ratios(self) -> dict[str, list[float]]:
+        """Each system's `metric` over the reference's in the same round, round by round.
+
+        The ratio of medians compares each system's typical round; these pair every sample
+        with the reference's of the same minutes, so a drift of the machine across the run
+        cancels inside each pair, and their spread is the noise a ratio of this run carries."""
+        reference = next(iter(self.samples))
+        base = [s[self.metric] for s in self.samples[reference]]
+        return {
+            name: [s[self.metric] / b if b else float("nan") for s, b in zip(rows, base, strict=True)]
+            for name, rows in self.samples.items()
+        }
+
     def summary(self) -> dict[str, Any]:
         return {
             "metric": self.metric,
             "reference": next(iter(self.samples), None),
             "ratios": self.ratios(),
+            "paired_ratios": {name: spread(r) for name, r in self.paired_ratios().items() if r},
             "systems": {
                 name: {key: spread([s[key] for s in rows]) for key in rows[0] if _numeric(rows[0][key])}
                 for name, rows in self.samples.items()
@@ -112,6 +127,16 @@ def compare(
             outcome.samples[name].append({k: float(v) if _numeric(v) else v for k, v in sample.items()})
             say(f"round {round_ + 1}/{rounds} {name}: {metric} {sample[metric]:.4g}")
     return outcome
+
+
+def pooled(outcomes: list[Outcome]) -> Outcome:
+    """Several runs of one comparison as one outcome: each system's samples in run order, so
+    every round keeps its pair. The runs must compare the same systems on the same metric."""
+    first = outcomes[0]
+    if any(o.metric != first.metric or list(o.samples) != list(first.samples) for o in outcomes):
+        raise ValueError("pooled outcomes must compare the same systems on the same metric")
+    samples = {name: [s for o in outcomes for s in o.samples[name]] for name in first.samples}
+    return Outcome(metric=first.metric, samples=samples, settings={**first.settings, "runs": len(outcomes)})
 
 
 def machine() -> dict[str, Any]:
