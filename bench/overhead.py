@@ -26,7 +26,7 @@ systems that stream, the time to each request's first token (median and 90th per
 
 Each ratio also comes paired, round by round (`paired_ratios`: each round's sample over the
 reference's of the same round), and `--systems asyncllm-again` adds the A/A control: a second
-AsyncLLM process, the same engine as the reference started after it, whose ratio to the
+AsyncLLM process, the same engine and command as the reference, whose ratio to the
 reference says how far two identical engines differ on this machine in one run.
 `--instances N` starts every engine afresh N times (in the opposite order every other time),
 runs `--rounds` with each set, and pools the samples: a ratio then rests on N starts of each
@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack, suppress
 from functools import partial
 from pathlib import Path
@@ -263,7 +264,7 @@ def start_systems(
         server, url = start_vllm_serve(stack, cfg, work)
         started["vllm-serve"] = (server, partial(through_vllm_serve, url, model))
 
-    steps = {
+    steps: dict[str, Callable[[], None]] = {
         "millstream": actor,
         "asyncllm": partial(asyncllm, "asyncllm"),
         "asyncllm-again": partial(asyncllm, "asyncllm-again"),
@@ -310,6 +311,9 @@ def print_table(rows: list[tuple[str, int, Any]]) -> None:
             f"{systems[s]['first_token_ms_p50']['median']:.1f}" if "first_token_ms_p50" in systems[s] else "-"
             for s in names
         )
+        if {"millstream", "vllm-serve"} <= set(names):
+            hop = outcome.median("millstream") / outcome.median("vllm-serve")
+            ratios += f"; millstream / vllm-serve {hop:.3f}"
         print(f"| {shape} | {concurrency} | {rates} | {ratios} | {cpu} | {first} |")
 
 
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="start every engine afresh this many times, --rounds each, the samples pooled "
-        "(an engine's speed differs from one start to the next: bench/README.md)",
+        "(so that no ratio rests on one start of each engine)",
     )
     ns = p.parse_args(argv)
     if ns.instances < 1 or ns.rounds < 1:
@@ -366,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path = work / "config.toml"
     config_path.write_text(dump_config(cfg))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    folder = results_dir()  # once: a run that passes midnight keeps one folder
     per_load: dict[tuple[str, int], list[Outcome]] = {}
     for instance in range(ns.instances):
         with ExitStack() as stack:
@@ -395,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
                     outcomes.append(outcome)
                     # Written as it grows: a run cut short keeps what it measured.
                     extra = {"per_instance": [o.summary() for o in outcomes]} if ns.instances > 1 else None
-                    write_outcome(pooled(outcomes), results_dir(), name, extra)
+                    write_outcome(pooled(outcomes), folder, name, extra)
     rows = [(shape, concurrency, pooled(outcomes)) for (shape, concurrency), outcomes in per_load.items()]
     for shape, concurrency, outcome in rows:
         say_ratios(f"overhead-{shape}-c{concurrency}, all {ns.instances} engine starts", outcome)

@@ -318,23 +318,24 @@ def test_rounds_keep_a_breakdown_beside_the_numbers_they_summarize():
 
 
 def test_paired_ratios_cancel_a_drift_the_ratio_of_medians_keeps():
-    """B is 0.9 of A in every round while the machine's speed moves 4x from round to round:
-    every pair says 0.9, and the pairs' spread is recorded beside the ratio of medians."""
+    """The machine speeds up 3x over the run; B is 0.9 of A in two rounds of three. The medians
+    fall in different rounds (A's 20 in round 2, B's 27 in round 2 or 3): their ratio says 1.35,
+    the pairs say 0.9, and the pairs' spread is recorded beside the ratio of medians."""
     from millstream.bench.kit.rounds import compare
 
-    speed = iter([10, 9, 18, 20, 5, 4.5])  # round 1 a, b; round 2 b, a (order flips); round 3 a, b
+    speed = iter([10, 9, 27, 20, 30, 27])  # round 1 a, b; round 2 b, a (order flips); round 3 a, b
     outcome = compare(
         {"a": lambda: {"rate": next(speed)}, "b": lambda: {"rate": next(speed)}},
         rounds=3,
         metric="rate",
         say=lambda _: None,
     )
-    assert [s["rate"] for s in outcome.samples["b"]] == [9, 18, 4.5]
-    assert outcome.paired_ratios()["b"] == pytest.approx([0.9, 0.9, 0.9])
+    assert [s["rate"] for s in outcome.samples["b"]] == [9, 27, 27]
+    assert outcome.paired_ratios()["b"] == pytest.approx([0.9, 1.35, 0.9])
     assert outcome.paired_ratios()["a"] == [1.0, 1.0, 1.0]
     paired = outcome.summary()["paired_ratios"]["b"]
-    assert (paired["median"], paired["min"], paired["max"]) == pytest.approx((0.9, 0.9, 0.9))
-    assert outcome.ratios()["b"] == pytest.approx(9 / 10)
+    assert (paired["median"], paired["min"], paired["max"]) == pytest.approx((0.9, 0.9, 1.35))
+    assert outcome.ratios()["b"] == pytest.approx(27 / 20)
 
 
 def test_pooled_runs_keep_every_round_paired_in_run_order():
@@ -359,6 +360,72 @@ def test_overhead_names_an_unknown_system_before_any_engine_starts(capsys):
         overhead.main(["--systems", "millstream,asyncllm-twice"])
     assert "asyncllm-twice" in capsys.readouterr().err
     assert overhead.systems_arg("asyncllm-again, millstream") == ("asyncllm-again", "millstream")
+
+
+def test_overhead_starts_every_engine_afresh_per_instance_and_pools_the_rounds(tmp_path, monkeypatch):
+    """`--instances 2`: every engine started twice, the second time in the opposite order,
+    `--rounds` with each set, the samples pooled and each start's summary kept. The engines
+    and their loads are stand-ins here (this test is about the loop; the real engines run in
+    the benchmark), recording the order they were started in."""
+    import json
+    import signal
+
+    from millstream.bench import overhead
+
+    started: list[str] = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name, self.pid = name, os.getpid()  # with_cpu reads this process's threads
+
+    def start(name):
+        started.append(name)
+        return Engine(name)
+
+    class Awake:  # the real OneAwake would SIGSTOP these pids: this process
+        def __init__(self, groups):
+            pass
+
+        def measuring(self, name, system):
+            return system
+
+        def wake_all(self):
+            pass
+
+    rates = {"asyncllm": 10.0, "millstream": 9.0, "asyncllm-again": 11.0, "vllm-serve": 5.0}
+
+    def load_of(name):
+        return lambda *args: {"tokens_s": rates[name], "tokens": 100, "wall_s": 1.0}
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    monkeypatch.setattr(overhead, "build_tiny_model", lambda out, seed: model)
+    monkeypatch.setattr(overhead, "start_actor", lambda stack, cfg, path, work: start("millstream"))
+    monkeypatch.setattr(overhead, "start_asyncllm", lambda stack, cfg, path, work, name: start(name))
+    monkeypatch.setattr(overhead, "start_vllm_serve", lambda stack, cfg, work: (start("vllm-serve"), "url"))
+    monkeypatch.setattr(overhead, "lower_baseline_cores", lambda cfg, procs: None)
+    monkeypatch.setattr(overhead, "OneAwake", Awake)
+    monkeypatch.setattr(overhead, "through_millstream", load_of("millstream"))
+    monkeypatch.setattr(overhead, "through_vllm_serve", load_of("vllm-serve"))
+    monkeypatch.setattr(overhead, "through_asyncllm", lambda engine, load: load_of(engine.name)())
+    monkeypatch.setattr(overhead, "results_dir", lambda: tmp_path / "results")
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        systems = "millstream,vllm-serve,asyncllm-again"
+        argv = ["--quick", "--shapes", "waves", "--rounds", "2", "--instances", "2", "--systems", systems]
+        assert overhead.main(argv) == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    forwards = ["millstream", "asyncllm", "asyncllm-again", "vllm-serve"]
+    assert started == forwards + forwards[::-1]
+    result = orjson.loads((tmp_path / "results" / "overhead-waves-c64-quick.json").read_bytes())
+    assert len(result["per_instance"]) == 2 and result["settings"]["runs"] == 2
+    assert {name: len(samples) for name, samples in result["samples"].items()} == dict.fromkeys(
+        ["asyncllm", "millstream", "vllm-serve", "asyncllm-again"], 4
+    )
+    assert result["summary"]["ratios"]["millstream"] == pytest.approx(0.9)
+    assert result["summary"]["paired_ratios"]["vllm-serve"]["median"] == pytest.approx(0.5)
 
 
 @pytest.mark.real

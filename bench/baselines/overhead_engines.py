@@ -8,7 +8,7 @@ run with its name, and every one started is stopped with the run (`ExitStack`).
 
 `asyncllm` can be started twice: the second copy (`asyncllm-again`) is the A/A control, the
 same engine and the same process layout as the reference, so the spread of its ratio to the
-reference is what the machine alone does to two identical engines started one after the other.
+reference is what the machine alone does to two identical engines.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import IO, Any
 
 from millstream.bench.kit.spawn import spawn
 from millstream.shared.config import Config
 from millstream.shared.process.enginecore import engine_core_nice, lower_engine_cores
+from millstream.shared.process.lifecycle import group_processes
 from millstream.shared.process.runtime import engine_environment, free_port
 
 __all__ = ["read_json_line", "start_actor", "start_asyncllm", "start_vllm_serve", "lower_baseline_cores"]
@@ -45,22 +46,29 @@ def read_json_line(stream: IO[str], proc: subprocess.Popen, timeout_s: float = 9
 
 
 def _spawn(stack: ExitStack, cfg: Config, command: list[str], log: Path, **kwargs: Any) -> subprocess.Popen:
-    """One engine's process, with the actor's allocator and OpenMP wait policy: the hop compared."""
-    out = log.open("wb")
+    """One engine's process, with the actor's allocator and OpenMP wait policy: the hop compared.
+    Its log is appended to, so every start of it (`--instances`) is kept."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **engine_environment(cfg))
-    proc = spawn(command, stderr=out, env=env, **kwargs)
+    with log.open("ab") as out:  # the child holds its own copy of the descriptor
+        proc = spawn(command, stderr=out, env=env, **kwargs)
     stack.callback(_stop, proc)
     return proc
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGCONT)  # a stopped process would hold SIGTERM pending
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
+def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
+    """Stop an engine's whole group and wait until none of it is left: with `--instances` the
+    next engines start at once, and an EngineCore or Worker still exiting would take the cores
+    of their warm-up, or hold the actor's port."""
+    for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped process would hold SIGTERM pending
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+    deadline = time.monotonic() + timeout_s
+    while group_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if group_processes(proc.pid):
+        with suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
 
 
 def _wait(check: Callable[[], bool], proc: subprocess.Popen, what: str, timeout_s: float = 900) -> None:
