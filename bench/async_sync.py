@@ -39,9 +39,7 @@ bench/results/<date>-<host>/async-sync-<stack>.json and .png.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,7 +51,7 @@ from pathlib import Path
 import orjson
 
 from millstream.bench.kit.rounds import Outcome, compare, results_dir, write_outcome
-from millstream.bench.kit.spawn import spawn
+from millstream.bench.kit.spawn import spawn, stop
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.obs.metrics import read_jsonl
 
@@ -149,7 +147,7 @@ def start_vllm_actor(model: Path, work: Path) -> tuple[str, subprocess.Popen]:
     deadline = time.monotonic() + 600
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)  # its group: an engine process it started goes too
+            stop(proc, grace_s=0)  # its group: an engine process it started goes too
             raise RuntimeError(f"the vLLM actor did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
     return address, proc
@@ -176,8 +174,7 @@ def measure(stack: str, ns: argparse.Namespace, work: Path) -> Outcome:
         return compare(systems, rounds=ns.rounds, metric="tokens_per_s", settings=settings)
     finally:
         if actor is not None:
-            os.killpg(actor.pid, 15)
-            actor.wait(timeout=60)
+            stop(actor, grace_s=60)
 
 
 def table(outcome: Outcome) -> str:

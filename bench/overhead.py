@@ -299,12 +299,12 @@ def print_table(rows: list[tuple[str, int, Any]]) -> None:
     print("|---|---|---|---|---|---|")
     for shape, concurrency, outcome in rows:
         summary = outcome.summary()
-        systems, paired = summary["systems"], summary["paired_ratios"]
+        systems, paired, reference = summary["systems"], summary["paired_ratios"], summary["reference"]
         rates = " / ".join(f"{outcome.median(s):,.0f}" for s in names)
         ratios = "; ".join(
             f"{s} {r:.3f} ({paired[s]['median']:.2f}, {paired[s]['min']:.2f}-{paired[s]['max']:.2f})"
-            for s, r in outcome.ratios().items()
-            if s != "asyncllm"
+            for s, r in summary["ratios"].items()
+            if s != reference
         )
         cpu = " / ".join(f"{systems[s]['cpu_ms_per_ktok']['median']:,.0f}" for s in names)
         first = " / ".join(

@@ -15,8 +15,10 @@ from collections.abc import Iterator
 
 import helpers
 import pytest
-from helpers import LAUNCHED, RunningActor, running_actor, start_synthetic_actor, stop_group
+from helpers import LAUNCHED, RunningActor, running_actor, start_synthetic_actor
 from hypothesis import settings
+
+from millstream.bench.kit.spawn import stop
 
 # No per-example time limit for hypothesis: its 200 ms default is a timing assertion, and on a
 # loaded 2-core machine a property test's example took 264 ms (test_starpo_pool...: a flake, not
@@ -110,7 +112,7 @@ def synthetic(tiny_model_dir, tmp_path_factory) -> Iterator[str]:
         "actor.synthetic_stop_prob=0.05",
     )
     yield address
-    stop_group(proc)
+    stop(proc, grace_s=0)
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import orjson
 import pytest
 import zmq
 
-from millstream.bench.kit.spawn import spawn
+from millstream.bench.kit.spawn import spawn, stop
 from millstream.envpool.actors.client import ActorClient
 from millstream.shared.config import Config, EnvPoolConfig, TransportConfig
 from millstream.shared.obs.metrics import read_jsonl, step_records
@@ -106,22 +105,9 @@ def wait_for_file(
                 detail = proc.stderr.read().decode(errors="replace")[-3000:]
             pytest.fail(f"{what} exited with {proc.returncode} before it was ready:\n{detail}")
         if time.monotonic() > deadline:
-            stop_group(proc)
+            stop(proc, grace_s=0)
             pytest.fail(f"{what} not ready in {timeout_s}s")
         time.sleep(0.1)
-
-
-def stop_group(proc: subprocess.Popen, sig: int = signal.SIGKILL, timeout_s: float = 30) -> None:
-    """Signal `proc`'s process group (it leads a group of its own) and reap it."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 class RunningActor:
@@ -141,7 +127,7 @@ def running_actor(model_dir: str, workdir: Path, *overrides: str) -> Iterator[Ru
     try:
         yield RunningActor(address, proc, log, model_dir)
     finally:
-        stop_group(proc, sig=signal.SIGTERM)
+        stop(proc, grace_s=30)
 
 
 def start_actor(
@@ -154,7 +140,7 @@ def start_actor(
 ) -> tuple[str, subprocess.Popen, Path]:
     """An actor process through its real entry point, ready; returns (address, proc, log).
 
-    It runs in a process group of its own (stop it with `stop_group`); its output goes to the
+    It runs in a process group of its own (stop it with `bench/kit/spawn.stop`); its output goes to the
     log, which a failed start shows."""
     if "actor.kind=synthetic" not in overrides:
         require_real("starts a vLLM actor")

@@ -162,6 +162,42 @@ def test_spawn_leads_a_group_in_this_session_and_reads_nothing():
     assert read == "''"  # stdin is /dev/null: a read ends at once, never waits on a terminal
 
 
+_STUBBORN_CHILD = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('ready', flush=True); time.sleep(60)"
+)
+_PARENT = (
+    "import subprocess, sys, time\n"
+    f"child = subprocess.Popen([sys.executable, '-c', {_STUBBORN_CHILD!r}],\n"
+    "                         stdout=subprocess.PIPE, text=True)\n"
+    "child.stdout.readline()\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.mark.parametrize("grace_s", [0.0, 1.0])
+def test_stop_returns_only_when_the_whole_group_is_gone(grace_s):
+    """The leader exits on SIGTERM, its child ignores it (as an engine's Worker may, for a
+    while): `stop` SIGKILLs what is left after the grace, and returns with nothing of the
+    group alive, not when the leader alone is reaped."""
+    import subprocess
+    import sys
+
+    from millstream.bench.kit.spawn import spawn, stop
+    from millstream.shared.process.lifecycle import group_processes
+
+    proc = spawn([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    assert set(group_processes(proc.pid)) == {proc.pid, child}
+    started = time.monotonic()
+    stop(proc, grace_s=grace_s)
+    assert group_processes(proc.pid) == []
+    assert proc.returncode == (-15 if grace_s else -9)  # SIGTERM first, unless no grace
+    assert time.monotonic() - started >= grace_s  # the stubborn child had its grace
+
+
 def test_thread_wait_counts_the_time_a_busy_thread_is_kept_from_its_core():
     """Three processes that spin on one core each run a third of the time and wait for it two
     thirds: the run-queue wait the overhead benchmark records per thread

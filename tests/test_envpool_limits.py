@@ -13,6 +13,7 @@ import helpers
 import pytest
 import zmq
 
+from millstream.bench.kit.spawn import stop
 from millstream.envpool.actors.client import ActorUnreachable, GenerationFailed
 from millstream.envpool.actors.generation import Retry, Sampling
 from millstream.envpool.chat import ChatFormat
@@ -238,7 +239,7 @@ def test_the_synthetic_actor_refuses_beyond_max_live_requests(tiny_model_dir, tm
         with_client(address, body)
         assert causes.count("ok") == 4 and causes.count(Cause.ACTOR_OVERLOADED) == 6, causes
     finally:
-        helpers.stop_group(proc)
+        stop(proc, grace_s=0)
 
 
 @pytest.mark.slow
@@ -295,6 +296,6 @@ def test_a_worker_started_before_its_actor_waits_for_the_learner_not_the_handsha
         stats = anyio.run(main, backend="trio")
     finally:
         for proc in procs:
-            helpers.stop_group(proc)
+            stop(proc, grace_s=0)
         learner.close()
     assert stats.finished == 2 and not stats.failed

@@ -28,13 +28,13 @@ from helpers import (
     read_episodes,
     replies,
     start_actor,
-    stop_group,
     wait_for_file,
     with_client,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from millstream.bench.kit.spawn import stop
 from millstream.envpool.actors.generation import Sampling
 from millstream.envpool.stats import rss_bytes
 from millstream.learner.episodes.validate import EpisodeCheck
@@ -212,7 +212,7 @@ def hostile_synthetic(tiny_model_dir, tmp_path_factory):
         tiny_model_dir, tmp_path_factory.mktemp("hostile"), "actor.kind=synthetic", timeout_s=120
     )
     yield address, proc, log
-    stop_group(proc)
+    stop(proc, grace_s=0)
 
 
 async def one_generation(address: str, timeout_s: float = 30.0):
@@ -504,7 +504,7 @@ def test_learner_refuses_hostile_episodes_and_keeps_training(tiny_model_dir, hos
         send([PoolDone("w0", sent, sent, 0)])
         assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     finally:
-        stop_group(proc)
+        stop(proc, grace_s=0)
     summary = orjson.loads((tmp_path / "run" / "summary.json").read_bytes())
     assert summary["accounting_ok"] is True and summary["version"] == 2
     assert summary["episodes_foreign"] == 4  # the hostile ones: received, refused, not the run's

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import orjson
 import pytest
-from helpers import check_accounting, dealer, millstream_run, read_episodes, replies, start_actor, stop_group
+from helpers import check_accounting, dealer, millstream_run, read_episodes, replies, start_actor
 from hypothesis import given
 from hypothesis import strategies as st
 
+from millstream.bench.kit.spawn import stop
 from millstream.envpool.scoring.judge import JudgeFailed, _rescored, read_score, render_rubric
 from millstream.shared.config import ConfigError, load_config
 from millstream.shared.obs.metrics import read_jsonl
@@ -150,7 +151,7 @@ def test_the_judge_actor_refuses_weights(tiny_model_dir, tmp_path):
         sock.close()
         assert any(isinstance(m, ErrorReply) and m.cause == ReplyCause.FROZEN for m in got)
     finally:
-        stop_group(proc)
+        stop(proc, grace_s=0)
 
 
 @pytest.mark.real

@@ -5,14 +5,14 @@ learner announces it again."""
 
 from __future__ import annotations
 
-import signal
 import time
 from collections import Counter, defaultdict
 
 import anyio
 import pytest
-from helpers import keys_for, start_synthetic_actor, stop_group
+from helpers import keys_for, start_synthetic_actor
 
+from millstream.bench.kit.spawn import stop
 from millstream.envpool.actors.generation import GenerationFailed, Retry, Sampling
 from millstream.envpool.actors.router import Router
 from millstream.shared.config import TransportConfig
@@ -68,8 +68,8 @@ def test_episodes_stick_to_one_replica_and_spread_by_load(tiny_model_dir, tmp_pa
 
         stats = anyio.run(_with_router, [ReplicaRef("r0", a, 1), ReplicaRef("r1", b, 1)], body)
     finally:
-        stop_group(pa)
-        stop_group(pb)
+        stop(pa, grace_s=0)
+        stop(pb, grace_s=0)
     assert len(served) == 40 and all(len(set(turns)) == 1 for turns in served.values())  # sticky
     first = Counter(turns[0] for turns in served.values())
     assert min(first.values()) >= 12, first  # least loaded: neither replica takes most of them
@@ -91,8 +91,8 @@ def test_an_overloaded_replica_sheds_to_the_other(tiny_model_dir, tmp_path):
 
         stats = anyio.run(_with_router, [ReplicaRef("tight", tight, 1), ReplicaRef("roomy", roomy, 1)], body)
     finally:
-        stop_group(pa)
-        stop_group(pb)
+        stop(pa, grace_s=0)
+        stop(pb, grace_s=0)
     assert sum(len(t) for t in served.values()) == 60  # every turn was served
     assert stats["replicas"]["tight"]["refusals"] > 0
     assert stats["retries_by_cause"].get("actor_overloaded", 0) == stats["replicas"]["tight"]["refusals"]
@@ -117,7 +117,7 @@ def test_a_dead_replicas_turns_move_and_it_waits_for_a_new_epoch(tiny_model_dir,
                 with anyio.fail_after(20):  # turns are live on both
                     while not all(router.replicas[r].client.stats.live for r in ("r0", "r1")):
                         await anyio.sleep(0.01)
-                stop_group(pa, signal.SIGKILL)
+                stop(pa, grace_s=0)
             after_kill = router.statistics()
             _, restarted = await anyio.to_thread.run_sync(
                 lambda: start_synthetic_actor(tiny_model_dir, tmp_path, address=a)
@@ -137,7 +137,7 @@ def test_a_dead_replicas_turns_move_and_it_waits_for_a_new_epoch(tiny_model_dir,
     finally:
         for proc in (pa, pb, restarted):
             if proc is not None:
-                stop_group(proc)
+                stop(proc, grace_s=0)
     assert after_kill["retries_by_cause"].get("actor_lost", 0) >= 1
     assert after_kill["replicas"]["r0"]["lost"] == 1
     assert before_epoch["replicas"]["r0"]["requests"] == after_kill["replicas"]["r0"]["requests"]

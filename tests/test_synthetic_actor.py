@@ -19,10 +19,10 @@ from helpers import (
     keys_for,
     start_synthetic_actor,
     steps_of,
-    stop_group,
     with_client,
 )
 
+from millstream.bench.kit.spawn import stop
 from millstream.envpool.actors.client import GenerationFailed
 from millstream.envpool.actors.generation import Sampling
 from millstream.learner.sync.weights import WeightSender
@@ -91,7 +91,7 @@ def test_lognormal_lengths_are_heavy_tailed_and_capped(tiny_model_dir, tmp_path)
     try:
         results = run_client(address, many)
     finally:
-        stop_group(proc)
+        stop(proc, grace_s=0)
     lengths = sorted(len(r.token_ids) for r in results)
     median = lengths[len(lengths) // 2]
     assert 14 <= median <= 28, median  # lognormal median 20
@@ -174,7 +174,7 @@ def test_tokens_keep_coming_while_weights_are_received(tiny_model_dir, tmp_path)
         stop.set()
         streaming.join(timeout=10)
         sender.close()
-        stop_group(proc)
+        stop(proc, grace_s=0)
     between = (m1["sync/actor_tokens"] - m0["sync/actor_tokens"]) / (t1 - t0)
     during = (m2["sync/actor_tokens"] - m1["sync/actor_tokens"]) / (t2 - t1)
     assert m2["sync/actor_receive_s"] > 0.02 and m2["sync/actor_paused_s"] < m2["sync/actor_receive_s"], m2

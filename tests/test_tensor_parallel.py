@@ -17,10 +17,11 @@ import anyio
 import orjson
 import pytest
 import torch
-from helpers import KEYS, ROOT, keys_for, start_actor, stop_group, with_client
+from helpers import KEYS, ROOT, keys_for, start_actor, with_client
 from test_actor import PROMPT, generate, hf_greedy, hf_logprobs
 from transformers import AutoModelForCausalLM
 
+from millstream.bench.kit.spawn import stop
 from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import ConfigError, LearnerConfig
 from millstream.shared.process.lifecycle import group_processes
@@ -80,7 +81,7 @@ def tp_actor(tiny_model_dir, tmp_path_factory):
         timeout_s=300,
     )
     yield address, log, proc
-    stop_group(proc, sig=15)
+    stop(proc, grace_s=30)
 
 
 @pytest.mark.real

@@ -14,20 +14,18 @@ reference is what the machine alone does to two identical engines.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from contextlib import ExitStack, suppress
+from contextlib import ExitStack
 from pathlib import Path
 from typing import IO, Any
 
-from millstream.bench.kit.spawn import spawn
+from millstream.bench.kit.spawn import spawn, stop
 from millstream.shared.config import Config
 from millstream.shared.process.enginecore import engine_core_nice, lower_engine_cores
-from millstream.shared.process.lifecycle import group_processes
 from millstream.shared.process.runtime import engine_environment, free_port
 
 __all__ = ["read_json_line", "start_actor", "start_asyncllm", "start_vllm_serve", "lower_baseline_cores"]
@@ -51,24 +49,8 @@ def _spawn(stack: ExitStack, cfg: Config, command: list[str], log: Path, **kwarg
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", **engine_environment(cfg))
     with log.open("ab") as out:  # the child holds its own copy of the descriptor
         proc = spawn(command, stderr=out, env=env, **kwargs)
-    stack.callback(_stop, proc)
+    stack.callback(stop, proc)  # the whole group gone before the next start
     return proc
-
-
-def _stop(proc: subprocess.Popen, timeout_s: float = 20.0) -> None:
-    """Stop an engine's whole group and wait until none of it is left: with `--instances` the
-    next engines start at once, and an EngineCore or Worker still exiting would take the cores
-    of their warm-up, or hold the actor's port."""
-    for sig in (signal.SIGCONT, signal.SIGTERM):  # a stopped process would hold SIGTERM pending
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-    deadline = time.monotonic() + timeout_s
-    while group_processes(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if group_processes(proc.pid):
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=10)
 
 
 def _wait(check: Callable[[], bool], proc: subprocess.Popen, what: str, timeout_s: float = 900) -> None:

@@ -11,9 +11,6 @@ drain: a benchmark's turns are over by then). Also the synthetic replica's diges
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from millstream.bench.kit.spawn import spawn
+from millstream.bench.kit.spawn import spawn, stop
 from millstream.shared.process.runtime import free_port
 
 __all__ = ["replicas", "digest_s"]
@@ -59,9 +56,7 @@ def replicas(count: int, overrides: list[str], model: Path, work: Path) -> Itera
         for _, proc, _ in procs:  # nothing to drain: the benchmark's turns are over
             # The whole group: a vLLM actor's engine processes are its children, and a
             # SIGKILL of the actor alone left them running (3 GB each) after every benchmark.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            stop(proc, grace_s=0)
 
 
 def digest_s(flat: torch.Tensor | None) -> float:

@@ -24,9 +24,7 @@ accounting holds, every kill was healed and the run ended by itself.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -39,6 +37,7 @@ import orjson
 
 from millstream.bench.kit.hostile import Attacker
 from millstream.bench.kit.rounds import machine, results_dir
+from millstream.bench.kit.spawn import stop
 from millstream.bench.soak.watch import Watch
 
 __all__ = ["main"]
@@ -117,20 +116,10 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
                 except subprocess.TimeoutExpired:
                     pass
     finally:
-        _stop(proc)  # a Ctrl-C, an error or the deadline: the run's processes go with the soak
+        # A Ctrl-C, an error or the deadline: the launcher stops every role on SIGTERM.
+        stop(proc, grace_s=60)
     lines.thread.join(timeout=10)
     return _report(args, out, run_dir, proc.wait(), lines, watch, attacker)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """The launcher leads its own session: SIGTERM it (it stops every role), then SIGKILL."""
-    if proc.poll() is not None:
-        return
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _report(
