@@ -144,14 +144,14 @@ def test_tokens_keep_coming_while_weights_are_received(tiny_model_dir, tmp_path)
     cfg = LearnerConfig(sync_timeout_s=60)
     sender = WeightSender(address, cfg, dtype="float32", keys=keys_for("learner"))
     weights = [(f"w{i}", torch.randn(2**20)) for i in range(64)]  # 256 MiB
-    stop = threading.Event()
+    streaming_done = threading.Event()
 
     def stream() -> None:  # keeps 8 requests in flight, reading every delta
         sock, codec = dealer(address), Codec()
         requests = (GenerateRequest(f"r{n}", [1, 5, 9], 400, ignore_eos=True) for n in range(10**6))
         for _ in range(8):
             sock.send(codec.encode([next(requests)]))
-        while not stop.is_set():
+        while not streaming_done.is_set():
             for message in codec.decode(sock.recv()) if sock.poll(50) else []:
                 if isinstance(message, TokenDelta) and message.finish_reason:
                     sock.send(codec.encode([next(requests)]))
@@ -171,7 +171,7 @@ def test_tokens_keep_coming_while_weights_are_received(tiny_model_dir, tmp_path)
         t1, m1 = push(3)
         t2, m2 = push(4)  # at once: the tokens since the last reply were made during this push
     finally:
-        stop.set()
+        streaming_done.set()
         streaming.join(timeout=10)
         sender.close()
         stop(proc, grace_s=0)
