@@ -71,3 +71,53 @@ def test_a_live_process_that_took_a_roles_number_is_not_the_runs(tmp_path: Path)
     finally:
         stranger.kill()
         stranger.wait()
+
+
+#: A role whose child takes its time to stop (as vLLM's EngineCore shuts down after its actor
+#: has exited): on SIGTERM the role exits at once, the child half a second later, having
+#: written that it finished.
+SLOW_CHILD = """
+import signal, sys, time
+from pathlib import Path
+def finish(*_):
+    time.sleep(0.5)
+    Path(sys.argv[1]).write_text("finished")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, finish)
+print("ready", flush=True)
+time.sleep(60)
+"""
+ROLE_WITH_SLOW_CHILD = """
+import subprocess, sys, time
+from pathlib import Path
+child = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[1]], stdout=subprocess.PIPE)
+child.stdout.readline()
+Path(sys.argv[1] + ".pid").write_text(str(child.pid))
+time.sleep(60)
+"""
+
+
+def test_stop_returns_when_a_roles_children_have_finished_stopping(tmp_path: Path):
+    """`Supervisor.stop` waits for each role's whole group, not for the role alone: a child still
+    stopping when its role has exited gets its grace (it is not SIGKILLed then), and nothing of
+    the run is alive when `stop` returns. The launcher prints "every process stopped" then."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (run_dir / "logs").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "slow_role.py").write_text(ROLE_WITH_SLOW_CHILD)
+    marker = elsewhere / "child-finished"
+    sup = Supervisor(run_dir)
+    sup.start("role", "slow_role", [str(marker), SLOW_CHILD], env={"PYTHONPATH": str(elsewhere)})
+    pid_file = Path(f"{marker}.pid")
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert not sup.exited() and time.monotonic() < deadline, sup.tail("role")
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert child in run_processes(run_dir)
+    started = time.monotonic()
+    sup.stop(grace_s=10)
+    assert run_processes(run_dir) == []  # at once: no waiting loop after `stop`
+    assert marker.read_text() == "finished"  # the child's own stop ran to its end
+    assert time.monotonic() - started < 10  # it ended by itself, long before the grace ran out
+    assert sup.procs["role"].returncode == -signal.SIGTERM

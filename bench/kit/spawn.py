@@ -16,14 +16,10 @@ session that read from it would be stopped (SIGTTIN).
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import time
-from contextlib import suppress
 from typing import Any
 
-from millstream.shared.process.lifecycle import group_processes
+from millstream.shared.process.lifecycle import stop_groups
 
 __all__ = ["spawn", "stop"]
 
@@ -35,27 +31,14 @@ def spawn(command: list[str], **popen_kwargs: Any) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
-    """Stop `proc`'s whole group and return only when none of it is left.
+    """Stop `proc`'s whole group and return only when none of it is left (`stop_groups`: SIGTERM,
+    SIGKILL to what is left after `grace_s`; `grace_s=0` kills at once).
 
-    SIGCONT and SIGTERM first (a stopped process would hold SIGTERM pending), SIGKILL to what is
-    left after `grace_s`; `grace_s=0` kills at once. Waiting for the group, not the leader alone,
-    matters twice: a vLLM actor's EngineCore and Worker are its children and outlive it by
-    seconds, and a benchmark that starts the next engine at once would give their exit the
-    cores of its warm-up (or find the port still held).
+    Waiting for the group, not the leader alone, matters here: a vLLM actor's EngineCore and
+    Worker are its children and outlive it by seconds, and a benchmark that starts the next
+    engine at once would give their exit the cores of its warm-up (or find the port still held).
     """
-    if grace_s > 0:
-        for sig in (signal.SIGCONT, signal.SIGTERM):
-            with suppress(ProcessLookupError):
-                os.killpg(proc.pid, sig)
-        _wait_group_gone(proc.pid, grace_s)
-    if group_processes(proc.pid):
-        with suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        _wait_group_gone(proc.pid, 10.0)
+    left = stop_groups([proc.pid], grace_s)
+    if left:
+        raise RuntimeError(f"processes {left} of group {proc.pid} outlived SIGKILL by 10 s")
     proc.wait(timeout=10)
-
-
-def _wait_group_gone(pgid: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while group_processes(pgid) and time.monotonic() < deadline:
-        time.sleep(0.1)

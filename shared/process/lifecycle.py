@@ -16,6 +16,10 @@ Three ways a run's processes could outlive it, and what closes each:
   installed). Where there is no /proc, a zombie launcher counts as alive until reaped, and
   `run_processes` finds nothing: the tests that count processes are Linux-only.
 
+The launcher's own stop (`stop_groups`, shared/process/supervisor.py) counts a role as stopped
+when its whole process group is gone, not when the role is: vLLM's EngineCore goes on shutting
+down for a while after its actor has exited, and is given the same grace.
+
 Every process of a run also carries `MILLSTREAM_RUN` (the run directory) in its environment,
 inherited by whatever it spawns, and every role runs in a process group of its own (a role on a
 Ray node: a session of its own), so a test or an operator can find them all (`run_processes`),
@@ -30,7 +34,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -48,6 +52,7 @@ __all__ = [
     "run_processes",
     "group_processes",
     "session_processes",
+    "stop_groups",
 ]
 
 log = logging.getLogger(__name__)
@@ -241,6 +246,41 @@ def group_processes(pgid: int) -> list[int]:
     return _members(0, pgid)
 
 
+def stop_groups(pgids: Iterable[int], grace_s: float) -> list[int]:
+    """Stop every process of the groups `pgids`; return once none is alive (or what still is).
+
+    SIGCONT and SIGTERM to each group (a stopped process would hold SIGTERM pending), one shared
+    wait of `grace_s` for all of them to be empty, SIGKILL to the groups with anyone left, and a
+    last wait of up to 10 s for the kernel to take them. `grace_s=0` kills at once. A group is
+    empty when its last member is gone, not when its leader is: a role's children (vLLM's
+    EngineCore and Worker, torchrun's ranks) outlive their leader by seconds, and whoever starts
+    the next engine or says "every process stopped" must not count them as gone. A zombie counts
+    as gone (its parent reaps it). Returns the pids still alive after all that: empty unless a
+    process is stuck in the kernel (a GPU driver, a hung mount), which no signal ends.
+    """
+    groups = set(pgids)
+    if grace_s > 0:
+        for sig in (signal.SIGCONT, signal.SIGTERM):
+            for pgid in groups:
+                _kill_group(pgid, sig)
+    left = _wait_groups_gone(groups, grace_s)
+    if not left:
+        return []
+    for pgid in set(left.values()):
+        _kill_group(pgid, signal.SIGKILL)
+    return sorted(_wait_groups_gone(groups, 10.0))
+
+
+def _wait_groups_gone(pgids: set[int], timeout_s: float) -> dict[int, int]:
+    """{pid: group} of the live members of `pgids` after waiting up to `timeout_s` for none."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = {pid: group for pid in _all_pids() if (group := _group(pid)) in pgids and _alive(pid)}
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.05)
+
+
 def session_processes(sid: int) -> list[int]:
     """Pids of live processes in session `sid` (a role started with its own session)."""
     return _members(1, sid)
@@ -276,6 +316,11 @@ def _group_and_session(pid: int) -> tuple[int, ...]:
     return int(fields[2]), int(fields[3])
 
 
+def _group(pid: int) -> int | None:
+    """The process group of `pid`; None if it is gone."""
+    return (_group_and_session(pid) or (None,))[0]
+
+
 def _alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet waited for, counts as gone where /proc tells)."""
     try:
@@ -298,5 +343,12 @@ def _alive(pid: int) -> bool:
 def _kill(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass

@@ -23,7 +23,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import IO, Protocol
 
 import orjson
 
-from millstream.shared.process.lifecycle import ENV_PARENT, ENV_RUN
+from millstream.shared.process.lifecycle import ENV_PARENT, ENV_RUN, stop_groups
 from millstream.shared.process.runtime import ENV_NAME, STOPPED, exit_file, ready_file
 
 __all__ = ["Supervisor", "RoleProcesses", "LineStream", "describe_exit", "tail_log"]
@@ -159,17 +158,17 @@ class Supervisor:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every group, wait up to `grace_s` in all, then SIGKILL every group."""
-        for proc in self.procs.values():
-            _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        """Stop every role's whole group (`stop_groups`: SIGTERM, one wait of up to `grace_s` in
+        all, SIGKILL to what is left) and return when none of their processes is alive, a role's
+        EngineCore or torchrun ranks included, not only the roles themselves."""
+        left = stop_groups([proc.pid for proc in self.procs.values()], grace_s)
+        if left:  # stuck in the kernel: nothing more a signal can do; say so rather than hang
+            print(f"millstream: processes {left} outlived SIGKILL", file=sys.stderr, flush=True)
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                proc.wait(timeout=10)  # reap the role (its group is gone, so this is at once)
             except subprocess.TimeoutExpired:
                 pass
-            _signal_group(proc, signal.SIGKILL)  # children of a dead parent, or a stuck one
-            proc.wait()
 
     def tail(self, name: str, lines: int = 15) -> str:
         return tail_log(self.logs[name], lines)
