@@ -43,7 +43,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +50,7 @@ from pathlib import Path
 import orjson
 
 from millstream.bench.kit.rounds import Outcome, compare, results_dir, write_outcome
+from millstream.bench.kit.scratch import scratch
 from millstream.bench.kit.spawn import spawn, stop
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.obs.metrics import read_jsonl
@@ -218,15 +218,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Path]:
     ns = parse(argv)
     folder, written = Path(ns.out) if ns.out else results_dir(), []
-    work = Path(tempfile.mkdtemp(prefix="millstream-async-sync-"))
-    try:
+    with scratch("millstream-async-sync-") as work:
         for stack in ns.stacks:
             outcome = measure(stack, ns, work)
             name = f"async-sync-{stack}{'-quick' if ns.quick else ''}"
             written.append(write_outcome(outcome, folder, name, {"table": table(outcome)}))
             print(f"\n{stack} stack:\n{table(outcome)}")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     for path in written:
         print(path, path.with_suffix(".png"))
     print(orjson.dumps([str(p) for p in written]).decode())

@@ -15,18 +15,18 @@ worker does), and reports generated tokens per second and the turn latency. The 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import anyio
 import orjson
 
-from millstream.bench.kit.spawn import spawn
+from millstream.bench.kit.scratch import scratch
+from millstream.bench.kit.spawn import spawn, stop
 from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, TransportConfig
@@ -46,10 +46,12 @@ def _start_actor(kind: str, model: Path, keys: Path, curve: bool, work: Path) ->
         f"actor.address={address}", f"actor.kind={kind}", f"transport.curve={'true' if curve else 'false'}",
         f"transport.keys_dir={keys}", "actor.max_num_seqs=64", "run.log_level=WARNING",
     ]  # fmt: skip
-    proc = spawn(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with (work / f"actor-{'curve' if curve else 'plain'}.log").open("wb") as log:
+        proc = spawn(cmd, stdout=log, stderr=log)
     deadline = time.monotonic() + 600
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
+            stop(proc, grace_s=0)  # its group: an engine process it started goes too
             raise RuntimeError(f"the actor did not start ({' '.join(cmd)})")
         time.sleep(0.2)
     return address, proc
@@ -95,24 +97,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2, help="rounds per setting, alternating")
     ns = parser.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="millstream-auth-cost-"))
-    model = build_tiny_model(work / "tiny", seed=0)
-    keys = work / "keys"
     results: dict[str, list[tuple[float, float]]] = {"curve": [], "plain": []}
     actors = {}
-    try:
+    with scratch("millstream-auth-cost-") as work, ExitStack() as stack:
+        model = build_tiny_model(work / "tiny", seed=0)
+        keys = work / "keys"
         for curve in (True, False):  # both actors up first: the rounds then alternate
             kind = "vllm" if ns.actor == "vllm" else "synthetic"
             actors[curve] = _start_actor(kind, model, keys, curve, work)
+            stack.callback(stop, actors[curve][1], grace_s=60)
         for _ in range(ns.rounds):
             for curve in (True, False):
                 address = actors[curve][0]
                 rate, p50 = anyio.run(_load, address, curve, keys, ns.requests, ns.concurrency, ns.max_tokens)
                 results["curve" if curve else "plain"].append((rate, p50))
-    finally:
-        for _, proc in actors.values():
-            os.killpg(proc.pid, 15)
-            proc.wait(timeout=60)
     print(f"{'setting':<8} {'tokens/s (each round)':<28} {'median turn s':<14}")
     for name, rows in results.items():
         rates = ", ".join(f"{r:.0f}" for r, _ in rows)

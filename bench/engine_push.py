@@ -23,9 +23,7 @@ Results: bench/results/<date>-<host>/engine-push.json.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -39,6 +37,7 @@ import zmq
 
 from millstream.bench.kit.replicas import replicas
 from millstream.bench.kit.rounds import machine, results_dir
+from millstream.bench.kit.scratch import scratch
 from millstream.learner.sync.weights import WeightSender
 from millstream.shared.config import LearnerConfig
 from millstream.shared.wire import Codec, GenerateRequest, TokenDelta
@@ -165,11 +164,8 @@ def main(argv: list[str] | None = None) -> Path:
     ns = parse(argv)
     folder = Path(ns.out) if ns.out else results_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="millstream-engine-push-"))
-    try:
+    with scratch("millstream-engine-push-") as work:
         result = measure(ns, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     path = folder / "engine-push.json"
     path.write_bytes(orjson.dumps({"machine": machine(), **result}, option=orjson.OPT_INDENT_2))
     for key, value in result["summary"].items():

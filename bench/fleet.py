@@ -41,10 +41,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -59,6 +57,7 @@ from millstream.bench.kit.fleet_report import plot, table
 from millstream.bench.kit.procstat import cpu_s
 from millstream.bench.kit.replicas import digest_s, replicas
 from millstream.bench.kit.rounds import compare, results_dir, write_outcome
+from millstream.bench.kit.scratch import scratch
 from millstream.envpool.actors.client import ActorClient, Generation
 from millstream.envpool.actors.generation import Retry, Sampling
 from millstream.envpool.actors.router import Router
@@ -357,11 +356,8 @@ def measure(ns: argparse.Namespace, work: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ns, begun = parse(argv), time.perf_counter()
     ns.out = ns.out or str(results_dir())
-    work = Path(tempfile.mkdtemp(prefix="millstream-fleet-bench-"))
-    try:
+    with scratch("millstream-fleet-bench-") as work:
         results = measure(ns, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     results["total_s"], results["load_after"] = time.perf_counter() - begun, os.getloadavg()
     results["title"] = (
         f"synthetic replicas: {ns.max_num_seqs} slots, {ns.max_tokens} tokens/turn, {ns.episodes} "

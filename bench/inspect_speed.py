@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import os
 import select
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
 
 from millstream.bench.kit.rounds import compare, results_dir, write_outcome
+from millstream.bench.kit.scratch import scratch
 from millstream.bench.stress import run_stress, stress_parser
 from millstream.bench.stress_suite import FAST_ENGINE
 
@@ -81,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episodes", type=int, default=10000, help="episodes in the store")
     p.add_argument("--rounds", type=int, default=5)
     ns = p.parse_args(argv)
-    folder = Path(tempfile.mkdtemp(prefix="millstream-inspect-bench-"))
-    try:
+    with scratch("millstream-inspect-bench-") as folder:
         run_dir = make_store(folder / "run", ns.episodes)
         row = str(ns.episodes // 2)
         outcome = compare(
@@ -98,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         extra = {"episodes": ns.episodes, "store_mb": store_mb, "load": os.getloadavg()[0]}
         path = write_outcome(outcome, results_dir(), "inspect-speed", extra=extra)
         print(f"wrote {path}")
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

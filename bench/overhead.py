@@ -41,7 +41,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import ExitStack, suppress
@@ -62,6 +61,7 @@ from millstream.bench.baselines.overhead_engines import (
 from millstream.bench.baselines.overhead_load import prompt_ids, run_load
 from millstream.bench.kit.procstat import labelled_threads, thread_cpu_s, thread_wait_s, tree_cpu_s
 from millstream.bench.kit.rounds import Outcome, compare, pooled, results_dir, write_outcome
+from millstream.bench.kit.scratch import scratch
 from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.actors.generation import Sampling
 from millstream.shared.config import Config, dump_config, load_config
@@ -355,52 +355,56 @@ def main(argv: list[str] | None = None) -> int:
     if ns.quick:
         ns.waves, ns.seconds, ns.concurrency = 2, 3.0, "64"
     levels = [int(c) for c in ns.concurrency.split(",")]
-    work = Path(tempfile.mkdtemp(prefix="millstream-overhead-"))
-    model = build_tiny_model(work / "tiny", seed=0)
-    overrides = [
-        f"model.path={model}",
-        f"actor.address=tcp://127.0.0.1:{free_port()}",
-        f"actor.max_num_seqs={max(levels)}",
-        f"transport.keys_dir={work / 'keys'}",
-        # Both sides on every core, as AsyncLLM alone runs: the comparison is of the engine
-        # behind millstream, not of a core split (shared/process/cpus.py).
-        "actor.cpus=all",
-    ]
-    cfg = load_config(None, overrides)
-    config_path = work / "config.toml"
-    config_path.write_text(dump_config(cfg))
-    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-    folder = results_dir()  # once: a run that passes midnight keeps one folder
-    per_load: dict[tuple[str, int], list[Outcome]] = {}
-    for instance in range(ns.instances):
-        with ExitStack() as stack:
-            runs, roots = start_systems(stack, cfg, work, ns.systems, str(model), backwards=instance % 2 == 1)
-            awake = OneAwake(roots)
-            stack.callback(awake.wake_all)
-            for shape in ns.shapes.split(","):
-                for concurrency in levels:
-                    load = Load(shape, concurrency, ns, vocab)
-                    outcome = compare(
-                        {
-                            n: awake.measuring(n, with_cpu(partial(run, load), roots))
-                            for n, run in runs.items()
-                        },
-                        rounds=ns.rounds,
-                        metric="tokens_s",
-                        warmup=True,
-                        settings={
-                            **load.command(),
-                            "model": "tiny Qwen2, float32, CPU",
-                            "kv_bytes": cfg.actor.kv_cache_bytes,
-                        },
-                    )
-                    name = f"overhead-{shape}-c{concurrency}" + ("-quick" if ns.quick else "")
-                    say_ratios(f"{name}, engines {instance + 1}/{ns.instances}", outcome)
-                    outcomes = per_load.setdefault((shape, concurrency), [])
-                    outcomes.append(outcome)
-                    # Written as it grows: a run cut short keeps what it measured.
-                    extra = {"per_instance": [o.summary() for o in outcomes]} if ns.instances > 1 else None
-                    write_outcome(pooled(outcomes), folder, name, extra)
+    with scratch("millstream-overhead-") as work:
+        model = build_tiny_model(work / "tiny", seed=0)
+        overrides = [
+            f"model.path={model}",
+            f"actor.address=tcp://127.0.0.1:{free_port()}",
+            f"actor.max_num_seqs={max(levels)}",
+            f"transport.keys_dir={work / 'keys'}",
+            # Both sides on every core, as AsyncLLM alone runs: the comparison is of the engine
+            # behind millstream, not of a core split (shared/process/cpus.py).
+            "actor.cpus=all",
+        ]
+        cfg = load_config(None, overrides)
+        config_path = work / "config.toml"
+        config_path.write_text(dump_config(cfg))
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        folder = results_dir()  # once: a run that passes midnight keeps one folder
+        per_load: dict[tuple[str, int], list[Outcome]] = {}
+        for instance in range(ns.instances):
+            with ExitStack() as stack:
+                runs, roots = start_systems(
+                    stack, cfg, work, ns.systems, str(model), backwards=instance % 2 == 1
+                )
+                awake = OneAwake(roots)
+                stack.callback(awake.wake_all)
+                for shape in ns.shapes.split(","):
+                    for concurrency in levels:
+                        load = Load(shape, concurrency, ns, vocab)
+                        outcome = compare(
+                            {
+                                n: awake.measuring(n, with_cpu(partial(run, load), roots))
+                                for n, run in runs.items()
+                            },
+                            rounds=ns.rounds,
+                            metric="tokens_s",
+                            warmup=True,
+                            settings={
+                                **load.command(),
+                                "model": "tiny Qwen2, float32, CPU",
+                                "kv_bytes": cfg.actor.kv_cache_bytes,
+                            },
+                        )
+                        name = f"overhead-{shape}-c{concurrency}" + ("-quick" if ns.quick else "")
+                        say_ratios(f"{name}, engines {instance + 1}/{ns.instances}", outcome)
+                        outcomes = per_load.setdefault((shape, concurrency), [])
+                        outcomes.append(outcome)
+                        # Written as it grows: a run cut short keeps what it measured.
+                        extra = (
+                            {"per_instance": [o.summary() for o in outcomes]} if ns.instances > 1 else None
+                        )
+                        write_outcome(pooled(outcomes), folder, name, extra)
     rows = [(shape, concurrency, pooled(outcomes)) for (shape, concurrency), outcomes in per_load.items()]
     for shape, concurrency, outcome in rows:
         say_ratios(f"overhead-{shape}-c{concurrency}, all {ns.instances} engine starts", outcome)

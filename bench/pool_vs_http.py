@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -40,6 +38,7 @@ from pathlib import Path
 import aiohttp
 
 from millstream.bench.kit.rounds import compare, results_dir, write_outcome
+from millstream.bench.kit.scratch import scratch
 from millstream.bench.kit.stress_report import ResultWindow
 from millstream.bench.stress import stress_once
 from millstream.envpool.chat import ChatFormat
@@ -209,53 +208,52 @@ def main(argv: list[str] | None = None) -> int:
     levels = [100, 1000] if ns.quick else [int(c) for c in ns.concurrency.split(",")]
     least = ns.episodes or (3000 if ns.quick else 10_000)
     out = ns.out or results_dir()
-    work = Path(tempfile.mkdtemp(prefix="pool-vs-http-"))
-    model = build_tiny_model(work / "tiny", seed=0)
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "millstream.bench.baselines.http_engine", str(port), str(model), *ENGINE],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        server.stdout.readline()  # "ready"
-        url = f"http://127.0.0.1:{port}/generate"
-        for concurrency in levels:
-            episodes = max(least, 2 * concurrency)
-            systems: dict[str, Callable[[], dict[str, float]]] = {
-                "envpool": partial(through_envpool, model, concurrency, episodes),
-                "asyncio-http": partial(through_http, url, model, concurrency, episodes),
-            }
-            if ns.against is not None:
-                before = partial(through_checkout, ns.against, model, concurrency, episodes)
-                systems["envpool-before"] = before
-            outcome = compare(
-                systems,
-                rounds=ns.rounds,
-                metric="turns_s",
-                settings={
-                    "concurrency": concurrency,
-                    "episodes": episodes,
-                    "env": "echo",
-                    "turns": TURNS,
-                    "against": str(ns.against) if ns.against else None,
-                },
-            )
-            name = f"pool-vs-http-c{concurrency}" + ("-quick" if ns.quick else "")
-            name += "-ab" if ns.against else ""
-            write_outcome(outcome, out, name)
-            e, h = (outcome.summary()["systems"][s] for s in ("envpool", "asyncio-http"))
-            print(
-                f"| {concurrency} | {e['turns_s']['median']:,.0f} | {h['turns_s']['median']:,.0f} "
-                f"| {e['p99_ms']['median']:,.0f} | {h['p99_ms']['median']:,.0f} "
-                f"| {e['kib_per_episode']['median']:.1f} | {h['kib_per_episode']['median']:.1f} |",
-                flush=True,
-            )
-    finally:
-        server.terminate()
-        server.wait(10)
-        shutil.rmtree(work, ignore_errors=True)
+    with scratch("millstream-pool-vs-http-") as work:
+        model = build_tiny_model(work / "tiny", seed=0)
+        port = free_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "millstream.bench.baselines.http_engine", str(port), str(model), *ENGINE],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert server.stdout is not None
+            server.stdout.readline()  # "ready"
+            url = f"http://127.0.0.1:{port}/generate"
+            for concurrency in levels:
+                episodes = max(least, 2 * concurrency)
+                systems: dict[str, Callable[[], dict[str, float]]] = {
+                    "envpool": partial(through_envpool, model, concurrency, episodes),
+                    "asyncio-http": partial(through_http, url, model, concurrency, episodes),
+                }
+                if ns.against is not None:
+                    before = partial(through_checkout, ns.against, model, concurrency, episodes)
+                    systems["envpool-before"] = before
+                outcome = compare(
+                    systems,
+                    rounds=ns.rounds,
+                    metric="turns_s",
+                    settings={
+                        "concurrency": concurrency,
+                        "episodes": episodes,
+                        "env": "echo",
+                        "turns": TURNS,
+                        "against": str(ns.against) if ns.against else None,
+                    },
+                )
+                name = f"pool-vs-http-c{concurrency}" + ("-quick" if ns.quick else "")
+                name += "-ab" if ns.against else ""
+                write_outcome(outcome, out, name)
+                e, h = (outcome.summary()["systems"][s] for s in ("envpool", "asyncio-http"))
+                print(
+                    f"| {concurrency} | {e['turns_s']['median']:,.0f} | {h['turns_s']['median']:,.0f} "
+                    f"| {e['p99_ms']['median']:,.0f} | {h['p99_ms']['median']:,.0f} "
+                    f"| {e['kib_per_episode']['median']:.1f} | {h['kib_per_episode']['median']:.1f} |",
+                    flush=True,
+                )
+        finally:
+            server.terminate()
+            server.wait(10)
     return 0
 
 

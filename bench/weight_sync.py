@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import closing
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ import torch.distributed as dist
 
 from millstream.bench.kit.replicas import replicas
 from millstream.bench.kit.rounds import Outcome, compare, machine, results_dir, write_outcome
+from millstream.bench.kit.scratch import scratch
 from millstream.learner.sync.layout import FlatWeights
 from millstream.learner.sync.weights import ReplicaLink, attach_group, push_group
 from millstream.shared.config import LearnerConfig
@@ -178,10 +178,8 @@ def main(argv: list[str] | None = None) -> Path:
     cfg = LearnerConfig(sync_backend="gloo", sync_timeout_s=300)
     if ns.bucket_mb is not None:
         cfg = msgspec.structs.replace(cfg, sync_bucket_mb=ns.bucket_mb)
-    work = Path(tempfile.mkdtemp(prefix="millstream-weight-sync-"))
     rows: list[dict[str, Any]] = []
-    raw = RawGloo()
-    try:
+    with scratch("millstream-weight-sync-") as work, closing(RawGloo()) as raw:
         model = build_tiny_model(work / "tiny", seed=0)
         with replicas(1, ["actor.synthetic_step_s=0.002"], model, work) as started:
             link = ReplicaLink(started[0][0], None)
@@ -208,9 +206,6 @@ def main(argv: list[str] | None = None) -> Path:
                 del group
             finally:
                 link.close()
-    finally:
-        raw.close()
-        shutil.rmtree(work, ignore_errors=True)
     path = folder / f"weight-sync{suffix}.json"
     payload = {"machine": machine(), "rounds": ns.rounds, "rows": rows, "table": table(rows)}
     path.write_bytes(orjson.dumps(payload, option=orjson.OPT_INDENT_2))

@@ -4,6 +4,7 @@ numbers are not checked (benchmarks measure, tests assert behaviour)."""
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -517,3 +518,21 @@ def test_real_model_summary_reads_eval_and_step_split(tmp_path):
     assert s["generated_tokens_per_s"] == 30.0 and s["trained_tokens_per_s"] == pytest.approx(10.0)
     for overrides in real_model.VARIANTS.values():
         check_config(load_config(real_model.CONFIG, overrides))
+
+
+def test_scratch_is_removed_after_a_clean_exit_and_kept_with_its_path_after_a_failure(capsys):
+    """A benchmark's scratch folder goes when its numbers are in; when it fails, the engine logs
+    in it are the account of why, so it stays and its path is printed."""
+    from millstream.bench.kit.scratch import scratch
+
+    with scratch("millstream-test-scratch-") as work:
+        (work / "engine.log").write_text("fine")
+    assert not work.exists()
+    with pytest.raises(RuntimeError, match="engine died"), scratch("millstream-test-scratch-") as kept:
+        (kept / "engine.log").write_text("why it died")
+        raise RuntimeError("engine died")
+    try:
+        assert (kept / "engine.log").read_text() == "why it died"
+        assert str(kept) in capsys.readouterr().err
+    finally:
+        shutil.rmtree(kept)

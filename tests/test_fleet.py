@@ -22,6 +22,7 @@ import orjson
 import pytest
 from helpers import KEYS, ROOT, check_accounting, live_turns, start_run, steps_of, wait_for_file
 
+from millstream.bench.kit.spawn import spawn, stop
 from millstream.shared.obs.metrics import read_jsonl
 from millstream.shared.process.lifecycle import run_processes
 
@@ -129,14 +130,14 @@ def test_a_replica_joins_a_running_run_and_drains_on_sigterm(tiny_model_dir, tmp
         "actor.max_num_seqs=8",
     )
     ready = tmp_path / "joined.json"
-    joined = subprocess.Popen(
-        [sys.executable, "-m", "millstream.actor", "--join", str(run_dir), "--name", "spot-1"]
-        + ["--ready-file", str(ready), KEYS],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=open(tmp_path / "joined.log", "wb"),  # noqa: SIM115 (the child holds it)
-        start_new_session=True,
-    )
+    with (tmp_path / "joined.log").open("wb") as joined_log:
+        joined = spawn(  # a group of its own, in this session, as the launcher places a role
+            [sys.executable, "-m", "millstream.actor", "--join", str(run_dir), "--name", "spot-1"]
+            + ["--ready-file", str(ready), KEYS],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=joined_log,
+        )
     try:
         wait_for_file(ready, joined, 60, "the joining replica", log=tmp_path / "joined.log")
         log = run_dir / "logs" / "learner.log"
@@ -152,8 +153,7 @@ def test_a_replica_joins_a_running_run_and_drains_on_sigterm(tiny_model_dir, tmp
         joined.send_signal(signal.SIGTERM)
         assert joined.wait(timeout=60) != 0  # stopped by a signal (exit status STOPPED)
     finally:
-        if joined.poll() is None:
-            os.killpg(joined.pid, signal.SIGKILL)
+        stop(joined, grace_s=0)  # whatever of its group is left (nothing, when it drained)
     drained = (tmp_path / "joined.log").read_text()
     assert "replica spot-1 drained" in drained, drained[-2000:]
     out, _ = proc.communicate(timeout=400)

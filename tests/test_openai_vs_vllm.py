@@ -14,7 +14,6 @@ says why instead of comparing:
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch
 from helpers import keys_for
 from transformers import AutoModelForCausalLM
 
+from millstream.bench.kit.spawn import spawn, stop
 from millstream.envpool.actors.client import ActorClient
 from millstream.envpool.agents.endpoint import Endpoint
 from millstream.envpool.chat import ChatFormat
@@ -60,7 +60,7 @@ def vllm_serve(actor, tmp_path_factory):
     ]  # fmt: skip
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind", VLLM_LOGGING_LEVEL="WARNING")
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -73,12 +73,7 @@ def vllm_serve(actor, tmp_path_factory):
                 time.sleep(1)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        stop(proc, grace_s=60)  # the API server and its EngineCore, all of its group
 
 
 def _restore_weights(actor) -> None:

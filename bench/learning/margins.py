@@ -28,7 +28,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +35,8 @@ import orjson
 
 from millstream.bench.async_sync import start_vllm_actor
 from millstream.bench.kit.rounds import results_dir
+from millstream.bench.kit.scratch import scratch
+from millstream.bench.kit.spawn import stop
 from millstream.shared.models.tiny import build_tiny_model
 from millstream.shared.obs.metrics import read_jsonl, step_records
 
@@ -131,30 +132,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--name", help="results file name (default learning-margins-<case>)")
     ns = parser.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="margins-"))
-    model = build_tiny_model(work / "tiny", seed=0)
-    address, actor = start_vllm_actor(model, work)
-    base = [
-        f"model.path={model}",
-        f"actor.connect={address}",
-        "transport.curve=false",
-        f"train.steps={ns.steps}",
-        *CASES[ns.case],
-    ]
-    measure = MEASURES.get(ns.case, (4, 4))
-    rewards: dict[str, list[list[float]]] = {"learner": [], "non_learner": []}
-    started = time.monotonic()
-    try:
-        for i in range(ns.runs):  # interleaved: a drift of the machine hits both sides alike
-            for side, extra in (("learner", []), ("non_learner", ["learner.lr=1e-12"])):
-                run = run_once(
-                    work / f"{side}-{i}", [*base, f"run.seed={ns.first_seed + i}", *extra], ns.timeout
-                )
-                rewards[side].append(run)
-                print(f"{side} run {i}: rise {rise_of(run, *measure):+.3f}", flush=True)
-    finally:
-        os.killpg(actor.pid, 15)
-        actor.wait(timeout=60)
+    with scratch("millstream-margins-") as work:
+        model = build_tiny_model(work / "tiny", seed=0)
+        address, actor = start_vllm_actor(model, work)
+        base = [
+            f"model.path={model}",
+            f"actor.connect={address}",
+            "transport.curve=false",
+            f"train.steps={ns.steps}",
+            *CASES[ns.case],
+        ]
+        measure = MEASURES.get(ns.case, (4, 4))
+        rewards: dict[str, list[list[float]]] = {"learner": [], "non_learner": []}
+        started = time.monotonic()
+        try:
+            for i in range(ns.runs):  # interleaved: a drift of the machine hits both sides alike
+                for side, extra in (("learner", []), ("non_learner", ["learner.lr=1e-12"])):
+                    run = run_once(
+                        work / f"{side}-{i}", [*base, f"run.seed={ns.first_seed + i}", *extra], ns.timeout
+                    )
+                    rewards[side].append(run)
+                    print(f"{side} run {i}: rise {rise_of(run, *measure):+.3f}", flush=True)
+        finally:
+            stop(actor, grace_s=60)
     sides = {side: [rise_of(run, *measure) for run in runs] for side, runs in rewards.items()}
     summary = {
         "case": ns.case,
