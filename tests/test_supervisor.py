@@ -121,3 +121,68 @@ def test_stop_returns_when_a_roles_children_have_finished_stopping(tmp_path: Pat
     assert marker.read_text() == "finished"  # the child's own stop ran to its end
     assert time.monotonic() - started < 10  # it ended by itself, long before the grace ran out
     assert sup.procs["role"].returncode == -signal.SIGTERM
+
+
+IGNORES_SIGTERM = (
+    "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "print('ready', flush=True); time.sleep(60)"
+)
+#: Starts the above and exits at once, leaving it an orphan in the group.
+LEAVES_AN_ORPHAN = (
+    f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {IGNORES_SIGTERM!r}]); "
+    "print('ok', flush=True)"
+)
+
+
+def test_without_proc_a_group_still_reached_after_the_grace_is_killed(monkeypatch, tmp_path: Path):
+    """Where there is no /proc (macOS), `stop_groups` cannot list a group's members: it asks the
+    kernel whether a signal still reaches the group, and SIGKILLs it after the grace. (It read
+    an empty /proc as "nobody left" and killed nothing.)"""
+    from millstream.shared.process import lifecycle
+
+    monkeypatch.setattr(lifecycle, "_PROC", tmp_path / "no-proc")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", IGNORES_SIGTERM], stdout=subprocess.PIPE, text=True, process_group=0
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        started = time.monotonic()
+        assert lifecycle.stop_groups([proc.pid], grace_s=0.5) == []
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        assert time.monotonic() - started >= 0.5  # SIGTERM first, and its grace
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_reaped_leaders_empty_group_is_not_signalled_again(tmp_path: Path):
+    """The number of a reaped leader whose group is empty may be given to a new process: it is
+    no longer the caller's to signal (`live_group`), while a group with members left is."""
+    from millstream.shared.process.lifecycle import group_processes, live_group
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], process_group=0)
+    assert live_group(proc.pid, proc.returncode)  # not reaped yet: the caller's
+    proc.wait(timeout=30)
+    assert group_processes(proc.pid) == [] and not live_group(proc.pid, proc.returncode)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            LEAVES_AN_ORPHAN,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        process_group=0,
+    )
+    assert parent.stdout is not None
+    parent.stdout.readline()
+    parent.wait(timeout=30)
+    try:
+        deadline = time.monotonic() + 30
+        while not group_processes(parent.pid):  # the orphan, still in the group
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert live_group(parent.pid, parent.returncode)  # reaped, but its orphan is left
+    finally:
+        os.killpg(parent.pid, signal.SIGKILL)

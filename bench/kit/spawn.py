@@ -19,7 +19,7 @@ from __future__ import annotations
 import subprocess
 from typing import Any
 
-from millstream.shared.process.lifecycle import stop_groups
+from millstream.shared.process.lifecycle import live_group, stop_groups
 
 __all__ = ["spawn", "stop"]
 
@@ -38,7 +38,8 @@ def stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
     Worker are its children and outlive it by seconds, and a benchmark that starts the next
     engine at once would give their exit the cores of its warm-up (or find the port still held).
     """
-    left = stop_groups([proc.pid], grace_s)
-    if left:
-        raise RuntimeError(f"processes {left} of group {proc.pid} outlived SIGKILL by 10 s")
+    if live_group(proc.pid, proc.poll()):  # a reaped leader's empty group is nobody's to signal
+        left = stop_groups([proc.pid], grace_s)
+        if left:
+            raise RuntimeError(f"processes {left} of group {proc.pid} outlived SIGKILL by 10 s")
     proc.wait(timeout=10)

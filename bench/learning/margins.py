@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     rewards[side].append(run)
                     print(f"{side} run {i}: rise {rise_of(run, *measure):+.3f}", flush=True)
+            wall_s = time.monotonic() - started  # the runs, not the actor's stop after them
         finally:
             stop(actor, grace_s=60)
     sides = {side: [rise_of(run, *measure) for run in runs] for side, runs in rewards.items()}
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         "gap": min(sides["learner"]) - max(sides["non_learner"]),
         "by_length": {str(k): v for k, v in gaps_by_length(rewards, ns.steps, *measure).items()},
         "rewards": rewards,
-        "wall_s": time.monotonic() - started,
+        "wall_s": wall_s,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "load": os.getloadavg()[0],
     }

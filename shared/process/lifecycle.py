@@ -16,7 +16,7 @@ Three ways a run's processes could outlive it, and what closes each:
   installed). Where there is no /proc, a zombie launcher counts as alive until reaped, and
   `run_processes` finds nothing: the tests that count processes are Linux-only.
 
-The launcher's own stop (`stop_groups`, shared/process/supervisor.py) counts a role as stopped
+The local launcher's stop (`stop_groups`, shared/process/supervisor.py) counts a role as stopped
 when its whole process group is gone, not when the role is: vLLM's EngineCore goes on shutting
 down for a while after its actor has exited, and is given the same grace.
 
@@ -53,6 +53,7 @@ __all__ = [
     "group_processes",
     "session_processes",
     "stop_groups",
+    "live_group",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ ENV_PARENT = "MILLSTREAM_PARENT_PID"
 ENV_RUN = "MILLSTREAM_RUN"
 
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: Where Linux shows its processes (absent on macOS; see `stop_groups`).
+_PROC = Path("/proc")
 T = TypeVar("T")
 
 
@@ -257,6 +260,12 @@ def stop_groups(pgids: Iterable[int], grace_s: float) -> list[int]:
     the next engine or says "every process stopped" must not count them as gone. A zombie counts
     as gone (its parent reaps it). Returns the pids still alive after all that: empty unless a
     process is stuck in the kernel (a GPU driver, a hung mount), which no signal ends.
+
+    Pass only groups that are still this caller's: the pid of a leader already reaped names
+    nobody once its group is empty, and the kernel may give the number to a new process (see
+    `live_group`). Without /proc (macOS) members cannot be told from zombies: a group counts as
+    alive while `killpg(pgid, 0)` reaches anyone, every group still reached after the grace is
+    SIGKILLed, and nothing is waited for after that.
     """
     groups = set(pgids)
     if grace_s > 0:
@@ -268,17 +277,49 @@ def stop_groups(pgids: Iterable[int], grace_s: float) -> list[int]:
         return []
     for pgid in set(left.values()):
         _kill_group(pgid, signal.SIGKILL)
+    if not _PROC.is_dir():
+        return []  # nothing can tell a killed process from a zombie here
     return sorted(_wait_groups_gone(groups, 10.0))
+
+
+def live_group(pid: int, returncode: int | None) -> bool:
+    """Is `pid`'s group still one to stop? Yes while its leader is not reaped (`returncode` is
+    None), and after that while members are left: Linux does not give a number to a new
+    process while a group of that number has members, so they are the leader's."""
+    return returncode is None or bool(group_processes(pid))
 
 
 def _wait_groups_gone(pgids: set[int], timeout_s: float) -> dict[int, int]:
     """{pid: group} of the live members of `pgids` after waiting up to `timeout_s` for none."""
     deadline = time.monotonic() + timeout_s
     while True:
-        left = {pid: group for pid in _all_pids() if (group := _group(pid)) in pgids and _alive(pid)}
+        left = _live_members(pgids)
         if not left or time.monotonic() >= deadline:
             return left
-        time.sleep(0.05)
+        time.sleep(0.1)
+
+
+def _live_members(pgids: set[int]) -> dict[int, int]:
+    """{pid: group} of the live processes in `pgids` (one read of /proc/<pid>/stat each); without
+    /proc, {pgid: pgid} for each group that a signal still reaches."""
+    if not _PROC.is_dir():
+        return {pgid: pgid for pgid in pgids if _group_reached(pgid)}
+    left = {}
+    for pid in _all_pids():
+        fields = _stat_fields(pid)
+        if fields and int(fields[2]) in pgids and fields[0] != "Z":
+            left[pid] = int(fields[2])
+    return left
+
+
+def _group_reached(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def session_processes(sid: int) -> list[int]:
@@ -292,10 +333,18 @@ def _members(field: int, ident: int) -> list[int]:
 
 
 def _all_pids() -> list[int]:
-    proc = Path("/proc")
-    if not proc.is_dir():
+    if not _PROC.is_dir():
         return []  # read from /proc (Linux only)
-    return [int(entry.name) for entry in proc.iterdir() if entry.name.isdigit()]
+    return [int(entry.name) for entry in _PROC.iterdir() if entry.name.isdigit()]
+
+
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after the command name: state, ppid, pgrp, session, ...; [] if gone."""
+    try:
+        stat = (_PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rfind(")") + 2 :].split()
 
 
 def _marked(pid: int, marker: bytes) -> bool:
@@ -316,11 +365,6 @@ def _group_and_session(pid: int) -> tuple[int, ...]:
     return int(fields[2]), int(fields[3])
 
 
-def _group(pid: int) -> int | None:
-    """The process group of `pid`; None if it is gone."""
-    return (_group_and_session(pid) or (None,))[0]
-
-
 def _alive(pid: int) -> bool:
     """Running (a zombie, dead but not yet waited for, counts as gone where /proc tells)."""
     try:
@@ -335,6 +379,8 @@ def _alive(pid: int) -> bool:
         except PermissionError:
             pass
         return True
+    except ProcessLookupError:  # reaped between the open and the read
+        return False
     except OSError:
         return True
     return not stat[stat.rfind(")") + 2 :].startswith("Z")

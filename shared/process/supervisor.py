@@ -30,7 +30,7 @@ from typing import IO, Protocol
 
 import orjson
 
-from millstream.shared.process.lifecycle import ENV_PARENT, ENV_RUN, stop_groups
+from millstream.shared.process.lifecycle import ENV_PARENT, ENV_RUN, live_group, stop_groups
 from millstream.shared.process.runtime import ENV_NAME, STOPPED, exit_file, ready_file
 
 __all__ = ["Supervisor", "RoleProcesses", "LineStream", "describe_exit", "tail_log"]
@@ -141,9 +141,11 @@ class Supervisor:
     def restart(self, name: str, extra_args: list[str] | None = None) -> None:
         """Kill what is left of `name`'s process group (a dead actor's engine processes hold
         its port and memory), then start it again as it was started (plus `extra_args`)."""
-        _signal_group(self.procs[name], signal.SIGKILL)
+        proc = self.procs[name]
+        if live_group(proc.pid, proc.poll()):  # the whole group gone, not the role alone
+            stop_groups([proc.pid], grace_s=0)
         try:
-            self.procs[name].wait(timeout=30)
+            proc.wait(timeout=30)
         except subprocess.TimeoutExpired:  # stuck in the kernel (a GPU driver): start anyway
             pass
         module, args, pipe_stdout, env = self.specs[name]
@@ -161,12 +163,13 @@ class Supervisor:
         """Stop every role's whole group (`stop_groups`: SIGTERM, one wait of up to `grace_s` in
         all, SIGKILL to what is left) and return when none of their processes is alive, a role's
         EngineCore or torchrun ranks included, not only the roles themselves."""
-        left = stop_groups([proc.pid for proc in self.procs.values()], grace_s)
+        live = [proc.pid for proc in self.procs.values() if live_group(proc.pid, proc.poll())]
+        left = stop_groups(live, grace_s)
         if left:  # stuck in the kernel: nothing more a signal can do; say so rather than hang
             print(f"millstream: processes {left} outlived SIGKILL", file=sys.stderr, flush=True)
         for proc in self.procs.values():
             try:
-                proc.wait(timeout=10)  # reap the role (its group is gone, so this is at once)
+                proc.wait(timeout=10)  # reap the role (at once, unless it is stuck in the kernel)
             except subprocess.TimeoutExpired:
                 pass
 
