@@ -108,6 +108,7 @@ def test_cores_the_machine_lacks_or_a_backwards_range_are_refused_naming_the_key
     check_cpus(load_config(None, ["actor.cpus='1'", "learner.cpus='0'"]), available=(0, 1))
 
 
+@pytest.mark.slow  # starts Python with torch twice per case (about 2 s each): `make test` only
 @pytest.mark.parametrize("torch_first", [False, True], ids=["before-torch", "after-torch"])
 def test_a_process_pins_itself_and_sizes_its_pools_and_its_children_inherit_both(torch_first):
     """Roles import torch with their modules, before they read their config: its pool is

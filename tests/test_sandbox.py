@@ -342,6 +342,7 @@ needs_cgroup = pytest.mark.skipif(
 
 
 @needs_cgroup
+@pytest.mark.slow  # many processes filling memory for seconds: `make test`, not test-fast
 @pytest.mark.parametrize("mode", ["strict", "weak"])
 def test_a_call_s_processes_together_stay_under_memory_mb(mode):
     """issue 27: RLIMIT_AS held each process, so 17 of them reached 1,330 MiB in one call.
@@ -367,6 +368,7 @@ def test_the_call_killed_for_memory_says_so():
 
 
 @needs_cgroup
+@pytest.mark.slow  # a fork bomb and a busy loop held for seconds: `make test`, not test-fast
 def test_forks_stop_at_max_processes_and_the_cpu_at_cpus():
     fork_all = BYPASS + (
         "import os, time\nmade = 0\n"
