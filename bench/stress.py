@@ -41,6 +41,7 @@ from pathlib import Path
 import zmq
 
 from millstream.bench.kit.procstat import CpuMeter
+from millstream.bench.kit.scratch import scratch
 from millstream.bench.kit.stress_report import (
     ResultWindow,
     StatsFollower,
@@ -347,17 +348,15 @@ def _shared_keys() -> Path:
 
 
 def stress_once(args: list[str]) -> dict:
-    """One stress run (command-line `args`, without --out) in a temporary folder, removed after;
-    returns its report. For benchmarks that compare many runs in one process."""
-    out = Path(tempfile.mkdtemp(prefix="millstream-stress-"))
-    try:
+    """One stress run (command-line `args`, without --out) in a scratch folder, removed after it
+    (kept, with its run's logs, when it fails); returns its report. For benchmarks that compare
+    many runs in one process."""
+    with scratch("millstream-stress-") as out:
         return run_stress(
             stress_parser().parse_args(
                 [*args, "--out", str(out), "--set", f"transport.keys_dir={_shared_keys()}"]
             )
         )
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:
