@@ -54,6 +54,7 @@ __all__ = [
     "session_processes",
     "stop_groups",
     "live_group",
+    "signal_group",
 ]
 
 log = logging.getLogger(__name__)
@@ -271,12 +272,12 @@ def stop_groups(pgids: Iterable[int], grace_s: float) -> list[int]:
     if grace_s > 0:
         for sig in (signal.SIGCONT, signal.SIGTERM):
             for pgid in groups:
-                _kill_group(pgid, sig)
+                signal_group(pgid, sig)
     left = _wait_groups_gone(groups, grace_s)
     if not left:
         return []
     for pgid in set(left.values()):
-        _kill_group(pgid, signal.SIGKILL)
+        signal_group(pgid, signal.SIGKILL)
     if not _PROC.is_dir():
         return []  # nothing can tell a killed process from a zombie here
     return sorted(_wait_groups_gone(groups, 10.0))
@@ -357,12 +358,8 @@ def _marked(pid: int, marker: bytes) -> bool:
 
 def _group_and_session(pid: int) -> tuple[int, ...]:
     """(process group, session) of `pid`; () if it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ()
-    fields = stat[stat.rfind(")") + 2 :].split()  # state, ppid, pgrp, session
-    return int(fields[2]), int(fields[3])
+    fields = _stat_fields(pid)  # state, ppid, pgrp, session
+    return (int(fields[2]), int(fields[3])) if fields else ()
 
 
 def _alive(pid: int) -> bool:
@@ -393,7 +390,8 @@ def _kill(pid: int, sig: int) -> None:
         pass
 
 
-def _kill_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
+    """`sig` to process group `pgid`; nothing if it is gone or not ours."""
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):

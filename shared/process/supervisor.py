@@ -30,7 +30,7 @@ from typing import IO, Protocol
 
 import orjson
 
-from millstream.shared.process.lifecycle import ENV_PARENT, ENV_RUN, live_group, stop_groups
+from millstream.shared.process.lifecycle import ENV_PARENT, ENV_RUN, live_group, signal_group, stop_groups
 from millstream.shared.process.runtime import ENV_NAME, STOPPED, exit_file, ready_file
 
 __all__ = ["Supervisor", "RoleProcesses", "LineStream", "describe_exit", "tail_log"]
@@ -154,7 +154,7 @@ class Supervisor:
 
     def kill(self, name: str) -> None:
         """SIGKILL `name`'s whole process group (fault injection)."""
-        _signal_group(self.procs[name], signal.SIGKILL)
+        signal_group(self.procs[name].pid, signal.SIGKILL)
 
     def exited(self) -> dict[str, int]:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
@@ -198,10 +198,3 @@ def describe_exit(run_dir: Path, name: str, code: int, log: Path) -> str:
     if code == STOPPED:
         return "stopped by a signal (SIGTERM or SIGINT)"
     return f"exit status {code}; its log {log} ends:\n{tail_log(log)}"
-
-
-def _signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
