@@ -6,8 +6,9 @@ own, and ended by killing that session (bounded; `ray stop` would stop every Ray
 What is checked: the default job (real vLLM actor, DeepSpeed learner) runs end to end with every
 role the child of a Ray actor; the Ray worker that hosts the actor, SIGKILLed mid-run, is healed
 (the launcher starts a new Ray actor in the same bundle and the learner re-attaches); nothing the
-run started outlives it; and a cluster that is not there, or cannot hold the run, is one clear
-line, exit status 2, before any role starts.
+run started outlives it, and a role's child still stopping after the role exited gets its grace;
+and a cluster that is not there, or cannot hold the run, is one clear line, exit status 2,
+before any role starts.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pytest
 from helpers import MILLSTREAM, ROOT, check_accounting, start_run
+from test_supervisor import ROLE_WITH_SLOW_CHILD, SLOW_CHILD
 
 from millstream.shared.config import load_config
 from millstream.shared.launch.ray.cluster import first_line, node_pins
@@ -168,6 +170,53 @@ def test_a_killed_ray_worker_is_healed(cluster, tiny_model_dir, tmp_path):
     assert len(re.findall(r"weight group of 1 replicas \(actor\) at version \d+", log)) >= 2  # re-attached
     summary = check_accounting(run_dir)
     assert summary["open_groups"] == 0
+    _ends_clean(run_dir, cluster)
+
+
+#: A driver of its own (a Ray driver is a process for the run, not for pytest): starts the role
+#: of tests/test_supervisor.py whose child takes half a second to stop, then stops it.
+STOP_A_SLOW_ROLE = """
+import sys, time
+from pathlib import Path
+from millstream.shared.config import load_config
+from millstream.shared.launch.ray.launch import RaySupervisor
+address, run_dir, elsewhere, role_child = sys.argv[1:5]
+cfg = load_config(None, ["launcher.kind=ray", f"launcher.ray_address={address}"])
+sup = RaySupervisor(cfg, Path(run_dir))
+marker = Path(elsewhere) / "child-finished"
+sup.start("role", "slow_role", [str(marker), role_child], env={"PYTHONPATH": elsewhere})
+pid_file = Path(f"{marker}.pid")
+deadline = time.monotonic() + 120
+while not pid_file.exists() or not pid_file.read_text():
+    assert not sup.exited() and time.monotonic() < deadline, sup.tail("role")
+    time.sleep(0.05)
+started = time.monotonic()
+sup.stop(grace_s=10)
+print(f"stopped in {time.monotonic() - started:.2f}s", flush=True)
+"""
+
+
+@pytest.mark.real
+def test_stop_on_ray_lets_a_roles_children_finish_stopping(cluster, tmp_path):
+    """`RaySupervisor.stop` stops each role's whole group on its node, as the local launcher
+    does: a child still stopping after its role exited (vLLM's EngineCore) gets its grace, not a
+    SIGKILL, and nothing of the run is alive when `stop` returns."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    (run_dir / "logs").mkdir(parents=True)
+    elsewhere.mkdir()
+    (elsewhere / "slow_role.py").write_text(ROLE_WITH_SLOW_CHILD)
+    driver = subprocess.run(
+        [sys.executable, "-c", STOP_A_SLOW_ROLE, cluster.address, str(run_dir), str(elsewhere), SLOW_CHILD],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert driver.returncode == 0, driver.stderr[-3000:]
+    stopped_s = float(re.search(r"stopped in ([\d.]+)s", driver.stdout).group(1))
+    assert (elsewhere / "child-finished").read_text() == "finished", "the child was killed mid-stop"
+    assert stopped_s < 10  # it ended by itself, long before the grace ran out
+    assert run_processes(run_dir) == []  # the child included, at once: `stop` waited for it
     _ends_clean(run_dir, cluster)
 
 

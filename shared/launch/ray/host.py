@@ -9,7 +9,7 @@ variables of shared/process/supervisor.py: `MILLSTREAM_PARENT_PID` = this Ray ac
 whose host died stops by itself, shared/process/lifecycle.py), `MILLSTREAM_RUN`, `MILLSTREAM_NAME`.
 
 The actor is threaded (`max_concurrency`): `wait()` holds one thread for the role's life while
-`signal()` and `read()` (the role's stdout, for the launcher to relay) use the others.
+`signal()`, `stop()` and `read()` (the role's stdout, for the launcher to relay) use the others.
 """
 
 from __future__ import annotations
@@ -24,7 +24,13 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from millstream.shared.process.lifecycle import ENV_PARENT, ENV_RUN, session_processes
+from millstream.shared.process.lifecycle import (
+    ENV_PARENT,
+    ENV_RUN,
+    live_group,
+    session_processes,
+    stop_groups,
+)
 from millstream.shared.process.runtime import ENV_NAME
 
 __all__ = ["RoleHost", "Launch", "MAX_LINES"]
@@ -98,6 +104,21 @@ class RoleHost:
         if sig == signal.SIGKILL:
             _kill_session(self._proc.pid)
         _signal_group(self._proc.pid, sig)
+
+    def stop(self, grace_s: float) -> list[int]:
+        """Stop the role and everything it started, on this node; return once none is alive
+        (or the pids that outlived SIGKILL).
+
+        The role's group gets SIGTERM and `grace_s` to empty (`stop_groups`), so its children
+        (vLLM's EngineCore and Worker, torchrun's ranks) finish their own stop after the role
+        has exited rather than being SIGKILLed mid-way; then whatever of its session left the
+        group is killed. Called for an exited role too: its group may still have members."""
+        if self._proc is None:
+            return []
+        pid = self._proc.pid
+        left = stop_groups([pid], grace_s) if live_group(pid, self._proc.returncode) else []
+        _kill_session(pid)
+        return left
 
     def read(self, start: int, wait_s: float) -> tuple[list[bytes], int, bool]:
         """Stdout lines from number `start` on, waiting up to `wait_s` for one; (lines, next

@@ -30,8 +30,9 @@ How, and why:
 - **Where roles may go follows the addresses they bind** (shared/launch/ray/cluster.py `node_pins`):
   each bundle asks for its node's `node:<ip>` resource. While any address is loopback (the
   default) that is the launcher's node for every role.
-- **Nothing outlives the run**: `stop()` ends every role (SIGTERM, grace, SIGKILL to its session),
-  kills the Ray actors and removes the placement groups. Should the launcher die outright, Ray
+- **Nothing outlives the run**: `stop()` ends every role with what it started (SIGTERM, one grace
+  for the whole group, children included, SIGKILL to what is left of its session; every node at
+  once), kills the Ray actors and removes the placement groups. Should the launcher die outright, Ray
   ends the driver's actors and groups, and the roles see their parent gone.
 
 Joining the cluster (bounded, with one-line errors) is shared/launch/ray/cluster.py; what runs on each
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -153,16 +155,23 @@ class RaySupervisor:
         return self._streams[-1]
 
     def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every role, wait up to `grace_s` in all, then SIGKILL each one's session, kill
-        the Ray actors and remove the placement groups."""
+        """Stop every role with everything it started, kill the Ray actors and remove the
+        placement groups.
+
+        Each host stops its role's whole group on its own node, all at once (`RoleHost.stop`:
+        SIGTERM, up to `grace_s` for the group to empty, SIGKILL to what is left): a role's
+        EngineCore still shutting down after the role exited gets its grace, as under the local
+        launcher, and no process of the run is alive when this returns. Roles that exited
+        before are stopped too, for the children they may have left."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
-        live = [role for name, role in self.procs.items() if name not in self.exited()]
-        for role in live:
-            self._call(role.host.signal, signal.SIGTERM)
-        if live:
-            ray.wait([r.done for r in live], num_returns=len(live), timeout=grace_s)
+        stops = [role.host.stop.remote(grace_s) for role in self.procs.values()]
+        if stops:  # a host stops within grace_s + 10 s (stop_groups' wait after its SIGKILL)
+            ray.wait(stops, num_returns=len(stops), timeout=grace_s + 10 + SIGNAL_TIMEOUT_S)
+        left = [pid for ref in stops for pid in self._result(ref)]
+        if left:  # stuck in the kernel: nothing more a signal can do; say so rather than hang
+            print(f"millstream: processes {left} outlived SIGKILL", file=sys.stderr, flush=True)
         deadline = time.monotonic() + 5  # the relay reads what the learner printed last
         for stream in self._streams:
             stream.ended.wait(max(0.0, deadline - time.monotonic()))
@@ -288,6 +297,17 @@ class RaySupervisor:
 
         self._call(role.host.signal, signal.SIGKILL)
         ray.kill(role.host)
+
+    @staticmethod
+    def _result(ref: Any) -> list[int]:
+        """What a host's `stop` returned; nothing if the host is gone (its role with it) or has
+        not answered in time."""
+        import ray
+
+        try:
+            return list(ray.get(ref, timeout=0))
+        except (ray.exceptions.RayError, TimeoutError):
+            return []
 
     def _call(self, method: Any, *args: Any) -> None:
         """A call to a host that may be dead already (then there is nothing to do)."""
