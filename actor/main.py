@@ -110,7 +110,9 @@ class ActorProcess:
         try:
             _lower_engine_core(cfg)
             warm = await warm_up(engine)
-            server = self._vllm(engine, model_dir, keys)
+            # Each worker's GPU, for the learner's choice of NCCL or gloo (shared/wire/weightsync.py).
+            gpus = await engine.collective_rpc("millstream_device", timeout=60)
+            server = self._vllm(engine, model_dir, keys, [str(gpu) for gpu in gpus] if all(gpus) else [])
             # What the start made lives as long as the process: out of the collector's sight,
             # or each full collection scans it (0.3-0.4 s here, the event loop stopped).
             gc.collect()
@@ -128,7 +130,7 @@ class ActorProcess:
         log.info("SYNTHETIC actor (a timing model, not a language model)")
         return SyntheticActor(channel, self.cfg, model=model_dir, vocab_size=vocab, eos_id=eos)
 
-    def _vllm(self, engine: Any, model_dir: str, keys: RunKeys | None) -> ActorServer:
+    def _vllm(self, engine: Any, model_dir: str, keys: RunKeys | None, gpus: list[str]) -> ActorServer:
         cfg = self.cfg
         return ActorServer(
             engine,
@@ -136,6 +138,7 @@ class ActorProcess:
             model=model_dir,
             dtype=cfg.model.dtype,
             weight_ranks=engine.vllm_config.parallel_config.world_size,
+            gpus=gpus,
             max_model_len=engine.model_config.max_model_len,
             vocab_size=engine.model_config.get_vocab_size(),
             rpc_timeout_s=cfg.learner.sync_timeout_s,

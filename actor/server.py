@@ -156,6 +156,7 @@ class ActorServer:
         weight_ranks: int,
         max_model_len: int,
         vocab_size: int,
+        gpus: list[str] | None = None,
         rpc_timeout_s: float = 600.0,
         stream_interval: int = 1,
         max_live_requests: int = 65536,
@@ -171,7 +172,7 @@ class ActorServer:
         self.link = LearnerLink(
             channel,
             VllmWeights(engine, rpc_timeout_s),
-            lambda version: ActorInfo(model, version, weight_ranks, max_model_len, dtype),
+            lambda version: ActorInfo(model, version, weight_ranks, max_model_len, dtype, gpus or []),
             self.boundary,
             tokens=lambda: self.stats.tokens,
         )

@@ -16,6 +16,11 @@ An update is three calls, so that generation stops only for the last:
 On NCCL the receive itself happens in `millstream_load`, inside the pause (actor/receive.py says
 why), so the three calls are the same on every backend.
 
+Which backend: the learner decides (`pick_backend`), from the GPU each worker reports
+(`millstream_device`, in the actor's `ActorInfo`): NCCL only when no two members of the group
+share a GPU. On gloo the worker receives into host memory even on a GPU, and the load copies each
+tensor to the device.
+
 The learner lays the update out as one flat buffer (learner/sync/layout.py says how it is cut into
 pieces) and describes the layout once per update in the `WeightUpdate` message; the worker
 receives into its own flat buffer of that layout and hands views of it to `reload_weights`.
@@ -66,7 +71,7 @@ from typing import Any
 import torch
 
 from millstream.actor.receive import WeightReceiver
-from millstream.shared.wire.weightsync import make_group, open_store, session_tag
+from millstream.shared.wire.weightsync import gpu_identity, make_group, open_store, session_tag
 
 __all__ = ["WeightSyncExtension"]
 
@@ -131,6 +136,11 @@ class WeightSyncExtension:
         )
         return rank
 
+    def millstream_device(self) -> str:
+        """The GPU this worker computes on (`gpu_identity`; "" on the CPU): the learner picks
+        NCCL only when no two members of the group share one (NCCL refuses that)."""
+        return gpu_identity(getattr(self, "device", None))
+
     def millstream_leave(self) -> None:
         """Forget the current group; dropping the last references destroys it (and its store)."""
         self._ms_group = self._ms_store = None
@@ -155,8 +165,11 @@ class WeightSyncExtension:
         (the engine keeps generating while the pieces arrive). On NCCL the receive waits for
         `millstream_load`."""
         group = self._ms_attached(session)
-        device = self.device if getattr(self, "device", None) is not None else "cpu"
-        args = (group, dtype, numel, piece_ends, device, self._ms_timeout)
+        # gloo receives into host memory, whatever the engine computes on: on a GPU that is the
+        # path where the learner shares it (the load copies each tensor to the device), and the
+        # receive thread then never touches CUDA beside the engine's own streams.
+        on_device = not self._ms_threaded and getattr(self, "device", None) is not None
+        args = (group, dtype, numel, piece_ends, self.device if on_device else "cpu", self._ms_timeout)
         self._ms_deferred = None if self._ms_threaded else args
         if self._ms_threaded:
             self._ms_receiver().start(*args)

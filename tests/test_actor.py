@@ -185,7 +185,8 @@ def test_weight_broadcast_makes_actor_match_learner_weights(actor, hf_model):
         actor.address, LearnerConfig(sync_timeout_s=60), dtype="float32", keys=keys_for("learner")
     )
     try:
-        sender.attach()
+        assert sender.attach().gpus == []  # each vLLM worker said where it computes: the CPU
+        assert sender.backend == "gloo"
         metrics = sender.push(learner_model.named_parameters(), version=5)
         after, versions = anyio.run(with_client, actor.address, greedy, backend="trio")
         assert after == expected

@@ -25,7 +25,7 @@ from helpers import (
 from millstream.bench.kit.spawn import stop
 from millstream.envpool.actors.client import GenerationFailed
 from millstream.envpool.actors.generation import Sampling
-from millstream.learner.sync.weights import WeightSender
+from millstream.learner.sync.weights import WeightSender, WeightSyncError
 from millstream.shared.config import LearnerConfig
 from millstream.shared.wire import Codec, GenerateRequest, TokenDelta
 
@@ -131,6 +131,23 @@ def test_weight_sync_is_real_on_the_wire(synthetic, tiny_model_dir):
             return set((await gen(client, seed=1, n=5)).versions)
 
         assert run_client(synthetic, versions) == {3}
+    finally:
+        sender.close()
+
+
+def test_nccl_asked_for_a_replica_on_the_cpu_is_refused_with_the_reason(synthetic):
+    """The replica says where its workers compute (`ActorInfo.gpus`, empty on the CPU); an
+    explicit NCCL group that cannot form is refused before anything is attempted."""
+    sender = WeightSender(
+        synthetic,
+        LearnerConfig(sync_timeout_s=30, sync_backend="nccl"),
+        dtype="float32",
+        keys=keys_for("learner"),
+    )
+    try:
+        # Both members: the learner of this test too (no GPU here).
+        with pytest.raises(WeightSyncError, match="2 of the weight group's 2 members compute on the CPU"):
+            sender.attach()
     finally:
         sender.close()
 

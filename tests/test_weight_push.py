@@ -20,8 +20,10 @@ from millstream.learner.sync.layout import DIRECT_MIN_BYTES, FlatWeights, Layout
 from millstream.shared.process.runtime import free_port
 from millstream.shared.wire.weightsync import (
     flat_digest,
+    gpu_identity,
     make_group,
     open_store,
+    pick_backend,
     piece_ranges,
     start_broadcast,
     wait_all,
@@ -79,6 +81,29 @@ def test_a_push_of_other_shapes_is_refused():
     flat.lay_out(model())
     with pytest.raises(LayoutChanged, match="changed between pushes"):
         flat.lay_out(model()[:-1])
+
+
+def test_the_backend_is_nccl_only_where_every_member_has_a_gpu_of_its_own():
+    """NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): a one-GPU run, where the
+    learner and the actor share it, syncs over gloo; an explicit 'nccl' that cannot work is
+    refused with the reason, before a group is attempted."""
+    learner, other, third = "GPU-aaaa", "GPU-bbbb", "GPU-cccc"
+    assert pick_backend("auto", [learner, other, third]) == "nccl"
+    assert pick_backend("auto", [learner, learner]) == "gloo"  # the actor on the learner's GPU
+    assert pick_backend("auto", [learner, other, other]) == "gloo"  # two replicas on one GPU
+    assert pick_backend("auto", [learner, ""]) == "gloo"  # a replica on the CPU
+    assert pick_backend("auto", ["", ""]) == "gloo"
+    assert pick_backend("gloo", [learner, other]) == "gloo"
+    assert pick_backend("nccl", [learner, other]) == "nccl"
+    with pytest.raises(ValueError, match="two members of the weight group compute on GPU GPU-bbbb"):
+        pick_backend("nccl", [learner, other, other])
+    with pytest.raises(ValueError, match="1 of the weight group's 2 members compute on the CPU"):
+        pick_backend("nccl", [learner, ""])
+    with pytest.raises(ValueError, match="must be auto, gloo or nccl"):
+        pick_backend("mpi", [learner])
+    # Members not known yet (before any replica answered): CUDA decides, as before.
+    assert pick_backend("auto") == ("nccl" if torch.cuda.is_available() else "gloo")
+    assert gpu_identity("cpu") == gpu_identity(None) == ""
 
 
 @pytest.mark.parametrize("ends", [[5, 3, 10], [5, 9], [0, 10]])

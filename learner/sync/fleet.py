@@ -39,6 +39,7 @@ from millstream.learner.sync.weights import (
     WeightGroup,
     WeightSyncError,
     attach_group,
+    group_backend,
     push_group,
 )
 from millstream.shared.config import Config
@@ -293,7 +294,9 @@ class Fleet:
         assert all(infos)
         started = time.monotonic()
         try:
-            self.group = attach_group([m.link for m in members], infos, self.cfg.learner, self.backend)  # type: ignore[arg-type]
+            backend = group_backend(self.cfg.learner.sync_backend, infos)  # type: ignore[arg-type]
+            self.backend, self.flat = backend, self.flat.over(backend)  # where members compute decides
+            self.group = attach_group([m.link for m in members], infos, self.cfg.learner, backend)  # type: ignore[arg-type]
             applied = push_group(self.group, self.flat, weights(), version, self.cfg.learner)
         except WeightSyncError as exc:
             if strict:
@@ -315,11 +318,12 @@ class Fleet:
         self.formed += 1
         self.last_push = self._sync_metrics(started, applied)
         log.info(
-            "weight group of %d replicas (%s) at version %d in %.2fs",
+            "weight group of %d replicas (%s) at version %d in %.2fs over %s",
             len(members),
             ", ".join(m.name for m in members),
             version,
             self.last_push["sync/total_s"],
+            self.backend,
         )
         return True
 

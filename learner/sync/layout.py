@@ -65,6 +65,15 @@ class FlatWeights:
         #: What the last push broadcast, piece by piece (parameters or slices of `_staging`).
         self._sent: list[torch.Tensor] = []
 
+    def over(self, backend: str) -> FlatWeights:
+        """The same settings for a group on `backend`: itself when the wire's device is the
+        same, else a new layout (made again on its first push)."""
+        if ("cuda" if backend == "nccl" else "cpu") == self.device:
+            return self
+        other = FlatWeights(self.dtype, backend)
+        other.bucket_numel = self.bucket_numel
+        return other
+
     def lay_out(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         """Check `weights` against the layout (made on the first call)."""
         if not self.layout:

@@ -52,6 +52,7 @@ from millstream.shared.wire import (
 )
 from millstream.shared.wire.keys import RunKeys, secure
 from millstream.shared.wire.weightsync import (
+    gpu_identity,
     make_group,
     mark_session,
     new_session,
@@ -62,6 +63,7 @@ from millstream.shared.wire.weightsync import (
 )
 
 __all__ = [
+    "group_backend",
     "WeightSender",
     "WeightSyncError",
     "ReplicaLink",
@@ -208,6 +210,21 @@ class WeightGroup:
     world: int
 
 
+def group_backend(configured: str, infos: list[ActorInfo]) -> str:
+    """The backend of a group of this learner and the replicas of `infos`: `pick_backend` over
+    the GPU of every member (the learner's current device, then each replica's workers).
+    WeightSyncError where an explicit 'nccl' cannot work (two members on one GPU)."""
+    own = gpu_identity(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else ""
+    gpus = [own] + [gpu for info in infos for gpu in info.gpus or [""] * info.weight_ranks]
+    try:
+        backend = pick_backend(configured, gpus)
+    except ValueError as exc:
+        raise WeightSyncError(str(exc)) from None
+    if own and backend == "gloo":
+        log.info("a GPU is shared in the weight group (NCCL cannot connect two processes on one): gloo")
+    return backend
+
+
 def attach_group(
     links: list[ReplicaLink],
     infos: list[ActorInfo],
@@ -335,6 +352,8 @@ class WeightSender:
         info = self.link.request(Hello(self.session), ActorInfo, self.hello_timeout_s)
         if info.dtype != self.dtype:
             raise WeightSyncError(f"actor runs {info.dtype} weights but the learner sends {self.dtype}")
+        self.backend = group_backend(self.cfg.sync_backend, [info])
+        self.flat = self.flat.over(self.backend)
         started = time.monotonic()
         self.group = attach_group([self.link], [info], self.cfg, self.backend, self.session)
         self.info = info

@@ -158,7 +158,11 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     )
     sync_backend: Annotated[
         Literal["auto", "gloo", "nccl"],
-        _doc("Weight broadcast backend: 'auto' (nccl on GPU, gloo on CPU), 'gloo', 'nccl'."),
+        _doc(
+            "Weight broadcast backend: 'auto' (nccl when the learner and every actor worker have "
+            "a GPU of their own, else gloo: NCCL refuses two processes on one GPU, as on a "
+            "one-GPU run), 'gloo', 'nccl'."
+        ),
     ] = "auto"
     sync_host: Annotated[str, _doc("Host of the broadcast group's TCPStore (the learner).")] = "127.0.0.1"
     sync_timeout_s: Annotated[float, _doc("Timeout of weight-group set-up and each broadcast.", gt=0)] = 300.0

@@ -25,7 +25,7 @@ import ipaddress
 import secrets
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "piece_ranges",
     "flat_layout",
     "pick_backend",
+    "gpu_identity",
     "on_loopback",
     "mark_session",
     "new_session",
@@ -53,13 +54,47 @@ __all__ = [
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def pick_backend(name: str) -> str:
-    """'auto' means NCCL when CUDA is available, gloo otherwise."""
-    if name == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if name not in ("gloo", "nccl"):
+def pick_backend(name: str, gpus: Sequence[str] = ()) -> str:
+    """The weight group's backend for `learner.sync_backend = name`.
+
+    `gpus` holds the GPU of every member of the group, the learner first (`gpu_identity`: ""
+    for one on the CPU); left out, the members are not known yet. 'auto' is NCCL when every
+    member computes on a GPU of its own, gloo otherwise. NCCL refuses two ranks on one GPU
+    ("Duplicate GPU detected"), and a run on one GPU puts the learner and its actor there, as
+    does the local launcher on any machine (every role sees every GPU and starts on the first);
+    gloo then carries the weights through host memory. An explicit 'nccl' that cannot work is a
+    ValueError naming why, before any group is attempted.
+    """
+    if name not in ("auto", "gloo", "nccl"):
         raise ValueError(f"learner.sync_backend must be auto, gloo or nccl, got {name!r}")
+    if name == "gloo":
+        return name
+    if not gpus:
+        return "nccl" if name == "nccl" or torch.cuda.is_available() else "gloo"
+    shared = next((gpu for i, gpu in enumerate(gpus) if gpu and gpu in gpus[:i]), None)
+    on_cpu = sum(1 for gpu in gpus if not gpu)
+    if name == "auto":
+        return "nccl" if shared is None and not on_cpu else "gloo"
+    if shared is not None:
+        raise ValueError(
+            f"learner.sync_backend = 'nccl', but two members of the weight group compute on GPU "
+            f"{shared}: NCCL cannot connect two processes on one GPU; use 'auto' (gloo, then) or "
+            "'gloo', or give each role GPUs of its own"
+        )
+    if on_cpu:
+        raise ValueError(
+            f"learner.sync_backend = 'nccl', but {on_cpu} of the weight group's {len(gpus)} members "
+            "compute on the CPU; use 'auto' or 'gloo'"
+        )
     return name
+
+
+def gpu_identity(device: torch.device | str | None) -> str:
+    """Which GPU `device` is, by its UUID (unique across hosts, unlike an index, which depends
+    on the process's CUDA_VISIBLE_DEVICES); "" for anything but a CUDA device."""
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
+        return ""
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
 
 
 def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
