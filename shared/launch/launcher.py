@@ -30,6 +30,7 @@ docs/multihost.md); the watching and healing above stay the same.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import signal
@@ -241,7 +242,7 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str], quiet: bool = False) ->
     relays: list[threading.Thread] = []
 
     def relay_learner() -> None:  # at its start, and again after each restart
-        relays.append(threading.Thread(target=_relay, args=(sup.output("learner"), out), daemon=True))
+        relays.append(threading.Thread(target=_relay, args=(sup.output("learner"), out, stop), daemon=True))
         relays[-1].start()
 
     try:
@@ -330,10 +331,25 @@ def _resume_hint(run_dir: Path) -> str:
     )
 
 
-def _relay(stream: LineStream, out: IO[str]) -> None:
-    for line in iter(stream.readline, b""):
-        out.write(line.decode(errors="replace"))
-        out.flush()
+def _relay(stream: LineStream, out: IO[str], stop: threading.Event) -> None:
+    """The learner's progress lines, to `out` as they come.
+
+    When `out` breaks (its reader left: `millstream run | head`, a `tee` killed), the run stops
+    in order, as the launcher's own next write would stop it, and the learner's lines are read
+    on and dropped until it exits: a pipe nobody reads fills up, and the learner would block in
+    its next progress line, mid-run, until something else timed out."""
+    lines = iter(stream.readline, b"")
+    for line in lines:
+        try:
+            out.write(line.decode(errors="replace"))
+            out.flush()
+        except (OSError, ValueError):  # a broken pipe (ValueError: `out` was closed)
+            with contextlib.suppress(OSError, ValueError):  # stderr may be the same pipe
+                print("millstream run: stdout is closed: stopping the run", file=sys.stderr, flush=True)
+            stop.set()
+            for _ in lines:
+                pass
+            return
 
 
 def _print_summary(run_dir: Path, out: IO[str]) -> None:
