@@ -18,7 +18,7 @@ from typing import Any
 
 from millstream.learner.follower import follow
 from millstream.learner.loop.leader import Leader
-from millstream.learner.team import Team
+from millstream.learner.team import Team, collective_timeout_s
 from millstream.learner.train.trainer import Trainer
 from millstream.shared.config import Config
 from millstream.shared.process.runtime import ACCOUNTING_FAILED, resolve_model_dir, run_role
@@ -33,7 +33,13 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
     run_dir = Path(cfg.run.dir or f"{cfg.run.root}/{cfg.run.name}-learner")
     run_dir.mkdir(parents=True, exist_ok=True)
     keys = load_keys(cfg, "learner")  # before DeepSpeed starts: a key problem costs nothing
-    trainer = Trainer(resolve_model_dir(cfg), cfg.learner, seed=cfg.run.seed, dtype=cfg.learner.train_dtype)
+    trainer = Trainer(
+        resolve_model_dir(cfg),
+        cfg.learner,
+        seed=cfg.run.seed,
+        dtype=cfg.learner.train_dtype,
+        collective_timeout_s=collective_timeout_s(cfg),
+    )
     team = Team()
     if not team.leader:
         follow(cfg, trainer, team)

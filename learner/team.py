@@ -15,6 +15,14 @@ each one as a command, broadcast over the DeepSpeed world (gloo on CPU, NCCL on 
     ("stop", None)       followers return
 
 With one rank the team is a no-op and no collective is ever called.
+
+A follower waits for the next command inside a collective, through all of rank 0's quiet times:
+the replicas' start and their weight group before the first push (under ZeRO-2 the followers
+walk the weights with no collective and wait for the next command at once), then the first
+experience. Those can outlast torch's default bound (10 minutes on NCCL), after which the
+follower would be killed and the run stopped; `collective_timeout_s` is the group's bound
+instead. A rank that dies does not wait for it: its connections break, and the launcher stops
+the run when any rank exits.
 """
 
 from __future__ import annotations
@@ -23,7 +31,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Team"]
+from millstream.shared.config import Config
+
+__all__ = ["Team", "collective_timeout_s"]
+
+
+def collective_timeout_s(cfg: Config) -> float:
+    """The longest rank 0 may leave the other ranks waiting in one collective, and a minute to
+    spare: the replicas' start, their weight group twice over (one formed again), the wait for
+    experience."""
+    return cfg.actor.startup_timeout_s + 2 * cfg.learner.sync_timeout_s + cfg.learner.idle_timeout_s + 60
 
 
 class Team:

@@ -280,9 +280,12 @@ os.environ.update(
     GLOO_SOCKET_IFNAME=interface,
 )
 from millstream.learner.train.dssetup import import_deepspeed, init_distributed
-ours = init_distributed(import_deepspeed())
+ours = init_distributed(import_deepspeed(), timeout_s=1234)
+import torch, torch.distributed as dist
+group = dist.distributed_c10d._get_default_group()
+timeout_s = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 """
-RANK += OWN_LISTENERS + 'print(json.dumps({"listening": out, "ours": ours}))\n'
+RANK += OWN_LISTENERS + 'print(json.dumps({"listening": out, "ours": ours, "timeout_s": timeout_s}))\n'
 
 
 @pytest.mark.real
@@ -290,7 +293,8 @@ def test_a_data_parallel_learners_group_listens_on_loopback_when_it_meets_there(
     """The learner's own group (learner.ranks > 1, DeepSpeed's gloo groups): gloo listens on
     GLOO_SOCKET_IFNAME or where the host's name resolves, and a default group takes no options,
     so a loopback learner pins the interface to loopback while its groups form and hands the
-    variable back as it was (here set to a LAN interface, as a LAN-resolving hostname would)."""
+    variable back as it was (here set to a LAN interface, as a LAN-resolving hostname would).
+    The group's collectives are bounded by the timeout it is given, not torch's default."""
     others = [name for _, name in socket.if_nameindex() if name != "lo" and ipv4_of(name)]
     interface = others[0] if others else "lo"
     port = str(free_port())
@@ -305,3 +309,4 @@ def test_a_data_parallel_learners_group_listens_on_loopback_when_it_meets_there(
     for out in outs:
         assert out["listening"] and set(out["listening"]) == {"127.0.0.1"}, out
         assert out["ours"] == {"GLOO_SOCKET_IFNAME": interface}  # put back by the trainer
+        assert out["timeout_s"] == 1234  # the learner's bound (learner/team.py), not torch's default

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -45,9 +46,13 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def init_distributed(deepspeed: Any) -> dict[str, str | None]:
+def init_distributed(deepspeed: Any, timeout_s: float | None = None) -> dict[str, str | None]:
     """Join (or, with no launcher, create) the default process group; return the env keys we
     set, each with the value it had before (None: unset), for the caller to put back.
+
+    `timeout_s` bounds every collective of the group (None: torch's default, 10 min on NCCL).
+    A follower rank spends rank 0's quiet times inside one (learner/team.py), and they can be
+    longer than that: `learner.team.collective_timeout_s` says how long.
 
     The group's TCPStore is ours, listening on MASTER_ADDR only: DeepSpeed's env:// store, like
     any TCPStore that opens its own socket, would listen on every interface. `millstream run`
@@ -56,6 +61,7 @@ def init_distributed(deepspeed: Any) -> dict[str, str | None]:
     """
     ours: dict[str, str | None] = {}
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     if not dist.is_initialized() and "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # No launcher: be rank 0 of 1 (else DeepSpeed tries MPI discovery through mpi4py).
         env = dict(
@@ -65,14 +71,17 @@ def init_distributed(deepspeed: Any) -> dict[str, str | None]:
         os.environ.update(env)
         ours.update(_gloo_on_loopback(backend, "127.0.0.1"))
         store = open_store("127.0.0.1", 0, 1, is_master=True, timeout_s=300)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     elif not dist.is_initialized() and "TORCHELASTIC_RUN_ID" not in os.environ:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         ours.update(_gloo_on_loopback(backend, host))
         store = open_store(host, port, world, is_master=rank == 0, timeout_s=300)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-    deepspeed.init_distributed(dist_backend=backend)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    if timeout is None:
+        deepspeed.init_distributed(dist_backend=backend)
+    else:  # under torchrun DeepSpeed makes the group, with a 10-minute default of its own
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
     return ours
 
 

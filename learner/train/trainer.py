@@ -96,7 +96,13 @@ class Trainer:
     """
 
     def __init__(
-        self, model_dir: str, learner_cfg: LearnerConfig, *, seed: int, dtype: str = "float32"
+        self,
+        model_dir: str,
+        learner_cfg: LearnerConfig,
+        *,
+        seed: int,
+        dtype: str = "float32",
+        collective_timeout_s: float | None = None,
     ) -> None:
         if dtype not in ("float32", "bfloat16"):
             # fp16 would need loss scaling and overflow handling; nothing here wants it.
@@ -104,7 +110,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         deepspeed = import_deepspeed()
-        ours = init_distributed(deepspeed)
+        ours = init_distributed(deepspeed, collective_timeout_s)
         try:
             torch.manual_seed(seed)
             self.model_dir = Path(model_dir).expanduser()
