@@ -439,6 +439,31 @@ def test_code_killed_by_sigkill_is_reported_as_killed():
 
 
 @needs_cgroup
+def test_a_child_that_does_not_exit_after_sigkill_is_left_behind_after_a_bound(monkeypatch):
+    """A killed child stuck in the kernel (a frozen cgroup, a hung mount) must not hold its
+    episode and its slot for good: the reap outlives the episode's deadline (shielded) but gives
+    up after REAP_S. No signal makes such a child here, so a stand-in whose exit never comes
+    plays it."""
+    from millstream.envpool.envs.tools.sandbox import run as sandbox_run
+
+    monkeypatch.setattr(sandbox_run, "REAP_S", 0.3)
+
+    class StuckInKernel:
+        stdin = stdout = stderr = None
+
+        async def wait(self) -> int:
+            await anyio.sleep_forever()
+            return 0
+
+    async def reap() -> float:
+        started = anyio.current_time()
+        with anyio.move_on_after(0.01):  # the episode's deadline passes at once
+            await sandbox_run._reap(StuckInKernel())  # type: ignore[arg-type]
+        return anyio.current_time() - started
+
+    assert 0.3 <= anyio.run(reap, backend="trio") < 5
+
+
 def test_a_killed_process_s_cgroups_are_swept_by_the_next(tmp_path):
     from millstream.envpool.envs.tools.sandbox import cgroups
 

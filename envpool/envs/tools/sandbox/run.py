@@ -57,6 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+from anyio.abc import Process
 from anyio.lowlevel import RunVar
 
 from millstream.envpool.envs.tools.sandbox.cgroups import (
@@ -86,6 +87,8 @@ CHILD = Path(__file__).resolve().with_name("child.py")
 SANDBOX_MODES = ("strict", "namespaces", "userns", "weak")
 SETUP_FAILED = 125  # the supervisor's exit status for a failed setup (see jail.py)
 SETUP_MESSAGE = "sandbox setup failed: "
+#: Longest wait for a killed child to exit before it is left behind (see `_reap`).
+REAP_S = 10.0
 # "ok" and the number of seccomp filters on the jailed code ("?" without /proc). With ours it
 # is one more than this process has (a container's own filter counts on both sides).
 _PROBE_CODE = (
@@ -113,6 +116,20 @@ class RunResult:
     status: str
     returncode: int | None
     memory_peak_bytes: int | None = None  #: the call's processes together, where a cgroup held it
+
+
+async def _reap(process: Process) -> None:
+    """Wait for the (killed) child and close its pipes: shielded, so that the episode's own
+    deadline does not leave it unreaped, but bounded by `REAP_S`, so that a child stuck in the
+    kernel after SIGKILL (a frozen cgroup, a hung mount) does not hold the episode and its slot
+    for good. (anyio's `Process.aclose` waits for the exit without a bound, even when
+    cancelled.)"""
+    with anyio.CancelScope(shield=True):
+        with anyio.move_on_after(REAP_S):
+            await process.wait()
+        for stream in (process.stdin, process.stdout, process.stderr):
+            if stream is not None:
+                await stream.aclose()
 
 
 def _command(
@@ -342,10 +359,12 @@ async def _run_in(
             # The weak mode's child leads its session: this kills it and what it started. In a
             # jail it kills the supervisor, whose death (PDEATHSIG) ends the PID namespace.
             _kill_group(process.pid)
-        with anyio.CancelScope(shield=True):
-            await process.aclose()
+        await _reap(process)
     text = output.decode("utf-8", "replace")
     returncode = process.returncode
+    if returncode is None:
+        log.warning("sandboxed process %d did not exit %.0fs after SIGKILL: left behind", process.pid, REAP_S)
+        return RunResult(text, "killed", None)
     if deadline.cancelled_caught:
         return RunResult(text, "timeout", returncode)
     if truncated:
