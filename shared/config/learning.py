@@ -132,6 +132,17 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             pattern=CPUS_PATTERN,
         ),
     ] = "auto"
+    gpus: Annotated[
+        str,
+        _doc(
+            "GPUs the learner runs on, under the local launcher (shared/process/gpus.py). auto: "
+            "where the machine has a GPU for every actor engine and learner rank, the ones after "
+            "the actor's, else unchanged (shared from the first). all: unchanged. A list such "
+            "as '2,3' (one GPU: '2', quoted): those GPUs, rank r on the r-th (one per rank at "
+            "least). Under Ray, launcher.learner_gpus.",
+            pattern=CPUS_PATTERN,
+        ),
+    ] = "auto"
     lora_rank: Annotated[
         int,
         _doc(

@@ -64,6 +64,18 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             pattern=CPUS_PATTERN,
         ),
     ] = "auto"
+    gpus: Annotated[
+        str,
+        _doc(
+            "GPUs the actor's engines run on, under the local launcher (shared/process/gpus.py). "
+            "auto: where the machine has a GPU for every engine and learner rank, the first "
+            "ones (tensor_parallel_size per replica, then the judge's engine), else unchanged "
+            "(every process shares them from the first). all: unchanged. A list such as '0,1' "
+            "(one GPU: '1', quoted): those GPUs, tensor_parallel_size per replica when there "
+            "are enough. Under Ray, launcher.actor_gpus.",
+            pattern=CPUS_PATTERN,
+        ),
+    ] = "auto"
     tensor_parallel_size: Annotated[
         int,
         _doc(

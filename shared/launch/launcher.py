@@ -56,6 +56,7 @@ from millstream.shared.config import (
 from millstream.shared.launch import preflight
 from millstream.shared.launch.healing import Healer, watch
 from millstream.shared.launch.progress import StartupProgress
+from millstream.shared.process.gpus import role_gpus
 from millstream.shared.process.lifecycle import watch_parent
 from millstream.shared.process.runtime import check_model_dir, free_port, ready_file, resolve_model_dir
 from millstream.shared.process.supervisor import LineStream, RoleProcesses, Supervisor
@@ -289,31 +290,37 @@ def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> list[str
             return [*config, *more]
         return [*config, "--ready-file", str(ready_file(cfg.run.dir, name)), *more]  # progress.py
 
+    def gpus(role: str, index: int = 0, *, judge: bool = False) -> dict[str, str]:
+        visible = role_gpus(cfg, role, index, judge=judge)  # shared/process/gpus.py
+        return {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+
     if not cfg.actor.connect:
         for index in range(cfg.actor.replicas):
             name = replica_name(index)
-            sup.start(name, "millstream.actor", args(name, "--worker-index", str(index)))
+            replica = args(name, "--worker-index", str(index))
+            sup.start(name, "millstream.actor", replica, env=gpus("actor", index))
     if cfg.judge.model_path and not cfg.judge.connect:
-        sup.start("judge", "millstream.actor", args("judge", "--judge"))
+        sup.start("judge", "millstream.actor", args("judge", "--judge"), env=gpus("actor", judge=True))
     # Rank 0 is "learner" (it talks to the run and prints the progress lines); the other ranks
     # of a data-parallel learner follow it. Not torchrun: its agent's TCPStore listens on every
     # interface; rank 0 hosts the group's store on loopback instead (learner/train/dssetup.py).
     port = str(free_port())
     for rank in range(cfg.learner.ranks):
-        env = dict(
+        ranks = dict(
             RANK=str(rank),
-            LOCAL_RANK=str(rank),
+            LOCAL_RANK=str(rank),  # rank r computes on the r-th of the learner's GPUs
             WORLD_SIZE=str(cfg.learner.ranks),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
         )
+        env = {**(ranks if cfg.learner.ranks > 1 else {}), **gpus("learner")}
         name = "learner" if rank == 0 else f"learner-rank{rank}"
         sup.start(
             name,
             "millstream.learner",
             args(name) if rank == 0 else config,
             pipe_stdout=rank == 0,
-            env=env if cfg.learner.ranks > 1 else None,
+            env=env or None,
         )
     for i in range(cfg.envpool.workers):
         sup.start(f"envpool-{i}", "millstream.envpool", args(f"envpool-{i}", "--worker-index", str(i)))

@@ -18,6 +18,7 @@ from pathlib import Path
 from millstream.shared.config import Config, ConfigError, dump_config
 from millstream.shared.process.allocator import check_allocator
 from millstream.shared.process.cpus import check_cpus
+from millstream.shared.process.gpus import check_gpus
 from millstream.shared.process.lifecycle import run_processes
 from millstream.shared.process.runtime import bind_problem, check_tensor_parallel
 
@@ -43,12 +44,13 @@ def check_run_dir(run_dir: Path, resuming: bool) -> None:
 
 def check_actor(cfg: Config) -> None:
     """What the actor this run starts would refuse only after its engine's processes started;
-    core lists (`*.cpus`) naming cores this machine does not offer; an allocator library that
-    is not there."""
+    core lists (`*.cpus`) naming cores this machine does not offer, GPU lists (`*.gpus`) it
+    cannot honour; an allocator library that is not there."""
     if not cfg.actor.connect and cfg.actor.kind == "vllm":
         check_tensor_parallel(cfg.model.path, cfg.actor.tensor_parallel_size)
     if cfg.launcher.kind == "local":  # on Ray the roles' hosts may have other cores and files
         check_cpus(cfg)
+        check_gpus(cfg)
         check_allocator(cfg)
 
 

@@ -1,0 +1,112 @@
+"""Which GPUs each role's processes see under the local launcher (`actor.gpus`, `learner.gpus`).
+
+Every process of a machine sees every GPU and computes on the first one it sees. Left at that,
+a run's actor engines, its judge and its learner all compute on GPU 0 while any other GPU idles,
+and the learner and the actor share a GPU, which NCCL refuses to connect (the weights then go
+over gloo: shared/wire/weightsync.py `pick_backend`). So the launcher gives each role GPUs of
+its own, through `CUDA_VISIBLE_DEVICES` in the role's environment, set before the process starts
+(CUDA reads it once, at its first call, and a library may make that call at import):
+
+- `"auto"` (the default): where the machine has a GPU for every process that computes on one,
+  the actor's engines take the first ones (`actor.tensor_parallel_size` for each replica, then
+  the judge's engine), the learner the next ones (one per rank). With fewer GPUs nothing
+  changes: the processes share them from the first, as a one-GPU run plans
+  (examples/gpu-instruct.toml: the actor takes `actor.gpu_memory_utilization` of it, the learner
+  the rest).
+- `"all"`: unchanged, every process sees every GPU.
+- a list such as `"0,1"` or `"2-3"`: those GPUs, numbered as CUDA numbers them for the launcher.
+  The actor's replicas (then the judge) take `tensor_parallel_size` of them each when there are
+  enough, else they all share the list; the learner's ranks all see the list, and rank r
+  computes on its r-th GPU (LOCAL_RANK), so the list holds one per rank at least.
+
+The GPUs are those CUDA would show the launcher: its `CUDA_VISIBLE_DEVICES` where set, else the
+machine's NVIDIA device nodes. Under Ray, Ray sets each role's (`launcher.*_gpus`), and a role
+started by hand keeps the environment it was given.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from collections.abc import Sequence
+
+from millstream.shared.config import Config, ConfigError
+from millstream.shared.process.cpus import engine_on_cpu, parse_cores
+
+__all__ = ["check_gpus", "role_gpus", "visible_gpus"]
+
+ROLES = ("actor", "learner")
+
+
+def visible_gpus() -> list[str]:
+    """The GPUs CUDA would show this process, as `CUDA_VISIBLE_DEVICES` names them (indices,
+    or UUIDs where it names them so); read without importing torch."""
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if named is not None:
+        return [] if named.strip() in ("", "-1") else [gpu.strip() for gpu in named.split(",")]
+    return [str(i) for i in range(len(glob.glob("/dev/nvidia[0-9]*")))]
+
+
+def _needs(cfg: Config) -> tuple[int, int]:
+    """(engines the launcher starts on GPUs: replicas and judge, each of tensor_parallel_size
+    GPUs; learner ranks, one GPU each)."""
+    on_gpu = cfg.actor.kind == "vllm" and not engine_on_cpu(cfg)
+    engines = 0 if cfg.actor.connect or not on_gpu else cfg.actor.replicas
+    if on_gpu and cfg.judge.model_path and not cfg.judge.connect:
+        engines += 1
+    return engines, cfg.learner.ranks
+
+
+def role_gpus(
+    cfg: Config, role: str, index: int = 0, *, judge: bool = False, visible: Sequence[str] | None = None
+) -> str | None:
+    """`CUDA_VISIBLE_DEVICES` for process `index` of `role` (actor replica `index`, or the judge's
+    engine with `judge`; for the learner, every rank alike), or None: leave it as it is."""
+    if cfg.launcher.kind != "local" or role not in ROLES or getattr(cfg, role).gpus == "all":
+        return None
+    gpus = list(visible_gpus() if visible is None else visible)
+    engines, ranks = _needs(cfg)
+    tp = cfg.actor.tensor_parallel_size
+    if not gpus or (role == "actor" and engines == 0):
+        return None
+    spec = getattr(cfg, role).gpus
+    if spec != "auto":
+        mine = [gpus[i] for i in parse_cores(spec) if i < len(gpus)]  # check_gpus names the rest
+    elif engines * tp + ranks <= len(gpus):
+        mine = gpus[: engines * tp] if role == "actor" else gpus[engines * tp : engines * tp + ranks]
+    else:
+        return None  # too few to go round: every process shares them, from the first
+    if role == "actor" and len(mine) >= engines * tp:
+        slot = engines - 1 if judge else index  # the judge's engine comes after the replicas
+        mine = mine[slot * tp : (slot + 1) * tp]
+    return ",".join(mine)
+
+
+def check_gpus(cfg: Config, visible: Sequence[str] | None = None) -> None:
+    """Raise ConfigError naming the key when a role's GPU list cannot be honoured here: a GPU
+    this machine does not show, fewer GPUs than one engine or the learner's ranks need."""
+    if cfg.launcher.kind != "local":
+        return
+    gpus = list(visible_gpus() if visible is None else visible)
+    engines, ranks = _needs(cfg)
+    least = {"actor": cfg.actor.tensor_parallel_size if engines else 0, "learner": ranks}
+    for role in ROLES:
+        spec = getattr(cfg, role).gpus
+        if spec in ("auto", "all"):
+            continue
+        try:
+            listed = parse_cores(spec)
+        except ValueError as exc:
+            raise ConfigError(f"{role}.gpus = {spec!r}: {exc}") from None
+        missing = [i for i in listed if i >= len(gpus)]
+        if missing:
+            raise ConfigError(
+                f"{role}.gpus = {spec!r}: GPU {', '.join(map(str, missing))} is not visible here "
+                f"(this machine shows {len(gpus)} GPU{'s' * (len(gpus) != 1)})"
+            )
+        if len(listed) < least[role]:
+            what = "actor.tensor_parallel_size" if role == "actor" else "learner.ranks"
+            raise ConfigError(
+                f"{role}.gpus = {spec!r}: {len(listed)} GPU{'s' * (len(listed) != 1)} for "
+                f"{what} = {least[role]}; list one for each"
+            )

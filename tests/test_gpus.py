@@ -1,0 +1,116 @@
+"""Which GPUs each role sees under the local launcher (shared/process/gpus.py): the shapes of
+machine a run meets (one GPU, two, eight with tensor parallelism and a judge), the lists a user
+writes, and the launcher handing each role its `CUDA_VISIBLE_DEVICES`. This machine has no GPU:
+the GPUs are given as CUDA would show them (`visible`), and the engine is said to run on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+
+from millstream.shared.config import ConfigError, load_config
+from millstream.shared.launch.launcher import _start_roles
+from millstream.shared.process import gpus as gpus_module
+from millstream.shared.process.gpus import check_gpus, role_gpus, visible_gpus
+
+ON_GPU = ["actor.device=cuda"]
+
+
+def shares(visible: list[str], *overrides: str) -> dict[str, str | None]:
+    cfg = load_config(None, [*ON_GPU, *overrides])
+    out = {f"actor-{i}": role_gpus(cfg, "actor", i, visible=visible) for i in range(cfg.actor.replicas)}
+    if cfg.judge.model_path:
+        out["judge"] = role_gpus(cfg, "actor", judge=True, visible=visible)
+    return out | {"learner": role_gpus(cfg, "learner", visible=visible)}
+
+
+def test_one_gpu_is_shared_by_the_actor_and_the_learner():
+    assert shares(["0"]) == {"actor-0": None, "learner": None}  # as examples/gpu-instruct.toml plans
+
+
+def test_two_gpus_give_the_actor_and_the_learner_one_each():
+    assert shares(["0", "1"]) == {"actor-0": "0", "learner": "1"}
+
+
+def test_eight_gpus_go_round_replicas_with_tensor_parallelism_a_judge_and_ranks():
+    got = shares(
+        [str(i) for i in range(8)],
+        "actor.replicas=2",
+        "actor.tensor_parallel_size=2",
+        "judge.model_path=/models/judge",
+        "learner.ranks=2",
+    )
+    assert got == {"actor-0": "0,1", "actor-1": "2,3", "judge": "4,5", "learner": "6,7"}
+
+
+def test_too_few_gpus_to_go_round_are_shared_from_the_first():
+    assert shares(["0", "1", "2"], "actor.replicas=2", "learner.ranks=2") == {
+        "actor-0": None,
+        "actor-1": None,
+        "learner": None,
+    }
+
+
+def test_lists_name_gpus_as_the_launchers_environment_numbers_them():
+    visible = ["4", "5", "6", "7"]  # the launcher itself runs with CUDA_VISIBLE_DEVICES=4,5,6,7
+    got = shares(visible, "actor.replicas=2", 'actor.gpus="2-3"', "learner.ranks=2", 'learner.gpus="0,1"')
+    assert got == {"actor-0": "6", "actor-1": "7", "learner": "4,5"}
+    # Fewer than one each: the replicas share the list.
+    assert shares(visible, "actor.replicas=2", 'actor.gpus="3"')["actor-1"] == "7"
+
+
+def test_all_and_ray_and_a_cpu_engine_leave_the_environment_alone():
+    two = ["0", "1"]
+    assert shares(two, "actor.gpus=all", "learner.gpus=all") == {"actor-0": None, "learner": None}
+    assert shares(two, "launcher.kind=ray") == {"actor-0": None, "learner": None}
+    cpu_engine = load_config(None, ["actor.device=cpu"])
+    assert role_gpus(cpu_engine, "actor", visible=two) is None
+    assert role_gpus(cpu_engine, "learner", visible=two) == "0"  # the learner alone needs one
+    assert role_gpus(load_config(None, ON_GPU), "envpool", visible=two) is None
+
+
+def test_what_cuda_shows_is_read_from_the_environment(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa, GPU-bb")
+    assert visible_gpus() == ["GPU-aa", "GPU-bb"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert visible_gpus() == []
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (['actor.gpus="0,5"'], "actor.gpus = '0,5': GPU 5 is not visible here (this machine shows 2 GPUs)"),
+        (['learner.gpus="1"', "learner.ranks=2"], "learner.gpus = '1': 1 GPU for learner.ranks = 2"),
+        (
+            ['actor.gpus="0"', "actor.tensor_parallel_size=2"],
+            "actor.gpus = '0': 1 GPU for actor.tensor_parallel_size = 2",
+        ),
+        (['actor.gpus="1-0"'], "actor.gpus = '1-0': the range '1-0' runs backwards"),
+    ],
+)
+def test_a_list_that_cannot_be_honoured_is_refused_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        check_gpus(load_config(None, [*ON_GPU, *overrides]), visible=["0", "1"])
+    assert str(err.value).startswith(message)
+
+
+class RecordingSupervisor:
+    """Records what the launcher asks to start, and starts nothing (the test is about the
+    environment each role is given)."""
+
+    def __init__(self) -> None:
+        self.envs: dict[str, dict[str, str] | None] = {}
+
+    def start(self, name, module, args, *, pipe_stdout=False, env=None) -> None:
+        self.envs[name] = env
+
+
+def test_the_launcher_gives_each_role_its_gpus(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpus_module, "visible_gpus", lambda: ["0", "1", "2"])
+    cfg = load_config(None, [*ON_GPU, f"run.dir={tmp_path}", "learner.ranks=2"])
+    sup = RecordingSupervisor()
+    _start_roles(sup, cfg, [])
+    assert sup.envs["actor"] == {"CUDA_VISIBLE_DEVICES": "0"}
+    for rank, name in enumerate(["learner", "learner-rank1"]):
+        env = sup.envs[name]
+        assert env is not None and env["CUDA_VISIBLE_DEVICES"] == "1,2" and env["LOCAL_RANK"] == str(rank)
+    assert sup.envs["envpool-0"] is None
