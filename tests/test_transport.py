@@ -6,7 +6,7 @@ import zmq
 from helpers import keys_for
 
 from millstream.shared.config import TransportConfig
-from millstream.shared.wire import Codec, ErrorReply, GenerateRequest, ReplyCause, TokenDelta
+from millstream.shared.wire import Codec, ErrorReply, GenerateRequest, ReplyCause, TokenDelta, transport
 from millstream.shared.wire.keys import secure
 from millstream.shared.wire.transport import open_channel
 
@@ -163,6 +163,30 @@ async def test_curve_admits_the_run_keys_only_and_names_the_role():
     assert router.statistics().recv_messages == 1
     for sock in outsiders + listeners:
         sock.close()
+
+
+async def test_the_roles_of_peers_gone_are_forgotten_past_a_bound(monkeypatch):
+    """A CURVE ROUTER remembers which role each peer identity authenticated as; a reconnecting
+    peer comes back under a new identity, so the oldest are forgotten past MAX_PEER_ROLES, and a
+    peer still talking is known again from its next frame."""
+    monkeypatch.setattr(transport, "MAX_PEER_ROLES", 2)
+    cfg = TransportConfig()
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=SERVER)
+    roles = ["learner", "envpool", "envpool", "learner"]
+    peers = [open_channel("dealer", router.address, bind=False, cfg=cfg, keys=keys_for(r)) for r in roles]
+    seen = []
+    async with anyio.create_task_group() as tg:
+        for channel in (router, *peers):
+            tg.start_soon(channel.run)
+        for i, peer in enumerate([*peers, peers[0]]):  # the first speaks again, last
+            await peer.send(GenerateRequest(str(i), [1], 1))
+            with anyio.fail_after(10):
+                who, _ = await router.receive()
+            seen.append((who, router.peer_role(who)))
+        tg.cancel_scope.cancel()
+    assert [role for _, role in seen] == [*roles, "learner"]  # each known when its message came
+    assert len(router._roles) == 2  # the bound, not one entry per identity ever seen
+    assert router.peer_role(seen[1][0]) is None  # forgotten: it has said nothing since
 
 
 async def test_batches_are_split_into_frames_the_peer_accepts():

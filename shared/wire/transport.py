@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import anyio
@@ -75,11 +75,14 @@ class ChannelStats:
     send_queue_max: int = 0
     recv_queue: int = 0
     recv_queue_max: int = 0
-    peers: set[bytes] = field(default_factory=set, repr=False)
 
     def counters(self) -> dict[str, int | str]:
-        """Everything but the peer set, as a plain dict (JSON-ready)."""
-        return {k: v for k, v in vars(self).items() if k != "peers"}
+        """Every counter, as a plain dict (JSON-ready)."""
+        return dict(vars(self))
+
+
+#: Peer identities a CURVE ROUTER remembers the role of (`peer_role`).
+MAX_PEER_ROLES = 65536
 
 
 class Channel:
@@ -210,7 +213,13 @@ class Channel:
         # Frame objects carry the ZAP User-Id; only a ROUTER with CURVE pays for them.
         parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(parts) > 1:  # every frame: a routing id can pass to another peer after a reconnect
-            self._roles[parts[0].bytes] = str(parts[-1].get("User-Id"))
+            peer, roles = parts[0].bytes, self._roles
+            if peer not in roles and len(roles) >= MAX_PEER_ROLES:
+                # A reconnecting peer comes back under a new routing id (a learner waiting for a
+                # replica reconnects every 5 s), and the old one is never heard of again: forget
+                # the longest known. One still talking is put back by its next frame.
+                del roles[next(iter(roles))]
+            roles[peer] = str(parts[-1].get("User-Id"))
         return [part.bytes for part in parts]
 
     async def _deliver(self, frames: list[bytes]) -> None:
@@ -220,7 +229,6 @@ class Channel:
         peer = b""
         if self.kind == "router":
             peer, frames = frames[0], frames[1:]
-            stats.peers.add(peer)
         try:
             if len(frames) != 1:
                 self._codec.errors += 1
