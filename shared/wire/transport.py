@@ -75,6 +75,8 @@ class ChannelStats:
     send_queue_max: int = 0
     recv_queue: int = 0
     recv_queue_max: int = 0
+    #: Frames to a peer that is gone, or that stopped reading (`STALLED_PEER_S`), not sent.
+    dropped_frames: int = 0
 
     def counters(self) -> dict[str, int | str]:
         """Every counter, as a plain dict (JSON-ready)."""
@@ -83,6 +85,8 @@ class ChannelStats:
 
 #: Peer identities a CURVE ROUTER remembers the role of (`peer_role`).
 MAX_PEER_ROLES = 65536
+#: A ROUTER's peer whose pipe stays full this long has stopped reading (`Channel._has_stalled`).
+STALLED_PEER_S = 10.0
 
 
 class Channel:
@@ -119,6 +123,8 @@ class Channel:
         #: ROUTER with CURVE: the role each peer identity authenticated as (its ZAP User-Id).
         self._roles: dict[bytes, str] = {}
         self._track_roles = authenticated and kind == "router"
+        #: ROUTER peers that stopped reading: their frames are dropped until one goes through.
+        self._stalled: set[bytes] = set()
         #: True when the socket uses the run's CURVE keys.
         self.authenticated = authenticated
         self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue, recv_queue_max=recv_queue)
@@ -268,6 +274,18 @@ class Channel:
                     self._stats.sent_bytes += len(payload)
             self._in_hand = 0
 
+    def _has_stalled(self, peer: bytes, since: float) -> bool:
+        """A ROUTER's frames to one peer wait behind its full pipe, and every other peer's
+        replies wait behind them: a peer that has not read for `STALLED_PEER_S` (a frozen
+        worker) gets its frames dropped, counted, until a send to it goes through again. Its
+        requests then fail by their own timeouts, as they would have waiting."""
+        if peer not in self._stalled and anyio.current_time() - since < STALLED_PEER_S:
+            return False
+        self._stalled.add(peer)
+        self._stats.dropped_frames += 1
+        self._bad.event("peer_stalled", "%s: a peer stopped reading, dropped a frame to it", self.address)
+        return True
+
     def _payloads(self, messages: list[Outgoing]) -> list[tuple[bytes, int]]:
         """`messages` encoded in frames the peer accepts (`transport.max_frame_bytes`): one
         frame, or halves of the batch until each fits. A single message over the limit means the
@@ -287,18 +305,24 @@ class Channel:
         return self._payloads(messages[:half]) + self._payloads(messages[half:])
 
     async def _send_frames(self, frames: list[bytes]) -> None:
-        delay = 0.0005
+        delay, started = 0.0005, anyio.current_time()
         while True:
             try:
                 self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                if self._stalled:
+                    self._stalled.discard(frames[0])  # it reads again
                 break
             except zmq.Again:
                 # High-water mark reached (or, on a DEALER, no peer yet): back off, bounded.
+                if self.kind == "router" and self._has_stalled(frames[0], started):
+                    return
                 self._stats.send_retries += 1
                 await anyio.sleep(delay)
                 delay = min(delay * 2, self._cfg.io_wait_s)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:  # ROUTER: that peer is gone; drop its frame.
+                    self._stalled.discard(frames[0])
+                    self._stats.dropped_frames += 1
                     self._bad.event("peer_gone", "%s: peer gone, dropped a frame", self.address)
                     return
                 raise
