@@ -34,9 +34,10 @@ the group has 1 + TP members) and receives the *whole* flat buffer; `reload_weig
 model's own `load_weights`, whose per-layer loaders cut out this worker's shard (the same path
 that loads a checkpoint). The learner therefore sends the same unsharded tensors whatever the
 TP size, and needs no knowledge of how vLLM splits a model. The cost: every worker keeps a full
-copy of the weights next to its shard, from its first update on (on GPU: model-size memory per
-GPU beyond `gpu_memory_utilization`'s share; the receive buffer is kept so that the next update
-can arrive while the engine generates), and the broadcast has TP receivers, not one.
+copy of the weights next to its shard, from its first update on (over NCCL: model-size memory
+per GPU beyond `gpu_memory_utilization`'s share; over gloo, host memory, a copy per worker; the
+receive buffer is kept so that the next update can arrive while the engine generates), and the
+broadcast has TP receivers, not one.
 
 Nothing here imports the actor server: this module must be importable alone in vLLM's spawned
 worker processes.

@@ -10,7 +10,7 @@ import pytest
 from millstream.shared.config import ConfigError, load_config
 from millstream.shared.launch.launcher import _start_roles
 from millstream.shared.process import gpus as gpus_module
-from millstream.shared.process.gpus import check_gpus, role_gpus, visible_gpus
+from millstream.shared.process.gpus import check_gpus, role_gpus, shared_gpus, visible_gpus
 
 ON_GPU = ["actor.device=cuda"]
 
@@ -24,7 +24,8 @@ def shares(visible: list[str], *overrides: str) -> dict[str, str | None]:
 
 
 def test_one_gpu_is_shared_by_the_actor_and_the_learner():
-    assert shares(["0"]) == {"actor-0": None, "learner": None}  # as examples/gpu-instruct.toml plans
+    assert shares(["0"]) == {"actor-0": "0", "learner": "0"}  # as examples/gpu-instruct.toml plans
+    assert shared_gpus(load_config(None, ON_GPU), visible=["0"]) == ["0"]
 
 
 def test_two_gpus_give_the_actor_and_the_learner_one_each():
@@ -42,12 +43,22 @@ def test_eight_gpus_go_round_replicas_with_tensor_parallelism_a_judge_and_ranks(
     assert got == {"actor-0": "0,1", "actor-1": "2,3", "judge": "4,5", "learner": "6,7"}
 
 
-def test_too_few_gpus_to_go_round_are_shared_from_the_first():
-    assert shares(["0", "1", "2"], "actor.replicas=2", "learner.ranks=2") == {
-        "actor-0": None,
-        "actor-1": None,
-        "learner": None,
-    }
+def test_too_few_gpus_to_go_round_are_shared_and_none_idles():
+    """The engines take turns on all of them, the learner takes the last ones."""
+    cfg = ["actor.replicas=2", "learner.ranks=2"]
+    assert shares(["0", "1", "2"], *cfg) == {"actor-0": "0", "actor-1": "1", "learner": "1,2"}
+    assert shared_gpus(load_config(None, [*ON_GPU, *cfg]), visible=["0", "1", "2"]) == ["1"]
+    three = shares(["0", "1"], "actor.replicas=3")  # more engines than GPUs: round and round
+    assert three == {"actor-0": "0", "actor-1": "1", "actor-2": "0", "learner": "1"}
+    assert shares(["0"], "actor.tensor_parallel_size=2")["actor-0"] is None  # vLLM says why
+
+
+def test_auto_keeps_clear_of_the_other_roles_list():
+    assert shares(["0", "1"], 'actor.gpus="1"') == {"actor-0": "1", "learner": "0"}
+    four = shares(["0", "1", "2", "3"], "actor.replicas=3", 'actor.gpus="0-1"')
+    assert four == {"actor-0": "0", "actor-1": "1", "actor-2": "0", "learner": "2"}
+    assert shares(["0", "1", "2"], 'learner.gpus="0"', "actor.replicas=2")["actor-1"] == "2"
+    assert shared_gpus(load_config(None, [*ON_GPU, 'actor.gpus="1"']), visible=["0", "1"]) == []
 
 
 def test_lists_name_gpus_as_the_launchers_environment_numbers_them():
@@ -55,7 +66,7 @@ def test_lists_name_gpus_as_the_launchers_environment_numbers_them():
     got = shares(visible, "actor.replicas=2", 'actor.gpus="2-3"', "learner.ranks=2", 'learner.gpus="0,1"')
     assert got == {"actor-0": "6", "actor-1": "7", "learner": "4,5"}
     # Fewer than one each: the replicas share the list.
-    assert shares(visible, "actor.replicas=2", 'actor.gpus="3"')["actor-1"] == "7"
+    assert shares(visible, "actor.replicas=2", 'actor.gpus="3"')["actor-1"] == "7"  # both on it
 
 
 def test_all_and_ray_and_a_cpu_engine_leave_the_environment_alone():

@@ -25,8 +25,8 @@ from helpers import (
 from millstream.bench.kit.spawn import stop
 from millstream.envpool.actors.client import GenerationFailed
 from millstream.envpool.actors.generation import Sampling
-from millstream.learner.sync.weights import WeightSender, WeightSyncError
-from millstream.shared.config import LearnerConfig
+from millstream.learner.sync.weights import WeightSender
+from millstream.shared.config import ConfigError, LearnerConfig
 from millstream.shared.wire import Codec, GenerateRequest, TokenDelta
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -137,7 +137,8 @@ def test_weight_sync_is_real_on_the_wire(synthetic, tiny_model_dir):
 
 def test_nccl_asked_for_a_replica_on_the_cpu_is_refused_with_the_reason(synthetic):
     """The replica says where its workers compute (`ActorInfo.gpus`, empty on the CPU); an
-    explicit NCCL group that cannot form is refused before anything is attempted."""
+    explicit NCCL group that cannot form is refused before anything is attempted, as a config
+    error (forming it again would fail the same way)."""
     sender = WeightSender(
         synthetic,
         LearnerConfig(sync_timeout_s=30, sync_backend="nccl"),
@@ -146,7 +147,7 @@ def test_nccl_asked_for_a_replica_on_the_cpu_is_refused_with_the_reason(syntheti
     )
     try:
         # Both members: the learner of this test too (no GPU here).
-        with pytest.raises(WeightSyncError, match="2 of the weight group's 2 members compute on the CPU"):
+        with pytest.raises(ConfigError, match="2 of the weight group's 2 members compute on the CPU"):
             sender.attach()
     finally:
         sender.close()

@@ -39,7 +39,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from millstream.learner.sync.layout import FlatWeights, LayoutChanged
-from millstream.shared.config import LearnerConfig
+from millstream.shared.config import ConfigError, LearnerConfig
 from millstream.shared.wire import (
     ActorInfo,
     AttachLearner,
@@ -212,16 +212,18 @@ class WeightGroup:
 
 def group_backend(configured: str, infos: list[ActorInfo]) -> str:
     """The backend of a group of this learner and the replicas of `infos`: `pick_backend` over
-    the GPU of every member (the learner's current device, then each replica's workers).
-    WeightSyncError where an explicit 'nccl' cannot work (two members on one GPU)."""
+    the GPU of every member (the learner's current device, then each replica's workers). An
+    explicit 'nccl' that cannot work is a ConfigError, not a failed group: forming it again
+    would fail the same way, so the learner stops and says why."""
     own = gpu_identity(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else ""
     gpus = [own] + [gpu for info in infos for gpu in info.gpus or [""] * info.weight_ranks]
     try:
         backend = pick_backend(configured, gpus)
     except ValueError as exc:
-        raise WeightSyncError(str(exc)) from None
-    if own and backend == "gloo":
-        log.info("a GPU is shared in the weight group (NCCL cannot connect two processes on one): gloo")
+        raise ConfigError(str(exc)) from None
+    on_gpus = [gpu for gpu in gpus if gpu]
+    if configured == "auto" and len(set(on_gpus)) < len(on_gpus):
+        log.info("two members of the weight group share a GPU, which NCCL cannot connect: gloo")
     return backend
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from millstream.shared.config import Config, ConfigError, dump_config
 from millstream.shared.process.allocator import check_allocator
 from millstream.shared.process.cpus import check_cpus
-from millstream.shared.process.gpus import check_gpus
+from millstream.shared.process.gpus import check_gpus, shared_gpus
 from millstream.shared.process.lifecycle import run_processes
 from millstream.shared.process.runtime import bind_problem, check_tensor_parallel
 
@@ -52,6 +52,14 @@ def check_actor(cfg: Config) -> None:
         check_cpus(cfg)
         check_gpus(cfg)
         check_allocator(cfg)
+        shared = shared_gpus(cfg)
+        if shared:  # legitimate (one GPU for all), but the user should know what it costs
+            log.warning(
+                "GPU %s will hold two or more of the run's processes (engines, learner ranks; "
+                "actor.gpus, learner.gpus): each engine takes actor.gpu_memory_utilization of it, "
+                "and where the learner shares one with an engine, weights go over gloo",
+                ", ".join(shared),
+            )
 
 
 def bind_addresses(cfg: Config) -> list[tuple[str, str]]:

@@ -9,19 +9,22 @@ its own, through `CUDA_VISIBLE_DEVICES` in the role's environment, set before th
 
 - `"auto"` (the default): where the machine has a GPU for every process that computes on one,
   the actor's engines take the first ones (`actor.tensor_parallel_size` for each replica, then
-  the judge's engine), the learner the next ones (one per rank). With fewer GPUs nothing
-  changes: the processes share them from the first, as a one-GPU run plans
+  the judge's engine), the learner the next ones (one per rank). With fewer, they share: the
+  engines take turns on all of them and the learner takes the last ones, as a one-GPU run plans
   (examples/gpu-instruct.toml: the actor takes `actor.gpu_memory_utilization` of it, the learner
-  the rest).
+  the rest); the launcher says which GPUs are shared (`shared_gpus`). "auto" keeps clear of
+  GPUs the other role's list names.
 - `"all"`: unchanged, every process sees every GPU.
 - a list such as `"0,1"` or `"2-3"`: those GPUs, numbered as CUDA numbers them for the launcher.
-  The actor's replicas (then the judge) take `tensor_parallel_size` of them each when there are
-  enough, else they all share the list; the learner's ranks all see the list, and rank r
+  The actor's replicas (then the judge) take `tensor_parallel_size` of them each, taking turns
+  when there are fewer than that; the learner's ranks all see the list, and rank r
   computes on its r-th GPU (LOCAL_RANK), so the list holds one per rank at least.
 
 The GPUs are those CUDA would show the launcher: its `CUDA_VISIBLE_DEVICES` where set, else the
-machine's NVIDIA device nodes. Under Ray, Ray sets each role's (`launcher.*_gpus`), and a role
-started by hand keeps the environment it was given.
+machine's NVIDIA device nodes. CUDA numbers them fastest first unless
+`CUDA_DEVICE_ORDER=PCI_BUS_ID`, which on a machine of mixed GPU models can differ from
+nvidia-smi's order. Under Ray, Ray sets each role's (`launcher.*_gpus`), and a role started by
+hand keeps the environment it was given.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections.abc import Sequence
 from millstream.shared.config import Config, ConfigError
 from millstream.shared.process.cpus import engine_on_cpu, parse_cores
 
-__all__ = ["check_gpus", "role_gpus", "visible_gpus"]
+__all__ = ["check_gpus", "role_gpus", "shared_gpus", "visible_gpus"]
 
 ROLES = ("actor", "learner")
 
@@ -66,20 +69,57 @@ def role_gpus(
         return None
     gpus = list(visible_gpus() if visible is None else visible)
     engines, ranks = _needs(cfg)
-    tp = cfg.actor.tensor_parallel_size
     if not gpus or (role == "actor" and engines == 0):
         return None
-    spec = getattr(cfg, role).gpus
-    if spec != "auto":
-        mine = [gpus[i] for i in parse_cores(spec) if i < len(gpus)]  # check_gpus names the rest
-    elif engines * tp + ranks <= len(gpus):
-        mine = gpus[: engines * tp] if role == "actor" else gpus[engines * tp : engines * tp + ranks]
-    else:
-        return None  # too few to go round: every process shares them, from the first
-    if role == "actor" and len(mine) >= engines * tp:
-        slot = engines - 1 if judge else index  # the judge's engine comes after the replicas
-        mine = mine[slot * tp : (slot + 1) * tp]
-    return ",".join(mine)
+    actor, learner = _pools(cfg, gpus, engines, ranks)
+    if role == "learner":
+        return ",".join(learner) if len(learner) >= ranks else None
+    tp = cfg.actor.tensor_parallel_size
+    groups = len(actor) // tp  # engines that fit side by side; more take turns on them
+    if not groups:
+        return None  # fewer GPUs than one engine needs: vLLM says so
+    slot = (engines - 1 if judge else index) % groups  # the judge's engine comes after the replicas
+    return ",".join(actor[slot * tp : (slot + 1) * tp])
+
+
+def shared_gpus(cfg: Config, visible: Sequence[str] | None = None) -> list[str]:
+    """The GPUs that two of the run's GPU processes (engines, learner ranks) will compute on."""
+    gpus = list(visible_gpus() if visible is None else visible)
+    if not gpus or cfg.launcher.kind != "local":
+        return []
+    engines, ranks = _needs(cfg)
+    tp = cfg.actor.tensor_parallel_size
+    used: list[str] = []  # what each process computes on: its first GPUs (a rank: its own)
+    for slot in range(engines):  # the judge's is the last slot
+        used += (role_gpus(cfg, "actor", slot, visible=gpus) or ",".join(gpus)).split(",")[:tp]
+    used += (role_gpus(cfg, "learner", visible=gpus) or ",".join(gpus)).split(",")[:ranks]
+    return sorted({gpu for gpu in used if used.count(gpu) > 1})
+
+
+def _pools(cfg: Config, gpus: list[str], engines: int, ranks: int) -> tuple[list[str], list[str]]:
+    """(the actor's GPUs, the learner's). A list names them. "auto" keeps clear of the other
+    role's list, and takes GPUs of its own where there are enough for every process; else it
+    shares: the engines go round all of them, the learner takes the last ones."""
+    actor, learner = (_listed(getattr(cfg, role).gpus, gpus) for role in ROLES)
+    need = engines * cfg.actor.tensor_parallel_size
+    if actor is None and learner is None and need + ranks <= len(gpus):
+        return gpus[:need], gpus[need : need + ranks]
+    last = gpus[len(gpus) - min(ranks, len(gpus)) :]
+    if actor is None:
+        free = [gpu for gpu in gpus if gpu not in (learner or [])]
+        actor = free if learner is not None and len(free) >= need else gpus
+    if learner is None:
+        free = [gpu for gpu in gpus if gpu not in actor]
+        learner = free[:ranks] if len(free) >= ranks and actor != gpus else last
+    return actor, learner
+
+
+def _listed(spec: str, gpus: list[str]) -> list[str] | None:
+    """The GPUs a list names (as the launcher's environment numbers them); None for "auto" and
+    "all". Indices past the machine's are left out: `check_gpus` refuses them first."""
+    if spec in ("auto", "all"):
+        return None
+    return [gpus[i] for i in parse_cores(spec) if i < len(gpus)]
 
 
 def check_gpus(cfg: Config, visible: Sequence[str] | None = None) -> None:

@@ -35,7 +35,8 @@ class ActorInfo(WireMessage, tag="actor_info", frozen=True):
     max_model_len: int
     #: Weight dtype in the engine ("float32", "bfloat16", ...); the learner casts to it.
     dtype: str
-    #: The GPU each weight rank computes on (`weightsync.gpu_identity`, a UUID), in rank order;
+    #: The GPU each weight rank computes on (`weightsync.gpu_identity`: host and PCI address, as
+    #: NCCL tells GPUs apart), in rank order;
     #: empty when they compute on the CPU. The learner broadcasts over NCCL only between
     #: processes on GPUs of their own: NCCL refuses two ranks on one GPU.
     gpus: list[str] = []

@@ -27,6 +27,7 @@ import socket
 import time
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -61,8 +62,8 @@ def pick_backend(name: str, gpus: Sequence[str] = ()) -> str:
     for one on the CPU); left out, the members are not known yet. 'auto' is NCCL when every
     member computes on a GPU of its own, gloo otherwise. NCCL refuses two ranks on one GPU
     ("Duplicate GPU detected"), and a run on one GPU puts the learner and its actor there, as
-    does the local launcher on any machine (every role sees every GPU and starts on the first);
-    gloo then carries the weights through host memory. An explicit 'nccl' that cannot work is a
+    does any machine with fewer GPUs than the run's processes (shared/process/gpus.py); gloo
+    then carries the weights through host memory. An explicit 'nccl' that cannot work is a
     ValueError naming why, before any group is attempted.
     """
     if name not in ("auto", "gloo", "nccl"):
@@ -90,11 +91,27 @@ def pick_backend(name: str, gpus: Sequence[str] = ()) -> str:
 
 
 def gpu_identity(device: torch.device | str | None) -> str:
-    """Which GPU `device` is, by its UUID (unique across hosts, unlike an index, which depends
-    on the process's CUDA_VISIBLE_DEVICES); "" for anything but a CUDA device."""
+    """Which GPU `device` is, as NCCL tells GPUs apart: by host (its name and boot, as NCCL's
+    host hash) and PCI address, so that MIG instances of one card count as one GPU; "" for
+    anything but a CUDA device. An index would not do: it depends on each process's
+    CUDA_VISIBLE_DEVICES."""
     if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available():
         return ""
-    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
+    props = torch.cuda.get_device_properties(torch.device(device))
+    domain, bus, slot = (getattr(props, f"pci_{part}_id", None) for part in ("domain", "bus", "device"))
+    if domain is None or bus is None or slot is None:  # an older torch: the UUID (MIG: its own)
+        return str(props.uuid)
+    return f"{host_identity()}/{domain:04x}:{bus:02x}:{slot:02x}"
+
+
+def host_identity() -> str:
+    """This machine, as NCCL's host hash sees it: its name and the kernel's boot id (two
+    containers of one host share the boot id; two hosts of one name do not)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
 
 
 def open_store(host: str, port: int, world_size: int, *, is_master: bool, timeout_s: float):
