@@ -254,6 +254,17 @@ def test_the_launcher_gives_every_replica_its_own_address(tiny_model_dir):
     assert [replica_name(i) for i in range(3)] == ["actor", "actor-1", "actor-2"]
 
 
+def test_the_ports_a_launcher_picks_never_coincide():
+    """The launcher picks every port of a run before any role binds one, so each pick is still
+    free at the next: two random picks once put a run's experience and version addresses on one
+    port, and its learner failed at its bind. 400 picks from about 12,800 ports would coincide
+    about six times by chance."""
+    from millstream.shared.process.runtime import free_port
+
+    picked = [free_port() for _ in range(400)]
+    assert len(set(picked)) == len(picked)
+
+
 def test_the_envpool_check_s_warnings_reach_the_launcher_s_log(tmp_path, tiny_model_dir, caplog):
     # The check runs in a child process; its warnings went to a stderr nobody read.
     caplog.set_level("WARNING", logger="launcher")

@@ -438,7 +438,6 @@ def test_code_killed_by_sigkill_is_reported_as_killed():
     assert (result.status, result.returncode, result.output) == ("killed", -9, "before\n")
 
 
-@needs_cgroup
 def test_a_child_that_does_not_exit_after_sigkill_is_left_behind_after_a_bound(monkeypatch):
     """A killed child stuck in the kernel (a frozen cgroup, a hung mount) must not hold its
     episode and its slot for good: the reap outlives the episode's deadline (shielded) but gives
@@ -464,6 +463,7 @@ def test_a_child_that_does_not_exit_after_sigkill_is_left_behind_after_a_bound(m
     assert 0.3 <= anyio.run(reap, backend="trio") < 5
 
 
+@needs_cgroup
 def test_a_killed_process_s_cgroups_are_swept_by_the_next(tmp_path):
     from millstream.envpool.envs.tools.sandbox import cgroups
 

@@ -26,6 +26,7 @@ import resource
 import socket
 import sys
 import traceback
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -349,19 +350,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     of that range are never handed out implicitly (and stay above Ray's worker ports, 10002 to
     19999 by default), so only an explicit bind can take them; that is left to chance. Falls
     back to the OS's pick where the range is unknown or too small.
+
+    Never a port it handed out lately (`_HANDED_OUT`): the launcher picks all of a run's ports
+    before any role binds one, so each is still free when the next is picked, and two random
+    picks coincided (a run's experience and version addresses on one port: its learner failed
+    at its bind; about one run in a thousand).
     """
     low = _ephemeral_start()
     if low > _FIRST_QUIET_PORT + 64:
         for _ in range(64):
             port = random.randrange(_FIRST_QUIET_PORT, low)
-            if _bindable(host, port):
+            if port not in _HANDED_OUT and _bindable(host, port):
+                _HANDED_OUT.append(port)
                 return port
-    with socket.socket(_family(host)) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    for _ in range(64):
+        with socket.socket(_family(host)) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            break
+    _HANDED_OUT.append(port)
+    return port
 
 
 _FIRST_QUIET_PORT = 20000
+#: The ports `free_port` handed out last, which it does not hand out again.
+_HANDED_OUT: deque[int] = deque(maxlen=1024)
 
 
 def _ephemeral_start() -> int:
