@@ -75,7 +75,7 @@ class ChannelStats:
     send_queue_max: int = 0
     recv_queue: int = 0
     recv_queue_max: int = 0
-    #: Frames to a peer that is gone, or that stopped reading (`STALLED_PEER_S`), not sent.
+    #: Frames to a ROUTER's peer that is gone, not sent.
     dropped_frames: int = 0
 
     def counters(self) -> dict[str, int | str]:
@@ -85,8 +85,6 @@ class ChannelStats:
 
 #: Peer identities a CURVE ROUTER remembers the role of (`peer_role`).
 MAX_PEER_ROLES = 65536
-#: A ROUTER's peer whose pipe stays full this long has stopped reading (`Channel._has_stalled`).
-STALLED_PEER_S = 10.0
 
 
 class Channel:
@@ -123,8 +121,6 @@ class Channel:
         #: ROUTER with CURVE: the role each peer identity authenticated as (its ZAP User-Id).
         self._roles: dict[bytes, str] = {}
         self._track_roles = authenticated and kind == "router"
-        #: ROUTER peers that stopped reading: their frames are dropped until one goes through.
-        self._stalled: set[bytes] = set()
         #: True when the socket uses the run's CURVE keys.
         self.authenticated = authenticated
         self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue, recv_queue_max=recv_queue)
@@ -220,10 +216,10 @@ class Channel:
         parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         if len(parts) > 1:  # every frame: a routing id can pass to another peer after a reconnect
             peer, roles = parts[0].bytes, self._roles
-            if peer not in roles and len(roles) >= MAX_PEER_ROLES:
-                # A reconnecting peer comes back under a new routing id (a learner waiting for a
-                # replica reconnects every 5 s), and the old one is never heard of again: forget
-                # the longest known. One still talking is put back by its next frame.
+            # A reconnecting peer comes back under a new routing id (a learner waiting for a
+            # replica reconnects every 5 s), and the old one is never heard of again: past the
+            # bound, the one silent longest is forgotten (each frame moves its peer to the end).
+            if roles.pop(peer, None) is None and len(roles) >= MAX_PEER_ROLES:
                 del roles[next(iter(roles))]
             roles[peer] = str(parts[-1].get("User-Id"))
         return [part.bytes for part in parts]
@@ -274,18 +270,6 @@ class Channel:
                     self._stats.sent_bytes += len(payload)
             self._in_hand = 0
 
-    def _has_stalled(self, peer: bytes, since: float) -> bool:
-        """A ROUTER's frames to one peer wait behind its full pipe, and every other peer's
-        replies wait behind them: a peer that has not read for `STALLED_PEER_S` (a frozen
-        worker) gets its frames dropped, counted, until a send to it goes through again. Its
-        requests then fail by their own timeouts, as they would have waiting."""
-        if peer not in self._stalled and anyio.current_time() - since < STALLED_PEER_S:
-            return False
-        self._stalled.add(peer)
-        self._stats.dropped_frames += 1
-        self._bad.event("peer_stalled", "%s: a peer stopped reading, dropped a frame to it", self.address)
-        return True
-
     def _payloads(self, messages: list[Outgoing]) -> list[tuple[bytes, int]]:
         """`messages` encoded in frames the peer accepts (`transport.max_frame_bytes`): one
         frame, or halves of the batch until each fits. A single message over the limit means the
@@ -305,23 +289,23 @@ class Channel:
         return self._payloads(messages[:half]) + self._payloads(messages[half:])
 
     async def _send_frames(self, frames: list[bytes]) -> None:
-        delay, started = 0.0005, anyio.current_time()
+        # A ROUTER's frames to a peer whose pipe is full (it stopped reading: a frozen worker)
+        # wait here, and every other peer's behind them. Dropping them instead would be unsafe:
+        # a request that lost a delta from its middle would still end well, its tokens short
+        # (`TokenDelta` carries no offset to tell). At the default high-water mark (100,000
+        # frames) a peer has stopped reading for minutes before this happens.
+        delay = 0.0005
         while True:
             try:
                 self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                if self._stalled:
-                    self._stalled.discard(frames[0])  # it reads again
                 break
             except zmq.Again:
                 # High-water mark reached (or, on a DEALER, no peer yet): back off, bounded.
-                if self.kind == "router" and self._has_stalled(frames[0], started):
-                    return
                 self._stats.send_retries += 1
                 await anyio.sleep(delay)
                 delay = min(delay * 2, self._cfg.io_wait_s)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:  # ROUTER: that peer is gone; drop its frame.
-                    self._stalled.discard(frames[0])
                     self._stats.dropped_frames += 1
                     self._bad.event("peer_gone", "%s: peer gone, dropped a frame", self.address)
                     return
