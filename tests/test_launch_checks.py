@@ -254,6 +254,26 @@ def test_the_launcher_gives_every_replica_its_own_address(tiny_model_dir):
     assert [replica_name(i) for i in range(3)] == ["actor", "actor-1", "actor-2"]
 
 
+def test_a_broken_stdout_stops_the_run_and_falls_silent():
+    """The launcher's stdout (shared/launch/output.py): its reader gone, the first write stops
+    the run as Ctrl-C does and nothing after raises, the stream's own last flush included."""
+    import os
+    import threading
+
+    from millstream.shared.launch.output import RunOutput
+
+    read, write = os.pipe()
+    os.close(read)  # the reader left
+    stream, stop = os.fdopen(write, "w"), threading.Event()
+    out = RunOutput(stream, stop)
+    print("step 1", file=out, flush=True)
+    assert stop.is_set() and out.broken
+    print("step 2", file=out, flush=True)  # dropped
+    stream.write("at exit")
+    stream.flush()  # now /dev/null: the interpreter's last flush cannot fail
+    stream.close()
+
+
 def test_the_ports_a_launcher_picks_never_coincide():
     """The launcher picks every port of a run before any role binds one, so each pick is still
     free at the next: two random picks once put a run's experience and version addresses on one

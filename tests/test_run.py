@@ -173,9 +173,9 @@ def test_ctrl_c_stops_every_process(actor, tmp_path):
 
 
 def test_a_reader_that_leaves_stops_the_run_in_order(actor, tmp_path):
-    """`millstream run | head`: once nobody reads the launcher's stdout, the run stops in order
-    (as `cat | head` does), rather than going on with a learner that blocks in its next progress
-    line once the unread pipe is full."""
+    """`millstream run | head`: once nobody reads the launcher's stdout, the run stops in order,
+    as on Ctrl-C, rather than going on with a learner that blocks in its next progress line once
+    the unread pipe is full."""
     run_dir = tmp_path / "run"
     proc = start_run(
         run_dir, f"actor.connect={actor.address}", f"model.path={actor.model_dir}", "train.steps=1000"
@@ -183,5 +183,5 @@ def test_a_reader_that_leaves_stops_the_run_in_order(actor, tmp_path):
     assert proc.stdout is not None
     proc.stdout.close()  # the reader leaves; the learner's next line finds the pipe broken
     proc.wait(timeout=120)
-    assert proc.returncode == 0  # a closed stdout ends quietly (shared/launch/cli.py)
+    assert proc.returncode == 130  # stopped as on Ctrl-C, not finished (shared/launch/output.py)
     assert run_processes(run_dir) == []

@@ -30,7 +30,6 @@ docs/multihost.md); the watching and healing above stay the same.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import shutil
 import signal
@@ -41,7 +40,7 @@ import tomllib
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import orjson
 
@@ -55,6 +54,7 @@ from millstream.shared.config import (
 )
 from millstream.shared.launch import preflight
 from millstream.shared.launch.healing import Healer, watch
+from millstream.shared.launch.output import RunOutput
 from millstream.shared.launch.progress import StartupProgress
 from millstream.shared.process.gpus import role_gpus
 from millstream.shared.process.lifecycle import watch_parent
@@ -237,13 +237,14 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str], quiet: bool = False) ->
     watch_parent()
     config = ["--config", str(run_dir / "config.toml")]
     sup = _supervisor(cfg, run_dir)
-    print(f"millstream run: {run_dir}", file=out, flush=True)
     stop = threading.Event()
+    out = cast(IO[str], RunOutput(out, stop))  # a broken stdout stops the run (shared/launch/output.py)
+    print(f"millstream run: {run_dir}", file=out, flush=True)
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     relays: list[threading.Thread] = []
 
     def relay_learner() -> None:  # at its start, and again after each restart
-        relays.append(threading.Thread(target=_relay, args=(sup.output("learner"), out, stop), daemon=True))
+        relays.append(threading.Thread(target=_relay, args=(sup.output("learner"), out), daemon=True))
         relays[-1].start()
 
     try:
@@ -338,25 +339,12 @@ def _resume_hint(run_dir: Path) -> str:
     )
 
 
-def _relay(stream: LineStream, out: IO[str], stop: threading.Event) -> None:
-    """The learner's progress lines, to `out` as they come.
-
-    When `out` breaks (its reader left: `millstream run | head`, a `tee` killed), the run stops
-    in order, as the launcher's own next write would stop it, and the learner's lines are read
-    on and dropped until it exits: a pipe nobody reads fills up, and the learner would block in
-    its next progress line, mid-run, until something else timed out."""
-    lines = iter(stream.readline, b"")
-    for line in lines:
-        try:
-            out.write(line.decode(errors="replace"))
-            out.flush()
-        except (OSError, ValueError):  # a broken pipe (ValueError: `out` was closed)
-            with contextlib.suppress(OSError, ValueError):  # stderr may be the same pipe
-                print("millstream run: stdout is closed: stopping the run", file=sys.stderr, flush=True)
-            stop.set()
-            for _ in lines:
-                pass
-            return
+def _relay(stream: LineStream, out: IO[str]) -> None:
+    """The learner's lines to `out` (a `RunOutput`: when it breaks, the run stops and the lines
+    are read on, so that the learner never blocks on its pipe)."""
+    for line in iter(stream.readline, b""):
+        out.write(line.decode(errors="replace"))
+        out.flush()
 
 
 def _print_summary(run_dir: Path, out: IO[str]) -> None:
