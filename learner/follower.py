@@ -32,6 +32,8 @@ def follow(cfg: Config, trainer: Trainer, team: Team) -> None:
             )
         elif kind == "load":
             load_checkpoint(Path(payload), trainer, None)  # only rank 0 holds the buffer
+        elif kind == "wait":  # rank 0 is waiting for experience: keep following
+            continue
         elif kind == "stop":
             return
         else:

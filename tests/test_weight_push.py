@@ -285,7 +285,28 @@ import torch, torch.distributed as dist
 group = dist.distributed_c10d._get_default_group()
 timeout_s = group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
 """
-RANK += OWN_LISTENERS + 'print(json.dumps({"listening": out, "ours": ours, "timeout_s": timeout_s}))\n'
+# Rank 0 beats while it waits (learner/team.py): nothing before BEAT_S, "wait" after; rank 1
+# sees exactly that, then follows it with the learner's own loop until "stop".
+RANK += """
+import time
+from millstream.learner import team as teams
+from millstream.learner.follower import follow
+from millstream.shared.config import load_config
+team = teams.Team()
+seen = []
+if team.leader:
+    for _ in range(2):
+        team.beat()  # said nothing for less than BEAT_S: says nothing
+        team.said -= teams.BEAT_S + 1
+        team.beat()  # "wait"
+        team.command("stop")
+else:
+    while not seen or seen[-1] != "stop":
+        seen.append(team.next_command()[0])
+    follow(load_config(None, []), None, team)  # "wait" is passed over, "stop" ends it
+"""
+RANK += OWN_LISTENERS
+RANK += 'print(json.dumps({"listening": out, "ours": ours, "timeout_s": timeout_s, "seen": seen}))\n'
 
 
 @pytest.mark.real
@@ -294,7 +315,8 @@ def test_a_data_parallel_learners_group_listens_on_loopback_when_it_meets_there(
     GLOO_SOCKET_IFNAME or where the host's name resolves, and a default group takes no options,
     so a loopback learner pins the interface to loopback while its groups form and hands the
     variable back as it was (here set to a LAN interface, as a LAN-resolving hostname would).
-    The group's collectives are bounded by the timeout it is given, not torch's default."""
+    The group's collectives are bounded by the timeout it is given, not torch's default, and
+    rank 0 beats while it waits, so that a follower never sits in one collective for long."""
     others = [name for _, name in socket.if_nameindex() if name != "lo" and ipv4_of(name)]
     interface = others[0] if others else "lo"
     port = str(free_port())
@@ -310,3 +332,4 @@ def test_a_data_parallel_learners_group_listens_on_loopback_when_it_meets_there(
         assert out["listening"] and set(out["listening"]) == {"127.0.0.1"}, out
         assert out["ours"] == {"GLOO_SOCKET_IFNAME": interface}  # put back by the trainer
         assert out["timeout_s"] == 1234  # the learner's bound (learner/team.py), not torch's default
+    assert outs[1]["seen"] == ["wait", "stop"]  # rank 0's beat, and only once BEAT_S had passed

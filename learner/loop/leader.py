@@ -165,6 +165,7 @@ class Leader:
         self._announce(announced)
         limit_s = cfg.train.max_minutes * 60 or float("inf")  # the run's clock: see _start
         while trainer.version < cfg.train.steps and time.monotonic() - self.started < limit_s:
+            self.team.beat()  # the other ranks wait inside a collective: bound that wait
             self._receive()
             replicas_changed = self.fleet.follow(self._weights, trainer.version)
             stepped = self._maybe_step()
