@@ -31,6 +31,7 @@ the send queue; a request's task never ends the server.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,7 +55,7 @@ from millstream.shared.wire import (
 from millstream.shared.wire.transport import Channel
 from millstream.shared.wire.weightsync import session_tag
 
-__all__ = ["ActorServer", "ActorStats", "VllmWeights"]
+__all__ = ["ActorServer", "ActorStats", "EngineStuck", "VllmWeights"]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,10 @@ class ActorStats:
     tokens: int = 0
 
 
+class EngineStuck(RuntimeError):
+    """A call into the engine that did not come back: the engine is wedged, not dead."""
+
+
 class VllmWeights:
     """The vLLM engine's side of the learner link: its workers join the group, receive, reload.
 
@@ -80,30 +85,44 @@ class VllmWeights:
     `clear_cache=True` drops the KV and prefix caches, so live requests are recomputed with the
     new weights and no new request reuses a prefix cached under the old ones (the cost:
     recomputing prompts in flight).
+
+    Every call into the engine has a deadline of its own: vLLM's `timeout=` bounds only the
+    EngineCore's wait for its workers, not the actor's wait for the EngineCore. A call that
+    misses it (`MARGIN_S` past vLLM's own bound) means a wedged engine, which no later call
+    would find better: `on_stuck` is told (the actor then stops, and its launcher starts it
+    again) and the exchange fails with `EngineStuck`. A broadcast that never completes (the
+    learner died in the middle) is not that: it fails the update with a TimeoutError.
     """
 
     #: First and longest wait between two polls of the workers' receive, seconds.
     POLL_S = (0.005, 0.02)
+    #: How long past vLLM's own bound a call may take before the engine counts as wedged.
+    MARGIN_S = 60.0
 
-    def __init__(self, engine: Any, rpc_timeout_s: float) -> None:
+    def __init__(
+        self, engine: Any, rpc_timeout_s: float, on_stuck: Callable[[EngineStuck], None] = lambda _: None
+    ) -> None:
         self.engine = engine
         self.rpc_timeout_s = rpc_timeout_s
+        self.on_stuck = on_stuck
+
+    async def _call(self, what: str, timeout_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
+        """`engine.<method>(*args, **kwargs)`, given `timeout_s` + MARGIN_S to come back."""
+        try:
+            with anyio.fail_after(timeout_s + self.MARGIN_S):
+                return await getattr(self.engine, method)(*args, **kwargs)
+        except TimeoutError:
+            stuck = EngineStuck(f"the engine's {what} did not return in {timeout_s + self.MARGIN_S:.0f}s")
+            self.on_stuck(stuck)
+            raise stuck from None
+
+    async def _rpc(self, name: str, timeout_s: float, *args: Any) -> list[Any]:
+        return await self._call(name, timeout_s, "collective_rpc", name, timeout=timeout_s, args=args)
 
     async def join(self, msg: AttachLearner) -> None:
         # One answer per vLLM worker (one per tensor-parallel rank): the group ranks they took.
-        ranks = await self.engine.collective_rpc(
-            "millstream_join",
-            timeout=msg.timeout_s + 30,
-            args=(
-                msg.session,
-                msg.host,
-                msg.port,
-                msg.world_size,
-                msg.backend,
-                msg.timeout_s,
-                msg.first_rank,
-            ),
-        )
+        join = (msg.session, msg.host, msg.port, msg.world_size, msg.backend, msg.timeout_s, msg.first_rank)
+        ranks = await self._rpc("millstream_join", msg.timeout_s + 30, *join)
         log.info(
             "vLLM workers joined weight group %s as ranks %s of %d",
             session_tag(msg.session),
@@ -115,32 +134,27 @@ class VllmWeights:
         """What the workers loaded last; with tensor parallelism each loaded the whole buffer
         (and kept its shard), so each must have the learner's digest: the first that differs
         is returned, else the common one."""
-        parts = await self.engine.collective_rpc("millstream_digest", timeout=self.rpc_timeout_s)
+        parts = await self._rpc("millstream_digest", self.rpc_timeout_s)
         return next((tuple(p) for p in parts if tuple(p) != tuple(parts[0])), tuple(parts[0]))
 
     async def receive(self, msg: WeightUpdate) -> None:
-        await self.engine.collective_rpc(
-            "millstream_receive",
-            timeout=self.rpc_timeout_s,
-            args=(msg.session, msg.dtype, msg.numel, msg.piece_ends),
-        )
+        timeout_s = self.rpc_timeout_s
+        await self._rpc("millstream_receive", timeout_s, msg.session, msg.dtype, msg.numel, msg.piece_ends)
         wait_s, longest_s = self.POLL_S
-        with anyio.fail_after(self.rpc_timeout_s):
-            while not all(
-                await self.engine.collective_rpc("millstream_received", timeout=self.rpc_timeout_s)
-            ):
+        with anyio.fail_after(timeout_s):  # the broadcast's own end (each poll has its own)
+            while not all(await self._rpc("millstream_received", timeout_s)):
                 await anyio.sleep(wait_s)
                 wait_s = min(2 * wait_s, longest_s)
 
     async def load(self, msg: WeightUpdate) -> None:
-        await self.engine.pause_generation(mode="keep", clear_cache=True)
+        timeout_s = self.rpc_timeout_s
+        await self._call("pause", timeout_s, "pause_generation", mode="keep", clear_cache=True)
         try:
             specs = [(t.name, list(t.shape), t.offset) for t in msg.tensors]
-            await self.engine.collective_rpc(
-                "millstream_load", timeout=self.rpc_timeout_s, args=(msg.session, specs)
-            )
-        finally:
-            await self.engine.resume_generation()  # even a failed update must not freeze generation
+            await self._rpc("millstream_load", timeout_s, msg.session, specs)
+        finally:  # even a failed update must not freeze generation; a cancelled one neither
+            with anyio.CancelScope(shield=True):
+                await self._call("resume", timeout_s, "resume_generation")
 
 
 class ActorServer:
@@ -171,7 +185,7 @@ class ActorServer:
         self.boundary = Boundary(channel, max_messages_per_frame)
         self.link = LearnerLink(
             channel,
-            VllmWeights(engine, rpc_timeout_s),
+            VllmWeights(engine, rpc_timeout_s, on_stuck=self._engine_stuck),
             lambda version: ActorInfo(model, version, weight_ranks, max_model_len, dtype, gpus or []),
             self.boundary,
             tokens=lambda: self.stats.tokens,
@@ -198,6 +212,11 @@ class ActorServer:
                     self._dispatch(tg, peer, message)
         if self.dead is not None:
             raise RuntimeError(f"the vLLM engine died: {self.dead!r}") from self.dead
+
+    def _engine_stuck(self, exc: EngineStuck) -> None:
+        """A call into the engine never came back: stop as if it had died (`_watch_engine`),
+        so that the launcher starts the actor again; serving on would only time out."""
+        self.dead = self.dead or exc
 
     async def _watch_engine(self, scope: anyio.CancelScope) -> None:
         while self.dead is None:

@@ -221,6 +221,46 @@ def test_weight_update_from_unattached_session_is_refused(actor, hf_model):
         sender.close()
 
 
+class WedgedEngine:
+    """An engine whose worker calls never come back (an EngineCore stuck, not dead). A stand-in:
+    no real engine can be made to wedge on purpose. Pausing and resuming still answer."""
+
+    def __init__(self) -> None:
+        self.resumed = 0
+
+    async def collective_rpc(self, *args, **kwargs):
+        await anyio.sleep_forever()
+
+    async def pause_generation(self, **kwargs) -> None:
+        return None
+
+    async def resume_generation(self) -> None:
+        self.resumed += 1
+
+
+def test_an_engine_call_that_never_returns_stops_the_actor(monkeypatch):
+    """vLLM bounds the EngineCore's wait for its workers, not the actor's wait for the
+    EngineCore: a call past its own bound means a wedged engine, which the actor is told of (it
+    stops, and its launcher starts it again) and the exchange fails, generation resumed."""
+    from millstream.actor.server import EngineStuck, VllmWeights
+    from millstream.shared.wire import TensorSpec, WeightUpdate
+
+    monkeypatch.setattr(VllmWeights, "MARGIN_S", 0.2)
+    engine, told = WedgedEngine(), []
+    weights = VllmWeights(engine, rpc_timeout_s=0.1, on_stuck=told.append)
+    update = WeightUpdate("s", 1, "float32", 4, [TensorSpec("w", [4], 0)])
+
+    async def exchanges() -> None:
+        with pytest.raises(EngineStuck, match="millstream_digest did not return in 0s"):
+            await weights.digest()
+        with pytest.raises(EngineStuck, match="millstream_load"):
+            await weights.load(update)
+
+    anyio.run(exchanges, backend="asyncio")  # the actor's loop is asyncio
+    assert [type(exc) for exc in told] == [EngineStuck, EngineStuck]
+    assert engine.resumed == 1  # a failed load leaves generation running
+
+
 def test_delta_labels_are_never_newer_than_the_weights():
     """An engine output read at version v may hold tokens sampled before the update to v (held
     back by stream_interval, or read late): output k is labelled with the version of read k-2."""
