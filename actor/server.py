@@ -86,12 +86,14 @@ class VllmWeights:
     new weights and no new request reuses a prefix cached under the old ones (the cost:
     recomputing prompts in flight).
 
-    Every call into the engine has a deadline of its own: vLLM's `timeout=` bounds only the
-    EngineCore's wait for its workers, not the actor's wait for the EngineCore. A call that
-    misses it (`MARGIN_S` past vLLM's own bound) means a wedged engine, which no later call
-    would find better: `on_stuck` is told (the actor then stops, and its launcher starts it
-    again) and the exchange fails with `EngineStuck`. A broadcast that never completes (the
-    learner died in the middle) is not that: it fails the update with a TimeoutError.
+    Every weight call into the engine has a deadline of its own: vLLM's `timeout=` bounds only
+    the EngineCore's wait for its workers (and not at all with one worker, whose executor runs
+    in the EngineCore), not the actor's wait for the EngineCore. A call that misses its
+    deadline (vLLM's bound again, at least `MARGIN_S`, on top of it: a load on NCCL holds the
+    broadcast too) means a wedged engine, which no later call would find better: `on_stuck` is
+    told (the actor then stops, and its launcher starts it again), the exchange fails with
+    `EngineStuck`, and no resume is asked of it. A broadcast that never completes (the learner
+    died in the middle) is not that: it fails the update with a TimeoutError.
     """
 
     #: First and longest wait between two polls of the workers' receive, seconds.
@@ -105,14 +107,17 @@ class VllmWeights:
         self.engine = engine
         self.rpc_timeout_s = rpc_timeout_s
         self.on_stuck = on_stuck
+        self.stuck = False
 
     async def _call(self, what: str, timeout_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
-        """`engine.<method>(*args, **kwargs)`, given `timeout_s` + MARGIN_S to come back."""
+        """`engine.<method>(*args, **kwargs)`, given twice `timeout_s` (at least MARGIN_S more)."""
+        limit_s = timeout_s + max(self.MARGIN_S, timeout_s)
         try:
-            with anyio.fail_after(timeout_s + self.MARGIN_S):
+            with anyio.fail_after(limit_s):
                 return await getattr(self.engine, method)(*args, **kwargs)
         except TimeoutError:
-            stuck = EngineStuck(f"the engine's {what} did not return in {timeout_s + self.MARGIN_S:.0f}s")
+            self.stuck = True
+            stuck = EngineStuck(f"the engine's {what} did not return in {limit_s:.0f}s")
             self.on_stuck(stuck)
             raise stuck from None
 
@@ -141,10 +146,12 @@ class VllmWeights:
         timeout_s = self.rpc_timeout_s
         await self._rpc("millstream_receive", timeout_s, msg.session, msg.dtype, msg.numel, msg.piece_ends)
         wait_s, longest_s = self.POLL_S
-        with anyio.fail_after(timeout_s):  # the broadcast's own end (each poll has its own)
-            while not all(await self._rpc("millstream_received", timeout_s)):
-                await anyio.sleep(wait_s)
-                wait_s = min(2 * wait_s, longest_s)
+        end = anyio.current_time() + timeout_s  # the broadcast's; each poll has its own deadline
+        while not all(await self._rpc("millstream_received", timeout_s)):
+            if anyio.current_time() > end:
+                raise TimeoutError(f"the weights did not all arrive in {timeout_s:.0f}s")
+            await anyio.sleep(wait_s)
+            wait_s = min(2 * wait_s, longest_s)
 
     async def load(self, msg: WeightUpdate) -> None:
         timeout_s = self.rpc_timeout_s
@@ -153,8 +160,9 @@ class VllmWeights:
             specs = [(t.name, list(t.shape), t.offset) for t in msg.tensors]
             await self._rpc("millstream_load", timeout_s, msg.session, specs)
         finally:  # even a failed update must not freeze generation; a cancelled one neither
-            with anyio.CancelScope(shield=True):
-                await self._call("resume", timeout_s, "resume_generation")
+            if not self.stuck:  # a wedged engine would not resume: the actor is stopping
+                with anyio.CancelScope(shield=True):
+                    await self._call("resume", timeout_s, "resume_generation")
 
 
 class ActorServer:

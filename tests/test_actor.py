@@ -223,7 +223,7 @@ def test_weight_update_from_unattached_session_is_refused(actor, hf_model):
 
 class WedgedEngine:
     """An engine whose worker calls never come back (an EngineCore stuck, not dead). A stand-in:
-    no real engine can be made to wedge on purpose. Pausing and resuming still answer."""
+    no real engine can be made to wedge on purpose. Pausing answers; resuming would hang."""
 
     def __init__(self) -> None:
         self.resumed = 0
@@ -236,12 +236,14 @@ class WedgedEngine:
 
     async def resume_generation(self) -> None:
         self.resumed += 1
+        await anyio.sleep_forever()  # wedged: it never comes back either
 
 
 def test_an_engine_call_that_never_returns_stops_the_actor(monkeypatch):
     """vLLM bounds the EngineCore's wait for its workers, not the actor's wait for the
     EngineCore: a call past its own bound means a wedged engine, which the actor is told of (it
-    stops, and its launcher starts it again) and the exchange fails, generation resumed."""
+    stops, and its launcher starts it again) and the exchange fails at once, not waiting on a
+    resume the engine would never answer."""
     from millstream.actor.server import EngineStuck, VllmWeights
     from millstream.shared.wire import TensorSpec, WeightUpdate
 
@@ -258,7 +260,7 @@ def test_an_engine_call_that_never_returns_stops_the_actor(monkeypatch):
 
     anyio.run(exchanges, backend="asyncio")  # the actor's loop is asyncio
     assert [type(exc) for exc in told] == [EngineStuck, EngineStuck]
-    assert engine.resumed == 1  # a failed load leaves generation running
+    assert engine.resumed == 0  # not asked to resume (it would not): the actor is stopping
 
 
 def test_delta_labels_are_never_newer_than_the_weights():

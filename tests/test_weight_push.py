@@ -106,6 +106,21 @@ def test_the_backend_is_nccl_only_where_every_member_has_a_gpu_of_its_own():
     assert gpu_identity("cpu") == gpu_identity(None) == ""
 
 
+def test_an_nccl_group_that_cannot_form_stops_the_start_but_only_refuses_a_later_joiner():
+    """At the run's start a config that cannot work stops the learner, saying why; a replica
+    that joins later on a GPU already in use is refused (backed off), the run goes on."""
+    from millstream.learner.sync.weights import WeightSyncError, group_backend
+    from millstream.shared.config import ConfigError
+    from millstream.shared.wire import ActorInfo
+
+    on_cpu = [ActorInfo("m", 0, 1, 64, "float32")]  # this learner is on the CPU too
+    with pytest.raises(ConfigError, match="compute on the CPU"):
+        group_backend("nccl", on_cpu)
+    with pytest.raises(WeightSyncError, match="compute on the CPU"):
+        group_backend("nccl", on_cpu, strict=False)
+    assert group_backend("auto", on_cpu) == "gloo"
+
+
 @pytest.mark.parametrize("ends", [[5, 3, 10], [5, 9], [0, 10]])
 def test_pieces_that_do_not_cover_the_buffer_in_order_are_refused(ends):
     with pytest.raises(ValueError, match="do not cover 10 elements"):

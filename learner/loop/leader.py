@@ -401,6 +401,7 @@ class Leader:
         deadline = time.monotonic() + final_wait_s(self.cfg)
         self.intake.release(version=self.trainer.version, admitted=self.session.admitted)  # they count
         while len(self.intake.done_workers) < self.cfg.envpool.workers and time.monotonic() < deadline:
+            self.team.beat()  # the evaluation's last episodes may take minutes
             self.exp.announce(
                 self.trainer.version,
                 0,

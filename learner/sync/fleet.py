@@ -294,7 +294,7 @@ class Fleet:
         assert all(infos)
         started = time.monotonic()
         try:
-            backend = group_backend(self.cfg.learner.sync_backend, infos)  # type: ignore[arg-type]
+            backend = group_backend(self.cfg.learner.sync_backend, infos, strict)  # type: ignore[arg-type]
             self.backend, self.flat = backend, self.flat.over(backend)  # where members compute decides
             self.group = attach_group([m.link for m in members], infos, self.cfg.learner, backend)  # type: ignore[arg-type]
             applied = push_group(self.group, self.flat, weights(), version, self.cfg.learner)

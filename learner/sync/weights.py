@@ -210,17 +210,19 @@ class WeightGroup:
     world: int
 
 
-def group_backend(configured: str, infos: list[ActorInfo]) -> str:
+def group_backend(configured: str, infos: list[ActorInfo], strict: bool = True) -> str:
     """The backend of a group of this learner and the replicas of `infos`: `pick_backend` over
     the GPU of every member (the learner's current device, then each replica's workers). An
-    explicit 'nccl' that cannot work is a ConfigError, not a failed group: forming it again
-    would fail the same way, so the learner stops and says why."""
+    explicit 'nccl' that cannot work is, at the run's start (`strict`), a ConfigError: forming
+    it again would fail the same way, so the learner stops and says why. Later it is a failed
+    group (WeightSyncError): a replica that joins on a GPU already in use is refused, not the
+    run stopped."""
     own = gpu_identity(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else ""
     gpus = [own] + [gpu for info in infos for gpu in info.gpus or [""] * info.weight_ranks]
     try:
         backend = pick_backend(configured, gpus)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        raise (ConfigError if strict else WeightSyncError)(str(exc)) from None
     on_gpus = [gpu for gpu in gpus if gpu]
     if configured == "auto" and len(set(on_gpus)) < len(on_gpus):
         log.info("two members of the weight group share a GPU, which NCCL cannot connect: gloo")
