@@ -10,7 +10,14 @@ import pytest
 from millstream.shared.config import ConfigError, load_config
 from millstream.shared.launch.launcher import _start_roles
 from millstream.shared.process import gpus as gpus_module
-from millstream.shared.process.gpus import check_gpus, role_gpus, shared_gpus, visible_gpus
+from millstream.shared.process.gpus import (
+    check_gpus,
+    gpu_plan,
+    role_gpus,
+    shared_gpus,
+    visible_gpus,
+    weights_share_gpu,
+)
 
 ON_GPU = ["actor.device=cuda"]
 
@@ -46,11 +53,26 @@ def test_eight_gpus_go_round_replicas_with_tensor_parallelism_a_judge_and_ranks(
 def test_too_few_gpus_to_go_round_are_shared_and_none_idles():
     """The engines take turns on all of them, the learner takes the last ones."""
     cfg = ["actor.replicas=2", "learner.ranks=2"]
-    assert shares(["0", "1", "2"], *cfg) == {"actor-0": "0", "actor-1": "1", "learner": "1,2"}
+    assert shares(["0", "1", "2"], *cfg) == {"actor-0": "0", "actor-1": "1", "learner": "2,1"}
     assert shared_gpus(load_config(None, [*ON_GPU, *cfg]), visible=["0", "1", "2"]) == ["1"]
     three = shares(["0", "1"], "actor.replicas=3")  # more engines than GPUs: round and round
     assert three == {"actor-0": "0", "actor-1": "1", "actor-2": "0", "learner": "1"}
     assert shares(["0"], "actor.tensor_parallel_size=2")["actor-0"] is None  # vLLM says why
+
+
+def test_the_plan_says_where_each_process_computes_and_whether_the_weights_cross_a_shared_gpu():
+    eight = [*ON_GPU, "actor.replicas=2", "actor.tensor_parallel_size=2", "judge.model_path=/m/j"]
+    cfg = load_config(None, [*eight, "learner.ranks=2"])
+    assert gpu_plan(cfg, [str(i) for i in range(8)]) == "actor 0,1, actor-1 2,3, judge 4,5, learner 6,7"
+    assert gpu_plan(load_config(None, ON_GPU), []) == ""  # no GPU: nothing to say
+
+    def crossing(visible: list[str], *overrides: str) -> str | None:
+        return weights_share_gpu(load_config(None, [*ON_GPU, *overrides]), visible)
+
+    assert crossing(["0"]) == "0"  # one GPU: the weights go over gloo
+    assert crossing(["0", "1"]) is None
+    assert crossing(["0", "1"], "judge.model_path=/m/j") is None  # the judge shares, not in the group
+    assert crossing(["0", "1"], "learner.ranks=2") is None  # rank 0 on GPU 1, rank 1 with the actor
 
 
 def test_auto_keeps_clear_of_the_other_roles_list():
@@ -96,12 +118,23 @@ def test_what_cuda_shows_is_read_from_the_environment(monkeypatch):
             "actor.gpus = '0': 1 GPU for actor.tensor_parallel_size = 2",
         ),
         (['actor.gpus="1-0"'], "actor.gpus = '1-0': the range '1-0' runs backwards"),
+        (["learner.ranks=3"], "learner.ranks = 3: this machine shows 2 GPUs, and each rank computes"),
+        (["actor.tensor_parallel_size=4"], "actor.tensor_parallel_size = 4: this machine shows 2 GPUs"),
     ],
 )
 def test_a_list_that_cannot_be_honoured_is_refused_naming_the_key(overrides, message):
     with pytest.raises(ConfigError) as err:
         check_gpus(load_config(None, [*ON_GPU, *overrides]), visible=["0", "1"])
     assert str(err.value).startswith(message)
+
+
+def test_an_nccl_group_that_a_shared_gpu_rules_out_is_refused_before_anything_starts(monkeypatch):
+    from millstream.shared.launch import preflight
+
+    monkeypatch.setattr(gpus_module, "visible_gpus", lambda: ["0"])
+    with pytest.raises(ConfigError, match="learner.sync_backend = 'nccl': the learner and an actor"):
+        preflight._check_shared_gpus(load_config(None, [*ON_GPU, "learner.sync_backend=nccl"]))
+    preflight._check_shared_gpus(load_config(None, ON_GPU))  # auto: a warning, not an error
 
 
 class RecordingSupervisor:
@@ -125,3 +158,7 @@ def test_the_launcher_gives_each_role_its_gpus(monkeypatch, tmp_path):
         env = sup.envs[name]
         assert env is not None and env["CUDA_VISIBLE_DEVICES"] == "1,2" and env["LOCAL_RANK"] == str(rank)
     assert sup.envs["envpool-0"] is None
+    ray = RecordingSupervisor()  # under Ray each rank sees only its own GPU: it is its device 0
+    _start_roles(ray, load_config(None, [*ON_GPU, "launcher.kind=ray", "learner.ranks=2"]), [])
+    assert ray.envs["learner-rank1"] is not None and ray.envs["learner-rank1"]["LOCAL_RANK"] == "0"
+    assert "CUDA_VISIBLE_DEVICES" not in ray.envs["learner-rank1"]  # Ray sets it

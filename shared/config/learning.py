@@ -137,9 +137,10 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _doc(
             "GPUs the learner runs on, under the local launcher (shared/process/gpus.py). auto: "
             "where the machine has a GPU for every actor engine and learner rank, the ones after "
-            "the actor's, else unchanged (shared from the first). all: unchanged. A list such "
-            "as '2,3' (one GPU: '2', quoted): those GPUs, rank r on the r-th (one per rank at "
-            "least). Under Ray, launcher.learner_gpus.",
+            "the actor's; else the last ones, last first (rank 0 as far from the first engine "
+            "as it goes), shared. all: every GPU visible. A list such as '2,3' (one GPU: '2', "
+            "quoted): those GPUs, rank r on the r-th (one per rank at least). Under Ray, "
+            "launcher.learner_gpus.",
             pattern=CPUS_PATTERN,
         ),
     ] = "auto"

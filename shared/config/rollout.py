@@ -69,10 +69,11 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         _doc(
             "GPUs the actor's engines run on, under the local launcher (shared/process/gpus.py). "
             "auto: where the machine has a GPU for every engine and learner rank, the first "
-            "ones (tensor_parallel_size per replica, then the judge's engine), else unchanged "
-            "(every process shares them from the first). all: unchanged. A list such as '0,1' "
-            "(one GPU: '1', quoted): those GPUs, tensor_parallel_size per replica when there "
-            "are enough. Under Ray, launcher.actor_gpus.",
+            "ones (tensor_parallel_size per replica, then the judge's engine); else the engines "
+            "take turns on all of them and the launcher warns which are shared. all: every GPU "
+            "visible. A list such as '0,1' (one GPU: '1', quoted): those GPUs, "
+            "tensor_parallel_size per engine, taking turns when there are fewer. Under Ray, "
+            "launcher.actor_gpus.",
             pattern=CPUS_PATTERN,
         ),
     ] = "auto"

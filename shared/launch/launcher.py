@@ -56,7 +56,7 @@ from millstream.shared.launch import preflight
 from millstream.shared.launch.healing import Healer, watch
 from millstream.shared.launch.output import RunOutput
 from millstream.shared.launch.progress import StartupProgress
-from millstream.shared.process.gpus import role_gpus
+from millstream.shared.process.gpus import gpu_plan, role_gpus
 from millstream.shared.process.lifecycle import watch_parent
 from millstream.shared.process.runtime import check_model_dir, free_port, ready_file, resolve_model_dir
 from millstream.shared.process.supervisor import LineStream, RoleProcesses, Supervisor
@@ -240,6 +240,8 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str], quiet: bool = False) ->
     stop = threading.Event()
     out = cast(IO[str], RunOutput(out, stop))  # a broken stdout stops the run (shared/launch/output.py)
     print(f"millstream run: {run_dir}", file=out, flush=True)
+    if gpu_plan(cfg):  # shared/process/gpus.py: which GPUs each GPU process computes on
+        print(f"millstream run: GPUs: {gpu_plan(cfg)}", file=out, flush=True)
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     relays: list[threading.Thread] = []
 
@@ -309,7 +311,8 @@ def _start_roles(sup: RoleProcesses, cfg: Config, config: list[str]) -> list[str
     for rank in range(cfg.learner.ranks):
         ranks = dict(
             RANK=str(rank),
-            LOCAL_RANK=str(rank),  # rank r computes on the r-th of the learner's GPUs
+            # Rank r computes on the r-th of the learner's GPUs; under Ray each rank sees its own.
+            LOCAL_RANK=str(rank) if cfg.launcher.kind == "local" else "0",
             WORLD_SIZE=str(cfg.learner.ranks),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,

@@ -18,7 +18,7 @@ from pathlib import Path
 from millstream.shared.config import Config, ConfigError, dump_config
 from millstream.shared.process.allocator import check_allocator
 from millstream.shared.process.cpus import check_cpus
-from millstream.shared.process.gpus import check_gpus, shared_gpus
+from millstream.shared.process.gpus import check_gpus, gpu_plan, shared_gpus, weights_share_gpu
 from millstream.shared.process.lifecycle import run_processes
 from millstream.shared.process.runtime import bind_problem, check_tensor_parallel
 
@@ -52,14 +52,29 @@ def check_actor(cfg: Config) -> None:
         check_cpus(cfg)
         check_gpus(cfg)
         check_allocator(cfg)
-        shared = shared_gpus(cfg)
-        if shared:  # legitimate (one GPU for all), but the user should know what it costs
-            log.warning(
-                "GPU %s will hold two or more of the run's processes (engines, learner ranks; "
-                "actor.gpus, learner.gpus): each engine takes actor.gpu_memory_utilization of it, "
-                "and where the learner shares one with an engine, weights go over gloo",
-                ", ".join(shared),
-            )
+        _check_shared_gpus(cfg)
+
+
+def _check_shared_gpus(cfg: Config) -> None:
+    """Where two GPU processes share a GPU (too few for one each, or lists that overlap): legal
+    (one GPU for all), but the user should know what it costs, and an explicit NCCL weight group
+    that cannot form is refused here rather than after the engines loaded."""
+    crossing = weights_share_gpu(cfg)
+    if crossing is not None and cfg.learner.sync_backend == "nccl":
+        raise ConfigError(
+            f"learner.sync_backend = 'nccl': the learner and an actor replica would both compute "
+            f"on GPU {crossing}, which NCCL cannot connect; give them GPUs of their own "
+            "(actor.gpus, learner.gpus) or leave the backend to 'auto' (gloo, then)"
+        )
+    shared = shared_gpus(cfg)
+    if shared:
+        log.warning(
+            "GPU %s will hold two or more of the run's GPU processes (%s): each engine (a judge "
+            "too) takes actor.gpu_memory_utilization of it, the learner what is left%s",
+            ", ".join(shared),
+            gpu_plan(cfg),
+            "; the weights go over gloo (NCCL cannot connect two processes on one GPU)" if crossing else "",
+        )
 
 
 def bind_addresses(cfg: Config) -> list[tuple[str, str]]:

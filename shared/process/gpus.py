@@ -35,8 +35,9 @@ from collections.abc import Sequence
 
 from millstream.shared.config import Config, ConfigError
 from millstream.shared.process.cpus import engine_on_cpu, parse_cores
+from millstream.shared.wire.replicas import replica_name
 
-__all__ = ["check_gpus", "role_gpus", "shared_gpus", "visible_gpus"]
+__all__ = ["check_gpus", "gpu_plan", "role_gpus", "shared_gpus", "visible_gpus", "weights_share_gpu"]
 
 ROLES = ("actor", "learner")
 
@@ -84,16 +85,42 @@ def role_gpus(
 
 def shared_gpus(cfg: Config, visible: Sequence[str] | None = None) -> list[str]:
     """The GPUs that two of the run's GPU processes (engines, learner ranks) will compute on."""
+    used = [gpu for _, gpus in _placed(cfg, visible) for gpu in gpus]
+    return sorted({gpu for gpu in used if used.count(gpu) > 1})
+
+
+def weights_share_gpu(cfg: Config, visible: Sequence[str] | None = None) -> str | None:
+    """The GPU that learner rank 0 (the weight group's rank 0) shares with an actor replica's
+    engine, which the weights then cannot cross over NCCL; None if it shares none. The judge
+    is not in the weight group."""
+    placed = dict(_placed(cfg, visible))
+    learner = placed.get("learner", [])[:1]
+    replicas = [gpu for name, gpus in placed.items() if name.startswith("actor") for gpu in gpus]
+    return next((gpu for gpu in learner if gpu in replicas), None)
+
+
+def gpu_plan(cfg: Config, visible: Sequence[str] | None = None) -> str:
+    """Which GPUs each GPU process computes on, in a line ("actor 0, judge 1, learner 2,3"; ""
+    when none does), for the launcher to say at start."""
+    return ", ".join(f"{name} {','.join(gpus)}" for name, gpus in _placed(cfg, visible))
+
+
+def _placed(cfg: Config, visible: Sequence[str] | None) -> list[tuple[str, list[str]]]:
+    """(process, the GPUs it computes on) for every engine (its first tensor_parallel_size
+    GPUs) and the learner (rank r on its r-th), as `role_gpus` places them."""
     gpus = list(visible_gpus() if visible is None else visible)
     if not gpus or cfg.launcher.kind != "local":
         return []
     engines, ranks = _needs(cfg)
     tp = cfg.actor.tensor_parallel_size
-    used: list[str] = []  # what each process computes on: its first GPUs (a rank: its own)
-    for slot in range(engines):  # the judge's is the last slot
-        used += (role_gpus(cfg, "actor", slot, visible=gpus) or ",".join(gpus)).split(",")[:tp]
-    used += (role_gpus(cfg, "learner", visible=gpus) or ",".join(gpus)).split(",")[:ranks]
-    return sorted({gpu for gpu in used if used.count(gpu) > 1})
+    judge = engines > 0 and bool(cfg.judge.model_path) and not cfg.judge.connect
+    names = [replica_name(i) for i in range(engines - judge)] + ["judge"] * judge
+    placed = [
+        (name, (role_gpus(cfg, "actor", slot, visible=gpus) or ",".join(gpus)).split(",")[:tp])
+        for slot, name in enumerate(names)
+    ]
+    learner = (role_gpus(cfg, "learner", visible=gpus) or ",".join(gpus)).split(",")[:ranks]
+    return placed + [("learner", learner)]
 
 
 def _pools(cfg: Config, gpus: list[str], engines: int, ranks: int) -> tuple[list[str], list[str]]:
@@ -104,7 +131,9 @@ def _pools(cfg: Config, gpus: list[str], engines: int, ranks: int) -> tuple[list
     need = engines * cfg.actor.tensor_parallel_size
     if actor is None and learner is None and need + ranks <= len(gpus):
         return gpus[:need], gpus[need : need + ranks]
-    last = gpus[len(gpus) - min(ranks, len(gpus)) :]
+    # Sharing, the learner takes the last GPUs, last first: its rank 0, the weight group's,
+    # as far as it goes from the first engine.
+    last = gpus[len(gpus) - min(ranks, len(gpus)) :][::-1]
     if actor is None:
         free = [gpu for gpu in gpus if gpu not in (learner or [])]
         actor = free if learner is not None and len(free) >= need else gpus
@@ -130,6 +159,13 @@ def check_gpus(cfg: Config, visible: Sequence[str] | None = None) -> None:
     gpus = list(visible_gpus() if visible is None else visible)
     engines, ranks = _needs(cfg)
     least = {"actor": cfg.actor.tensor_parallel_size if engines else 0, "learner": ranks}
+    keys = {"actor": "actor.tensor_parallel_size", "learner": "learner.ranks"}
+    for role, key in keys.items():  # each engine, and the learner, need that many GPUs at least
+        if gpus and least[role] > len(gpus):
+            raise ConfigError(
+                f"{key} = {least[role]}: this machine shows {len(gpus)} GPU{'s' * (len(gpus) != 1)}, "
+                f"and each {'engine' if role == 'actor' else 'rank'} computes on GPUs of its own"
+            )
     for role in ROLES:
         spec = getattr(cfg, role).gpus
         if spec in ("auto", "all"):
@@ -145,8 +181,7 @@ def check_gpus(cfg: Config, visible: Sequence[str] | None = None) -> None:
                 f"(this machine shows {len(gpus)} GPU{'s' * (len(gpus) != 1)})"
             )
         if len(listed) < least[role]:
-            what = "actor.tensor_parallel_size" if role == "actor" else "learner.ranks"
             raise ConfigError(
                 f"{role}.gpus = {spec!r}: {len(listed)} GPU{'s' * (len(listed) != 1)} for "
-                f"{what} = {least[role]}; list one for each"
+                f"{keys[role]} = {least[role]}; list one for each"
             )

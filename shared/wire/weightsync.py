@@ -62,8 +62,8 @@ def pick_backend(name: str, gpus: Sequence[str] = ()) -> str:
     for one on the CPU); left out, the members are not known yet. 'auto' is NCCL when every
     member computes on a GPU of its own, gloo otherwise. NCCL refuses two ranks on one GPU
     ("Duplicate GPU detected"), and a run on one GPU puts the learner and its actor there, as
-    does any machine with fewer GPUs than the run's processes (shared/process/gpus.py); gloo
-    then carries the weights through host memory. An explicit 'nccl' that cannot work is a
+    can a machine with too few GPUs for every process (shared/process/gpus.py); gloo then
+    carries the weights through host memory. An explicit 'nccl' that cannot work is a
     ValueError naming why, before any group is attempted.
     """
     if name not in ("auto", "gloo", "nccl"):
@@ -80,7 +80,7 @@ def pick_backend(name: str, gpus: Sequence[str] = ()) -> str:
         raise ValueError(
             f"learner.sync_backend = 'nccl', but two members of the weight group compute on GPU "
             f"{shared}: NCCL cannot connect two processes on one GPU; use 'auto' (gloo, then) or "
-            "'gloo', or give each role GPUs of its own"
+            "'gloo', or give each role GPUs of its own (actor.gpus, learner.gpus)"
         )
     if on_cpu:
         raise ValueError(
