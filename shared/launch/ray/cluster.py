@@ -32,6 +32,8 @@ __all__ = ["connect", "node_pins", "check_cluster", "first_line", "LOOPBACK_SWIT
 #: Ray's switch for a cluster that lives on loopback only (read once, when ray is imported).
 LOOPBACK_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
+log = logging.getLogger("launcher")
+
 
 def connect(cfg: Config) -> None:
     """Join the cluster at `launcher.ray_address` as its driver; ConfigError if none answers."""
@@ -118,6 +120,14 @@ def check_cluster(cfg: Config) -> None:
                 f"Ray cluster (nodes: {', '.join(sorted(alive))}); a role binds its address on the "
                 "node it runs on"
             )
+    gpus = ray.cluster_resources().get("GPU", 0)
+    if gpus and cfg.actor.kind == "vllm" and cfg.actor.device != "cpu" and not cfg.launcher.actor_gpus:
+        log.warning(
+            "the Ray cluster has %d GPUs but launcher.actor_gpus = 0: Ray hides them from the "
+            "actor, whose engine then runs on the CPU; give the roles GPUs with "
+            "launcher.actor_gpus and launcher.learner_gpus",
+            gpus,
+        )
 
 
 _START_HINT = (
