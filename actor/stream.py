@@ -38,7 +38,7 @@ class Deltas:
     which the learner's staleness bound only makes stricter.
     """
 
-    __slots__ = ("request_id", "ids", "logprobs", "top", "version", "seen", "seen_before", "started")
+    __slots__ = ("request_id", "ids", "logprobs", "top", "version", "seen", "seen_before", "sent")
 
     def __init__(self, request_id: str, version: int) -> None:
         self.request_id = request_id
@@ -48,7 +48,7 @@ class Deltas:
         self.version = version  # the label of the waiting tokens
         self.seen = version  # the version when the last output was read
         self.seen_before = version  # ... and the one before it
-        self.started = False  # a delta was taken
+        self.sent = 0  # tokens taken into deltas so far: the next delta's offset
 
     def add(
         self,
@@ -71,12 +71,13 @@ class Deltas:
     def due(self, interval: int) -> bool:
         """Whether the waiting tokens go now: the request's first ones at once, then
         `interval` at a time."""
-        return bool(self.ids) and (not self.started or len(self.ids) >= interval)
+        return bool(self.ids) and (not self.sent or len(self.ids) >= interval)
 
     def take(self, finish: str | None = None, load: int = -1) -> TokenDelta:
-        delta = TokenDelta(self.request_id, self.ids, self.logprobs, self.version, finish, load, self.top)
+        ids, sent = self.ids, self.sent
+        delta = TokenDelta(self.request_id, ids, self.logprobs, self.version, finish, load, self.top, sent)
         self.ids, self.logprobs, self.top = [], [], []
-        self.started = True
+        self.sent += len(ids)
         return delta
 
 

@@ -244,7 +244,10 @@ class SyntheticActor:
         ids, logprobs = seq.pending_ids, seq.pending_logprobs
         seq.pending_ids, seq.pending_logprobs = [], []
         load = len(self._waiting) + len(self._running) if finish else -1
-        delta = TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish, load)
+        # The offset counts tokens made, not sent: a delta dropped below leaves a gap the client
+        # sees (and fails the turn for) instead of a short output that looks whole.
+        offset = seq.produced - len(ids)
+        delta = TokenDelta(seq.req.request_id, ids, logprobs, self.version, finish, load, offset=offset)
         try:  # waits for room (backpressure), but a queue full for a minute drops, counted
             await self.channel.send(delta, to=seq.peer)
         except TimeoutError as exc:

@@ -539,6 +539,46 @@ def _two_worker_intake():
     return buf, ledger, intake, handle
 
 
+def test_a_reply_stream_with_a_lost_delta_fails_its_turn_instead_of_ending_short():
+    """Each delta says where its first token sits in the output (`TokenDelta.offset`): a stream
+    whose middle delta never arrived (a queue full for a minute drops a reply) fails its turn as
+    an actor protocol error (retryable), rather than ending well with its tokens short and being
+    trained on as if whole. A scripted actor plays the stream; the client is the envpool's."""
+    from millstream.envpool.actors.client import GenerationFailed
+    from millstream.shared.config import TransportConfig
+    from millstream.shared.wire import TokenDelta
+    from millstream.shared.wire.transport import open_channel
+
+    cfg = TransportConfig()
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=keys_for("actor"))
+
+    async def scripted_actor() -> None:
+        served = 0
+        async for peer, messages in router:
+            for m in messages:
+                if not isinstance(m, GenerateRequest):
+                    continue
+                served += 1
+                whole = served == 1  # the first stream whole, the second without its middle
+                await router.send(TokenDelta(m.request_id, [5], [-0.1], 0, offset=0), to=peer)
+                if whole:  # the delta the other stream loses
+                    await router.send(TokenDelta(m.request_id, [6, 7], [-0.2, -0.3], 0, offset=1), to=peer)
+                await router.send(TokenDelta(m.request_id, [8], [-0.4], 0, "length", offset=3), to=peer)
+
+    async def body(client, tg):
+        tg.start_soon(router.run)
+        tg.start_soon(scripted_actor)
+        sampling = Sampling(max_tokens=4, timeout_s=10)
+        whole = await client.generate_once([1, 2], sampling, seed=None)
+        with pytest.raises(GenerationFailed) as failed:
+            await client.generate_once([1, 2], sampling, seed=None)
+        return whole, failed.value
+
+    whole, failed = anyio.run(with_client, router.address, body, backend="trio")
+    assert whole.token_ids == [5, 6, 7, 8] and whole.finish_reason == "length"
+    assert failed.cause == Cause.ACTOR_PROTOCOL and "one was lost" in str(failed)
+
+
 def test_a_worker_s_key_speaks_for_that_worker_only():
     """issue 27: one envpool key spoke for every worker. A forged WorkerHello(index=0, new
     incarnation) wrote off worker 0's 16 live episodes as worker_lost; forged failures for the

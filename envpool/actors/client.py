@@ -184,6 +184,8 @@ class ActorClient:
             return
         problem = _delta_problem(reply)
         out = pending.out
+        if problem is None and reply.offset >= 0 and reply.offset != len(out.token_ids):
+            problem = f"a delta at token {reply.offset} after {len(out.token_ids)} tokens: one was lost"
         if problem is None and len(out.token_ids) + len(reply.token_ids) > pending.max_tokens:
             problem = (
                 f"{len(out.token_ids) + len(reply.token_ids)} tokens for max_tokens={pending.max_tokens}"

@@ -94,6 +94,10 @@ class TokenDelta(WireMessage, tag="delta", gc=False, frozen=True):
     #: With the request's `top_logprobs` > 0: per token, the most likely (token id, logprob)
     #: pairs, most likely first; empty otherwise.
     top_logprobs: list[list[tuple[int, float]]] = []
+    #: Where the delta's first token sits in the request's output: the number of tokens the
+    #: actor sent it before (-1: not said). A client that received another number fails the
+    #: turn: a delta between was lost, and its tokens must not be trained on as if whole.
+    offset: int = -1
 
 
 class GenerateError(WireMessage, tag="gen_error", frozen=True):
