@@ -190,6 +190,38 @@ async def test_the_roles_of_peers_gone_are_forgotten_past_a_bound(monkeypatch):
     assert router.peer_role(seen[1]) is None  # silent longest: forgotten
 
 
+async def test_a_peer_that_stops_reading_does_not_hold_the_other_peers_replies(monkeypatch):
+    """A ROUTER's frames to a frozen peer wait behind its full pipe; past STALLED_PEER_S they are
+    dropped (counted) so that the replies to every other peer go out."""
+    monkeypatch.setattr(transport, "STALLED_PEER_S", 0.5)
+    cfg = TransportConfig(high_water_mark=2, coalesce_max=1)
+    router = open_channel("router", "tcp://127.0.0.1:0", bind=True, cfg=cfg, keys=SERVER)
+    live = open_channel("dealer", router.address, bind=False, cfg=cfg, keys=CLIENT)
+    frozen = zmq.Context.instance().socket(zmq.DEALER)  # one of the run's; it never reads
+    frozen.setsockopt(zmq.LINGER, 0)
+    frozen.setsockopt(zmq.RCVHWM, 1)
+    secure(frozen, CLIENT, bind=False)
+    frozen.connect(router.address)
+    big = TokenDelta("frozen", [100_000] * 50_000, [0.5] * 50_000, 1)  # about 0.7 MB a message
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(router.run)
+        tg.start_soon(live.run)
+        frozen.send(Codec().encode([GenerateRequest("frozen", [1], 1)]))
+        with anyio.fail_after(10):
+            stuck, _ = await router.receive()
+        for _ in range(60):  # far more than the socket buffers and the pipe hold
+            await router.send(big, to=stuck)
+        await live.send(GenerateRequest("live", [1], 1))
+        with anyio.fail_after(20):
+            peer, _ = await router.receive()
+            await router.send(TokenDelta("live", [1], [0.0], 1), to=peer)
+            _, messages = await live.receive()
+        tg.cancel_scope.cancel()
+    assert [m.request_id for m in messages] == ["live"]
+    assert router.statistics().dropped_frames > 0
+    frozen.close()
+
+
 async def test_batches_are_split_into_frames_the_peer_accepts():
     """With a frame limit the writer sends a big batch as several frames, each within it, and
     nothing is lost; the receiver holds the same limit (MAXMSGSIZE)."""

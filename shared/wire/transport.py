@@ -75,7 +75,7 @@ class ChannelStats:
     send_queue_max: int = 0
     recv_queue: int = 0
     recv_queue_max: int = 0
-    #: Frames to a ROUTER's peer that is gone, not sent.
+    #: Frames to a ROUTER's peer that is gone, or that stopped reading (`STALLED_PEER_S`).
     dropped_frames: int = 0
 
     def counters(self) -> dict[str, int | str]:
@@ -85,6 +85,8 @@ class ChannelStats:
 
 #: Peer identities a CURVE ROUTER remembers the role of (`peer_role`).
 MAX_PEER_ROLES = 65536
+#: A ROUTER's peer whose pipe stays full this long has stopped reading (`Channel._has_stalled`).
+STALLED_PEER_S = 10.0
 
 
 class Channel:
@@ -121,6 +123,8 @@ class Channel:
         #: ROUTER with CURVE: the role each peer identity authenticated as (its ZAP User-Id).
         self._roles: dict[bytes, str] = {}
         self._track_roles = authenticated and kind == "router"
+        #: ROUTER peers that stopped reading: their frames are dropped until one goes through.
+        self._stalled: set[bytes] = set()
         #: True when the socket uses the run's CURVE keys.
         self.authenticated = authenticated
         self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue, recv_queue_max=recv_queue)
@@ -270,6 +274,20 @@ class Channel:
                     self._stats.sent_bytes += len(payload)
             self._in_hand = 0
 
+    def _has_stalled(self, peer: bytes, since: float) -> bool:
+        """A ROUTER's frames to one peer wait behind its full pipe, and every other peer's
+        replies wait behind them: a peer that has not read for `STALLED_PEER_S` (a frozen
+        worker; at the default high-water mark, 100,000 frames behind) gets its frames dropped,
+        counted, until a send to it goes through again. Its requests then fail, not end short:
+        a delta after a lost one names a gap (`TokenDelta.offset`), and one that never comes
+        is a turn timeout."""
+        if peer not in self._stalled and anyio.current_time() - since < STALLED_PEER_S:
+            return False
+        self._stalled.add(peer)
+        self._stats.dropped_frames += 1
+        self._bad.event("peer_stalled", "%s: a peer stopped reading, dropped a frame to it", self.address)
+        return True
+
     def _payloads(self, messages: list[Outgoing]) -> list[tuple[bytes, int]]:
         """`messages` encoded in frames the peer accepts (`transport.max_frame_bytes`): one
         frame, or halves of the batch until each fits. A single message over the limit means the
@@ -289,23 +307,23 @@ class Channel:
         return self._payloads(messages[:half]) + self._payloads(messages[half:])
 
     async def _send_frames(self, frames: list[bytes]) -> None:
-        # A ROUTER's frames to a peer whose pipe is full (it stopped reading: a frozen worker)
-        # wait here, and every other peer's behind them. Dropping them instead would be unsafe:
-        # a request that lost a delta from its middle would still end well, its tokens short
-        # (`TokenDelta` carries no offset to tell). At the default high-water mark (100,000
-        # frames) a peer has stopped reading for minutes before this happens.
-        delay = 0.0005
+        delay, started = 0.0005, anyio.current_time()
         while True:
             try:
                 self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+                if self._stalled:
+                    self._stalled.discard(frames[0])  # it reads again
                 break
             except zmq.Again:
                 # High-water mark reached (or, on a DEALER, no peer yet): back off, bounded.
+                if self.kind == "router" and self._has_stalled(frames[0], started):
+                    return
                 self._stats.send_retries += 1
                 await anyio.sleep(delay)
                 delay = min(delay * 2, self._cfg.io_wait_s)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:  # ROUTER: that peer is gone; drop its frame.
+                    self._stalled.discard(frames[0])
                     self._stats.dropped_frames += 1
                     self._bad.event("peer_gone", "%s: peer gone, dropped a frame", self.address)
                     return
