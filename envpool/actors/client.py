@@ -185,7 +185,12 @@ class ActorClient:
         problem = _delta_problem(reply)
         out = pending.out
         if problem is None and reply.offset >= 0 and reply.offset != len(out.token_ids):
-            problem = f"a delta at token {reply.offset} after {len(out.token_ids)} tokens: one was lost"
+            # Not a broken actor: it dropped a delta to this worker (its queue stayed full, or we
+            # had stopped reading). The turn cannot end whole; it is retried (`actor_gap`).
+            gap = f"a delta at token {reply.offset} after {len(out.token_ids)} tokens: one was lost"
+            self._bad.event("actor_gap", "request %s: %s", reply.request_id, gap)
+            pending.fail(GenerationFailed(Cause.ACTOR_GAP, gap))
+            return
         if problem is None and len(out.token_ids) + len(reply.token_ids) > pending.max_tokens:
             problem = (
                 f"{len(out.token_ids) + len(reply.token_ids)} tokens for max_tokens={pending.max_tokens}"

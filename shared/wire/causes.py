@@ -60,6 +60,10 @@ class Cause(enum.StrEnum):
     ACTOR_LOST = "actor_lost"
     #: The actor broke the protocol for this request (e.g. far more deltas than max_tokens allows).
     ACTOR_PROTOCOL = "actor_protocol"
+    #: Part of the reply stream never arrived (`TokenDelta.offset` skipped tokens): the actor
+    #: dropped a delta to this worker, which had stopped reading or whose queue stayed full.
+    #: Retried from the turn's start.
+    ACTOR_GAP = "actor_gap"
     #: The episode's first prompt leaves no room for `envpool.max_tokens` in `actor.max_model_len`.
     PROMPT_TOO_LONG = "prompt_too_long"
     #: The whole episode took longer than `envpool.episode_timeout_s`.
@@ -91,10 +95,11 @@ ACTOR_CAUSES = frozenset(
         Cause.ACTOR_ABORT,
         Cause.ACTOR_PROTOCOL,
         Cause.ACTOR_LOST,
+        Cause.ACTOR_GAP,
     }
 )
 #: Failures that say "try later", not "this request is wrong": the envpool retries them.
-RETRYABLE_CAUSES = frozenset({Cause.ACTOR_TIMEOUT, Cause.ACTOR_OVERLOADED, Cause.ACTOR_LOST})
+RETRYABLE_CAUSES = frozenset({Cause.ACTOR_TIMEOUT, Cause.ACTOR_OVERLOADED, Cause.ACTOR_LOST, Cause.ACTOR_GAP})
 #: The episode cause of each actor-side turn error.
 TURN_CAUSE = {
     TurnError.BAD_REQUEST: Cause.ACTOR_BAD_REQUEST,

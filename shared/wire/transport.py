@@ -87,6 +87,8 @@ class ChannelStats:
 MAX_PEER_ROLES = 65536
 #: A ROUTER's peer whose pipe stays full this long has stopped reading (`Channel._has_stalled`).
 STALLED_PEER_S = 10.0
+#: ... and gets no such grace again until this long after its frames were last dropped.
+STALLED_MEMORY_S = 60.0
 
 
 class Channel:
@@ -123,8 +125,8 @@ class Channel:
         #: ROUTER with CURVE: the role each peer identity authenticated as (its ZAP User-Id).
         self._roles: dict[bytes, str] = {}
         self._track_roles = authenticated and kind == "router"
-        #: ROUTER peers that stopped reading: their frames are dropped until one goes through.
-        self._stalled: set[bytes] = set()
+        #: ROUTER peers that stopped reading, and when a frame to them was last dropped.
+        self._stalled: dict[bytes, float] = {}
         #: True when the socket uses the run's CURVE keys.
         self.authenticated = authenticated
         self._stats = ChannelStats(kind, address, send_queue_max=cfg.send_queue, recv_queue_max=recv_queue)
@@ -268,22 +270,27 @@ class Channel:
             for to, messages in batch.items():
                 for payload, count in self._payloads(messages):
                     frames = [to, payload] if self.kind == "router" else [payload]
-                    await self._send_frames(frames)
-                    self._stats.sent_messages += count
-                    self._stats.sent_frames += 1
-                    self._stats.sent_bytes += len(payload)
+                    if await self._send_frames(frames):
+                        self._stats.sent_messages += count
+                        self._stats.sent_frames += 1
+                        self._stats.sent_bytes += len(payload)
             self._in_hand = 0
 
     def _has_stalled(self, peer: bytes, since: float) -> bool:
         """A ROUTER's frames to one peer wait behind its full pipe, and every other peer's
         replies wait behind them: a peer that has not read for `STALLED_PEER_S` (a frozen
-        worker; at the default high-water mark, 100,000 frames behind) gets its frames dropped,
-        counted, until a send to it goes through again. Its requests then fail, not end short:
-        a delta after a lost one names a gap (`TokenDelta.offset`), and one that never comes
-        is a turn timeout."""
-        if peer not in self._stalled and anyio.current_time() - since < STALLED_PEER_S:
+        worker; at the default high-water mark, 100,000 frames behind) gets what does not fit
+        in its pipe dropped, counted, and for `STALLED_MEMORY_S` after its last drop it gets no
+        such grace again (a peer that reads in bursts would hold the others each time). Its
+        requests then fail, not end short: a delta after a lost one names a gap
+        (`TokenDelta.offset`, retried as `actor_gap`), and one that never comes is a turn
+        timeout."""
+        now, last = anyio.current_time(), self._stalled.pop(peer, None)
+        if (last is None or now - last > STALLED_MEMORY_S) and now - since < STALLED_PEER_S:
             return False
-        self._stalled.add(peer)
+        if len(self._stalled) >= MAX_PEER_ROLES:  # bounded, as the roles are
+            del self._stalled[next(iter(self._stalled))]
+        self._stalled[peer] = now
         self._stats.dropped_frames += 1
         self._bad.event("peer_stalled", "%s: a peer stopped reading, dropped a frame to it", self.address)
         return True
@@ -306,31 +313,31 @@ class Channel:
         half = len(messages) // 2
         return self._payloads(messages[:half]) + self._payloads(messages[half:])
 
-    async def _send_frames(self, frames: list[bytes]) -> None:
+    async def _send_frames(self, frames: list[bytes]) -> bool:
+        """Send one frame; False if it was dropped (its peer is gone, or stopped reading)."""
         delay, started = 0.0005, anyio.current_time()
         while True:
             try:
                 self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
-                if self._stalled:
-                    self._stalled.discard(frames[0])  # it reads again
                 break
             except zmq.Again:
                 # High-water mark reached (or, on a DEALER, no peer yet): back off, bounded.
                 if self.kind == "router" and self._has_stalled(frames[0], started):
-                    return
+                    return False
                 self._stats.send_retries += 1
                 await anyio.sleep(delay)
                 delay = min(delay * 2, self._cfg.io_wait_s)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:  # ROUTER: that peer is gone; drop its frame.
-                    self._stalled.discard(frames[0])
+                    self._stalled.pop(frames[0], None)
                     self._stats.dropped_frames += 1
                     self._bad.event("peer_gone", "%s: peer gone, dropped a frame", self.address)
-                    return
+                    return False
                 raise
         # A send can swallow the descriptor's edge; wake the reader if frames are waiting.
         if self._read_wait is not None and cast(int, self.sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             self._read_wait.cancel()
+        return True
 
 
 def limit_socket(sock: zmq.Socket, cfg: TransportConfig) -> None:
