@@ -240,8 +240,9 @@ def _supervise(cfg: Config, run_dir: Path, out: IO[str], quiet: bool = False) ->
     stop = threading.Event()
     out = cast(IO[str], RunOutput(out, stop))  # a broken stdout stops the run (shared/launch/output.py)
     print(f"millstream run: {run_dir}", file=out, flush=True)
-    if gpu_plan(cfg):  # shared/process/gpus.py: which GPUs each GPU process computes on
-        print(f"millstream run: GPUs: {gpu_plan(cfg)}", file=out, flush=True)
+    plan = gpu_plan(cfg)  # shared/process/gpus.py: which GPUs each GPU process computes on
+    if plan:
+        print(f"millstream run: GPUs: {plan}", file=out, flush=True)
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     relays: list[threading.Thread] = []
 

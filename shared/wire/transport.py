@@ -315,13 +315,14 @@ class Channel:
 
     async def _send_frames(self, frames: list[bytes]) -> bool:
         """Send one frame; False if it was dropped (its peer is gone, or stopped reading)."""
-        delay, started = 0.0005, anyio.current_time()
+        delay, started = 0.0005, None  # the clock is read only once a send has to wait
         while True:
             try:
                 self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break
             except zmq.Again:
                 # High-water mark reached (or, on a DEALER, no peer yet): back off, bounded.
+                started = anyio.current_time() if started is None else started
                 if self.kind == "router" and self._has_stalled(frames[0], started):
                     return False
                 self._stats.send_retries += 1

@@ -29,6 +29,7 @@ from millstream.shared.process.lifecycle import (
     ENV_RUN,
     live_group,
     session_processes,
+    signal_group,
     stop_groups,
 )
 from millstream.shared.process.runtime import ENV_NAME
@@ -103,7 +104,7 @@ class RoleHost:
             return
         if sig == signal.SIGKILL:
             _kill_session(self._proc.pid)
-        _signal_group(self._proc.pid, sig)
+        signal_group(self._proc.pid, sig)
 
     def stop(self, grace_s: float) -> list[int]:
         """Stop the role and everything it started, on this node; return once none is alive
@@ -148,10 +149,3 @@ def _kill_session(sid: int) -> None:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
