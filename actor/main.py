@@ -142,6 +142,7 @@ class ActorProcess:
             max_model_len=engine.model_config.max_model_len,
             vocab_size=engine.model_config.get_vocab_size(),
             rpc_timeout_s=cfg.learner.sync_timeout_s,
+            stall_timeout_s=cfg.actor.stall_timeout_s,
             stream_interval=cfg.actor.stream_interval,
             max_live_requests=cfg.actor.max_live_requests,
             max_messages_per_frame=cfg.actor.max_messages_per_frame,

@@ -31,6 +31,7 @@ the send queue; a request's task never ends the server.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -108,6 +109,8 @@ class VllmWeights:
         self.rpc_timeout_s = rpc_timeout_s
         self.on_stuck = on_stuck
         self.stuck = False
+        #: True from the pause to the resume of a load: no output is due from the engine then.
+        self.loading = False
 
     async def _call(self, what: str, timeout_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
         """`engine.<method>(*args, **kwargs)`, given twice `timeout_s` (at least MARGIN_S more)."""
@@ -155,14 +158,18 @@ class VllmWeights:
 
     async def load(self, msg: WeightUpdate) -> None:
         timeout_s = self.rpc_timeout_s
-        await self._call("pause", timeout_s, "pause_generation", mode="keep", clear_cache=True)
+        self.loading = True
         try:
-            specs = [(t.name, list(t.shape), t.offset) for t in msg.tensors]
-            await self._rpc("millstream_load", timeout_s, msg.session, specs)
-        finally:  # even a failed update must not freeze generation; a cancelled one neither
-            if not self.stuck:  # a wedged engine would not resume: the actor is stopping
-                with anyio.CancelScope(shield=True):
-                    await self._call("resume", timeout_s, "resume_generation")
+            await self._call("pause", timeout_s, "pause_generation", mode="keep", clear_cache=True)
+            try:
+                specs = [(t.name, list(t.shape), t.offset) for t in msg.tensors]
+                await self._rpc("millstream_load", timeout_s, msg.session, specs)
+            finally:  # even a failed update must not freeze generation; a cancelled one neither
+                if not self.stuck:  # a wedged engine would not resume: the actor is stopping
+                    with anyio.CancelScope(shield=True):
+                        await self._call("resume", timeout_s, "resume_generation")
+        finally:
+            self.loading = False
 
 
 class ActorServer:
@@ -180,6 +187,7 @@ class ActorServer:
         vocab_size: int,
         gpus: list[str] | None = None,
         rpc_timeout_s: float = 600.0,
+        stall_timeout_s: float = 300.0,
         stream_interval: int = 1,
         max_live_requests: int = 65536,
         max_messages_per_frame: int = 4096,
@@ -190,10 +198,12 @@ class ActorServer:
         self.stream_interval = stream_interval
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.stall_timeout_s = stall_timeout_s
         self.boundary = Boundary(channel, max_messages_per_frame)
+        self.weights = VllmWeights(engine, rpc_timeout_s, on_stuck=self._engine_stuck)
         self.link = LearnerLink(
             channel,
-            VllmWeights(engine, rpc_timeout_s, on_stuck=self._engine_stuck),
+            self.weights,
             lambda version: ActorInfo(model, version, weight_ranks, max_model_len, dtype, gpus or []),
             self.boundary,
             tokens=lambda: self.stats.tokens,
@@ -201,6 +211,7 @@ class ActorServer:
         self.stats = ActorStats()
         self._live: set[str] = set()  # engine request ids: "<peer hex>/<client request id>"
         self._aborting: set[str] = set()  # live requests whose abort is under way
+        self._output_at = time.monotonic()  # the engine's last output, or the last idle moment
         #: Set when the engine died; `serve` then raises it, and the process exits non-zero.
         self.dead: BaseException | None = None
         #: Set by `drain`: new requests are refused (as overloaded: the router sheds them).
@@ -219,7 +230,8 @@ class ActorServer:
                 for message in self.boundary.frame(peer, messages):
                     self._dispatch(tg, peer, message)
         if self.dead is not None:
-            raise RuntimeError(f"the vLLM engine died: {self.dead!r}") from self.dead
+            what = "is wedged" if isinstance(self.dead, EngineStuck) else "died"
+            raise RuntimeError(f"the vLLM engine {what}: {self.dead}") from self.dead
 
     def _engine_stuck(self, exc: EngineStuck) -> None:
         """A call into the engine never came back: stop as if it had died (`_watch_engine`),
@@ -229,10 +241,35 @@ class ActorServer:
     async def _watch_engine(self, scope: anyio.CancelScope) -> None:
         while self.dead is None:
             await anyio.sleep(0.5)
-            if self.engine.errored:
-                self.dead = self.engine.dead_error
-        log.error("the vLLM engine died (%r); stopping the actor", self.dead)
+            # `dead` may have been set meanwhile (`_engine_stuck`, a request that saw it die).
+            self.dead = self.dead or (self.engine.dead_error if self.engine.errored else self._stalled())
+        what = "is wedged" if isinstance(self.dead, EngineStuck) else "died"
+        log.error("the vLLM engine %s (%s); stopping the actor", what, self.dead)
         scope.cancel()
+
+    def _stalled(self) -> EngineStuck | None:
+        """A wedged engine, seen from its requests: requests are live, no weight
+        load holds them, and no output has come for `stall_timeout_s`.
+
+        vLLM bounds one step of its worker processes (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS) and
+        dies past it, which `engine.errored` sees; a single-process engine (one GPU, no tensor
+        parallelism) runs its step inside the EngineCore, where nothing bounds it. A working
+        engine hands over some output at least every `stream_interval` steps, so a long quiet
+        with requests live is a step that never ends or an EngineCore that no longer steps.
+        An idle engine owes nothing: the clock starts again whenever nothing is live. (A request
+        task held up by a full send queue reads no outputs meanwhile; that wait ends within a
+        minute, `Channel.send`.)"""
+        now = time.monotonic()
+        if not self._live or self.weights.loading:
+            self._output_at = now
+            return None
+        quiet_s = now - self._output_at
+        if quiet_s <= self.stall_timeout_s:
+            return None
+        return EngineStuck(
+            f"no output from the engine in {quiet_s:.0f}s with {len(self._live)} requests live "
+            f"(actor.stall_timeout_s = {self.stall_timeout_s:g})"
+        )
 
     def _dispatch(self, tg: TaskGroup, peer: bytes, message: Message) -> None:
         """Admit, refuse or answer one message now; only admitted work becomes a task."""
@@ -315,6 +352,7 @@ class ActorServer:
             sampling_params(req, self.stream_interval),
             key,
         ):
+            self._output_at = time.monotonic()
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs or (), ids)]

@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -261,6 +262,115 @@ def test_an_engine_call_that_never_returns_stops_the_actor(monkeypatch):
     anyio.run(exchanges, backend="asyncio")  # the actor's loop is asyncio
     assert [type(exc) for exc in told] == [EngineStuck, EngineStuck]
     assert engine.resumed == 0  # not asked to resume (it would not): the actor is stopping
+
+
+class ScriptedEngine:
+    """A stand-in engine (the actor's watchdog is under test, not vLLM): each request gets one
+    output per entry of `gaps`, that many seconds apart, the last one final; with `hang`, the
+    engine goes quiet for good after them, an EngineCore that no longer steps. `while_loading`
+    marks the gaps spent inside a weight load's pause (no output is due then)."""
+
+    errored = False
+    dead_error = None
+
+    def __init__(self, gaps: list[float], *, hang: bool = False, while_loading: tuple[int, ...] = ()) -> None:
+        self.gaps, self.hang, self.while_loading = gaps, hang, while_loading
+        self.server: Any = None  # set once the server exists: a load's pause is the server's flag
+
+    async def generate(self, prompt, params, key):
+        from types import SimpleNamespace
+
+        for i, gap in enumerate(self.gaps):
+            self.server.weights.loading = i in self.while_loading
+            await anyio.sleep(gap)
+            self.server.weights.loading = False
+            last = i == len(self.gaps) - 1 and not self.hang
+            step = {7: SimpleNamespace(logprob=-0.5, rank=1)}
+            completion = SimpleNamespace(
+                token_ids=[7], logprobs=[step], finish_reason="length" if last else None
+            )
+            yield SimpleNamespace(outputs=[completion], finished=last)
+        if self.hang:
+            await anyio.sleep_forever()
+
+    async def abort(self, key) -> None:
+        return None
+
+
+def serve_scripted(monkeypatch, engine: ScriptedEngine, requests: list[float], run_s: float, stall_s: float):
+    """Serve `engine` behind a real ROUTER for `run_s` s (or until the actor stops), sending one
+    request at each of `requests` (seconds from the start); returns the server, the error
+    `serve` ended with (None if it served on), and every message the client got."""
+    from millstream.actor import server as server_module
+    from millstream.shared.config import TransportConfig
+    from millstream.shared.wire.transport import open_channel
+
+    monkeypatch.setattr(server_module, "sampling_params", lambda req, interval: None)  # vLLM's; unused
+    channel = open_channel(
+        "router", "tcp://127.0.0.1:0", bind=True, cfg=TransportConfig(), keys=keys_for("actor")
+    )
+    server = server_module.ActorServer(
+        engine,
+        channel,
+        model="m",
+        dtype="float32",
+        weight_ranks=1,
+        max_model_len=256,
+        vocab_size=50_000,
+        stall_timeout_s=stall_s,
+    )
+    engine.server = server
+    sock, got, ended = dealer(channel.address), [], []
+
+    async def client() -> None:
+        start = anyio.current_time()
+        for n, at in enumerate(requests):
+            await anyio.sleep(max(0.0, start + at - anyio.current_time()))
+            sock.send(Codec().encode([GenerateRequest(f"r{n}", PROMPT, max_tokens=8)]))
+        await anyio.sleep_forever()
+
+    async def body() -> None:
+        with anyio.fail_after(run_s + 20):  # a bound for a broken watchdog, not a timing check
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client)
+                with anyio.move_on_after(run_s):
+                    try:
+                        await server.serve(stats_every_s=3600)
+                    except RuntimeError as exc:
+                        ended.append(exc)
+                tg.cancel_scope.cancel()
+
+    try:
+        anyio.run(body, backend="asyncio")  # the actor's loop is asyncio
+        got = raw_replies(sock, 0.2)
+    finally:
+        sock.close()
+    return server, (ended[0] if ended else None), got
+
+
+def test_an_engine_that_stops_handing_over_output_stops_the_actor(monkeypatch):
+    """A single-process engine (one GPU) runs its steps inside the EngineCore, where vLLM bounds
+    nothing: one that stops stepping used to leave the actor serving nothing for good, its
+    clients timing out turn after turn. With requests live and no output for
+    `actor.stall_timeout_s`, the actor now stops as wedged, and its launcher starts it again."""
+    engine = ScriptedEngine([0.05, 0.05], hang=True)
+    server, ended, got = serve_scripted(monkeypatch, engine, requests=[0.0], run_s=15.0, stall_s=0.5)
+    assert ended is not None and "is wedged" in str(ended), ended
+    assert "no output from the engine in" in str(server.dead) and "1 requests live" in str(server.dead)
+    assert [len(m.token_ids) for m in got if isinstance(m, TokenDelta)] == [1, 1]  # what it made, sent
+
+
+def test_a_slow_idle_or_loading_engine_is_not_taken_for_wedged(monkeypatch):
+    """Quiet is wedged only while requests are live and no weight load holds them: an engine
+    idle for longer than the bound (before and after its requests), one slower than the bound
+    in total but never quiet for it, and one paused for a load longer than the bound all serve
+    on and finish their requests."""
+    gaps = [0.25] * 6 + [1.2]  # 2.7 s of output 0.25 s apart, then a load's pause of 1.2 s
+    engine = ScriptedEngine(gaps, while_loading=(len(gaps) - 1,))
+    server, ended, got = serve_scripted(monkeypatch, engine, requests=[1.2], run_s=5.5, stall_s=0.6)
+    assert ended is None and server.dead is None
+    finals = [m for m in got if isinstance(m, TokenDelta) and m.finish_reason]
+    assert [m.finish_reason for m in finals] == ["length"] and server._live == set()
 
 
 def test_delta_labels_are_never_newer_than_the_weights():

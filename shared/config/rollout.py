@@ -173,6 +173,17 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             gt=0,
         ),
     ] = 600.0
+    stall_timeout_s: Annotated[
+        float,
+        _doc(
+            "How long the vLLM engine may hand over no output while requests are live (a "
+            "weight load's pause aside) before the actor counts it as wedged and stops, so "
+            "that the launcher starts it again. vLLM bounds a step of its worker processes "
+            "(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s), not one run inside a single-process "
+            "engine (one GPU); keep this above the longest step (a whole prompt's prefill).",
+            gt=0,
+        ),
+    ] = 300.0
     kind: Annotated[
         Literal["vllm", "synthetic"],
         _doc(
