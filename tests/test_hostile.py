@@ -581,6 +581,51 @@ def test_a_reply_stream_with_a_lost_delta_fails_its_turn_instead_of_ending_short
     assert failed.cause in RETRYABLE_CAUSES  # a lost delta is the link's loss, not the episode's
 
 
+def test_a_flood_of_experience_does_not_hold_the_learner_s_loop():
+    """`Experience.receive` took every queued frame before it returned: workers that send as
+    fast as the learner reads held its loop there, away from its version heartbeat and its
+    steps. It now returns at most `DRAIN_S` past its deadline, with the senders still going."""
+    import threading
+
+    from millstream.learner.episodes.experience import Experience
+    from millstream.shared.config import load_config
+
+    exp_port, ver_port = free_port(), free_port()
+    cfg = load_config(None, [
+        KEYS, f"learner.experience_address=tcp://127.0.0.1:{exp_port}",
+        f"learner.version_address=tcp://127.0.0.1:{ver_port}",
+    ])  # fmt: skip
+    exp = Experience(cfg, keys_for("learner"))
+    frame = Codec().encode([PoolDone("envpool", 0, 0, 0)] * 20)  # 20 messages to decode per frame
+    stop_sending = threading.Event()
+
+    def flood() -> None:
+        push = zmq.Context.instance().socket(zmq.PUSH)
+        secure(push, keys_for("envpool"), bind=False)
+        push.connect(f"tcp://127.0.0.1:{exp_port}")
+        deadline = time.monotonic() + 30  # a bound for the old code, which returns only after it
+        try:
+            while not stop_sending.is_set() and time.monotonic() < deadline:
+                push.send(frame)
+        finally:
+            push.close(0)
+
+    sender = threading.Thread(target=flood, daemon=True)
+    try:
+        sender.start()
+        first = next(exp.receive(5.0))  # the flood has begun
+        started = time.monotonic()
+        taken = sum(1 for _ in exp.receive(0.05))
+        returned_s = time.monotonic() - started
+        still_flooding = sender.is_alive()
+    finally:
+        stop_sending.set()
+        sender.join(35)
+        exp.close()
+    assert isinstance(first[0], PoolDone) and taken > 0
+    assert still_flooding, f"receive returned only when the flood ended ({returned_s:.1f}s, {taken} messages)"
+
+
 def test_a_worker_s_key_speaks_for_that_worker_only():
     """issue 27: one envpool key spoke for every worker. A forged WorkerHello(index=0, new
     incarnation) wrote off worker 0's 16 live episodes as worker_lost; forged failures for the

@@ -77,14 +77,21 @@ class Experience:
         self.pub.send(self.codec.encode([message]))
         self.last_announce = time.monotonic()
 
+    #: How long past its deadline `receive` goes on taking frames that are already queued.
+    DRAIN_S = 1.0
+
     def receive(self, timeout_s: float) -> Iterator[tuple[Message, str | None]]:
-        """Yield the messages that arrive within `timeout_s` (all that are queued, at least),
-        each with the identity of the key that sent it ("envpool-3", "actor", ...; None
-        without CURVE): the intake takes a worker's messages only from that worker's key."""
+        """Yield the messages that arrive within `timeout_s`, and those queued by then, each
+        with the identity of the key that sent it ("envpool-3", "actor", ...; None without
+        CURVE): the intake takes a worker's messages only from that worker's key.
+
+        Queued frames are taken past the deadline, but for `DRAIN_S` at most: envpool workers
+        that send as fast as this loop reads would otherwise hold it here, away from its
+        version heartbeat, its steps and its replicas' weights."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
-            if not self.pull.poll(max(0, int(left * 1000))):
+            if left < -self.DRAIN_S or not self.pull.poll(max(0, int(left * 1000))):
                 return
             frame = self.pull.recv(copy=False)
             try:
