@@ -600,7 +600,7 @@ def test_a_flood_of_experience_does_not_hold_the_learner_s_loop():
     stop_sending = threading.Event()
 
     def flood() -> None:
-        push = zmq.Context.instance().socket(zmq.PUSH)
+        push: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUSH)
         secure(push, keys_for("envpool"), bind=False)
         push.connect(f"tcp://127.0.0.1:{exp_port}")
         deadline = time.monotonic() + 30  # a bound for the old code, which returns only after it
