@@ -98,6 +98,10 @@ def build_engine(cfg: Config, model_dir: str):
         tensor_parallel_size=cfg.actor.tensor_parallel_size,
         enforce_eager=cfg.actor.enforce_eager,
         worker_extension_cls="millstream.actor.weights.WeightSyncExtension",
+        # The sampled token's logprob under the distribution it was drawn from: after the
+        # temperature, as the learner computes it (learner/train/loss.py). vLLM's default gives
+        # it before, which at any temperature but 1 is another policy than the one that sampled.
+        logprobs_mode="processed_logprobs",
         **_platform_args(cfg, cuda),
     )
     vllm_config = args.create_engine_config()

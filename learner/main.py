@@ -20,7 +20,8 @@ from millstream.learner.follower import follow
 from millstream.learner.loop.leader import Leader
 from millstream.learner.team import Team, collective_timeout_s
 from millstream.learner.train.trainer import Trainer
-from millstream.shared.config import Config
+from millstream.shared.config import Config, ConfigError
+from millstream.shared.config.trainable import sampling_problem
 from millstream.shared.process.runtime import ACCOUNTING_FAILED, resolve_model_dir, run_role
 from millstream.shared.wire.keys import load_keys
 
@@ -33,12 +34,16 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
     run_dir = Path(cfg.run.dir or f"{cfg.run.root}/{cfg.run.name}-learner")
     run_dir.mkdir(parents=True, exist_ok=True)
     keys = load_keys(cfg, "learner")  # before DeepSpeed starts: a key problem costs nothing
+    problem = sampling_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     trainer = Trainer(
         resolve_model_dir(cfg),
         cfg.learner,
         seed=cfg.run.seed,
         dtype=cfg.learner.train_dtype,
         collective_timeout_s=collective_timeout_s(cfg),
+        temperature=cfg.envpool.temperature,
     )
     team = Team()
     if not team.leader:
@@ -48,8 +53,12 @@ def run_learner(cfg: Config, ready_file: str | None = None) -> dict:
 
 
 def check_learner(cfg: Config) -> str | None:
-    """What the learner would refuse only after the run started, in one line, or None: today
-    LoRA target modules that match no linear layer (read from the model's config, no weights)."""
+    """What the learner would refuse only after the run started, in one line, or None: sampling
+    it cannot train on (`sampling_problem`), LoRA target modules that match no linear layer
+    (read from the model's config, no weights)."""
+    problem = sampling_problem(cfg)
+    if problem:
+        return problem
     if cfg.learner.lora_rank > 0:
         from millstream.learner.train.lora import check_targets
 

@@ -57,6 +57,24 @@ def test_sampled_stream_carries_exact_logprobs(actor, hf_model):
     assert again.token_ids == gen.token_ids  # the request's seed reaches vLLM
 
 
+def test_logprobs_at_a_temperature_are_the_learners(actor, hf_model):
+    """At a temperature T the engine samples from softmax(z / T): its logprobs must be that
+    distribution's, and the learner's (`gather_logprobs`) the same. vLLM's default reports
+    log softmax(z) whatever T, which trained another policy than the one that sampled."""
+    from millstream.learner.train.loss import gather_logprobs
+
+    async def run(client, _tg):
+        return await generate(client, n=24, temperature=0.6, seed=11)
+
+    gen = anyio.run(with_client, actor.address, run, backend="trio")
+    ids = torch.tensor([PROMPT + gen.token_ids])
+    with torch.no_grad():
+        learner = gather_logprobs(hf_model(ids).logits, ids, temperature=0.6)[0, len(PROMPT) :].tolist()
+    untempered = hf_logprobs(hf_model, PROMPT, gen.token_ids)
+    assert max(abs(a - b) for a, b in zip(learner, gen.logprobs)) < 1e-3
+    assert max(abs(a - b) for a, b in zip(untempered, gen.logprobs)) > 1e-2  # T made a difference
+
+
 def test_top_logprobs_are_the_models_most_likely_tokens(actor, hf_model):
     """`top_logprobs` (the agent endpoint's field) comes from vLLM: per generated token, the k
     most likely tokens of the model at that position, with their logprobs, most likely first."""

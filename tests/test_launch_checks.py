@@ -57,6 +57,36 @@ def test_lora_targets_the_model_lacks_are_refused_before_anything_starts(tmp_pat
     assert message.startswith("learner.lora_target_modules: ['qkv'] match no linear layer")
 
 
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("envpool.temperature=0", "envpool.temperature = 0: greedy samples cannot be trained on"),
+        (
+            "envpool.top_p=0.9",
+            "envpool.top_p = 0.9: the learner trains the distribution at envpool.temperature",
+        ),
+    ],
+)
+def test_sampling_the_learner_cannot_train_on_is_refused_before_anything_starts(
+    tmp_path, tiny_model_dir, override, message
+):
+    """The learner trains softmax(logits / temperature) over the whole vocabulary: greedy or
+    nucleus samples are not drawn from it, and would be trained on as if they were."""
+    assert refused(tmp_path, f"model.path={tiny_model_dir}", override).startswith(message)
+
+
+def test_a_learner_started_alone_refuses_such_sampling_too(tiny_model_dir):
+    """`millstream learner --check` (and the learner's own start) runs the same check."""
+    from millstream.learner.main import check_learner
+    from millstream.shared.config import load_config
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "envpool.top_p=0.5"])
+    assert (check_learner(cfg) or "").startswith("envpool.top_p = 0.5: the learner trains")
+    assert (
+        check_learner(load_config(None, [f"model.path={tiny_model_dir}", "envpool.temperature=0.7"])) is None
+    )
+
+
 def test_evaluation_of_an_agent_env_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
     message = refused(tmp_path, f"model.path={tiny_model_dir}", "envpool.env=openai_agent", "eval.every=5")
     assert message.startswith("eval.every = 5: evaluation rounds play text environments")

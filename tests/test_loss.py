@@ -34,6 +34,29 @@ def test_sequence_logprobs_matches_a_manual_loop():
             assert ent[b, t].item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-5)
 
 
+def test_logprobs_are_those_of_the_sampling_temperature():
+    """The actor samples from softmax(z / T) and reports that distribution's logprobs; the
+    learner's passes must compute the same one (at T = 1 both were z's own, and at any other T
+    the learner trained a policy nobody sampled from). Its gradient flows to the logits."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, 6, 9, generator=g).requires_grad_(True)
+    ids = torch.randint(0, 9, (2, 6), generator=g)
+    for temperature in (0.5, 0.7, 1.3):
+        logp, ent = sequence_logprobs(logits, ids, temperature=temperature)
+        gathered = gather_logprobs(logits, ids, temperature=temperature)
+        for b in range(2):
+            for t in range(1, 6):
+                p = torch.softmax(logits[b, t - 1].detach() / temperature, -1)
+                assert logp[b, t].item() == pytest.approx(math.log(p[ids[b, t]].item()), abs=1e-5)
+                assert gathered[b, t].item() == pytest.approx(logp[b, t].item(), abs=1e-6)
+                assert ent[b, t].item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-5)
+        assert not torch.allclose(logp, sequence_logprobs(logits, ids)[0])  # not T = 1's
+    logp.sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        gather_logprobs(logits, ids, temperature=0.0)
+
+
 def test_entropy_is_finite_with_masked_vocabulary():
     logits = torch.zeros(1, 3, 4)
     logits[..., 2:] = float("-inf")  # two tokens impossible: uniform over two -> entropy log 2

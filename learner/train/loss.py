@@ -60,9 +60,14 @@ def _check_logits(logits: Tensor, token_ids: Tensor) -> None:
         )
 
 
-def _shifted_log_softmax(logits: Tensor, token_ids: Tensor) -> tuple[Tensor, Tensor]:
+def _shifted_log_softmax(logits: Tensor, token_ids: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     # Logits at t-1 predict token t; the last position predicts beyond the sequence: unused.
-    logsm = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    shifted = logits[:, :-1].float()
+    if temperature != 1.0:  # not in place: float32 logits are the model's own, in the graph
+        shifted = shifted / temperature
+    logsm = torch.log_softmax(shifted, dim=-1)
     logp = logsm.gather(-1, token_ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)
     return logsm, logp
 
@@ -72,17 +77,19 @@ def _pad_first(x: Tensor) -> Tensor:
 
 
 def sequence_logprobs(
-    logits: Tensor, token_ids: Tensor, *, entropy_grad: bool = True
+    logits: Tensor, token_ids: Tensor, *, temperature: float = 1.0, entropy_grad: bool = True
 ) -> tuple[Tensor, Tensor]:
     """Log-prob and predictive entropy of each token: ([B, T], [B, T]) float32, 0 at t = 0.
 
     `logits` [B, T, V] come from a causal LM run over `token_ids` [B, T]; `logp[:, t]` is
     log p(token_ids[:, t] | token_ids[:, :t]) and `entropy[:, t]` the entropy of that distribution.
+    p is the distribution the tokens were sampled from: softmax(logits / `temperature`), the
+    actor's sampling temperature (whose logprobs vLLM reports after it, actor/engine.py).
     With `entropy_grad=False` the entropy is computed without autograd (a statistic only): its
     graph would otherwise keep two more float32 [B, T-1, V] tensors alive until backward.
     """
     _check_logits(logits, token_ids)
-    logsm, logp = _shifted_log_softmax(logits, token_ids)
+    logsm, logp = _shifted_log_softmax(logits, token_ids, temperature)
     with torch.enable_grad() if entropy_grad else torch.no_grad():
         # -sum p log p from the same log_softmax. Clamping keeps -inf logits (masked vocabulary)
         # from making 0 * -inf = NaN; the clamp is inactive on every finite value.
@@ -90,11 +97,11 @@ def sequence_logprobs(
     return _pad_first(logp), _pad_first(entropy)
 
 
-def gather_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
+def gather_logprobs(logits: Tensor, token_ids: Tensor, *, temperature: float = 1.0) -> Tensor:
     """Only the log-prob part of `sequence_logprobs` ([B, T] float32, 0 at t = 0): for the
     no-grad proximal and reference passes, which need no entropy."""
     _check_logits(logits, token_ids)
-    return _pad_first(_shifted_log_softmax(logits, token_ids)[1])
+    return _pad_first(_shifted_log_softmax(logits, token_ids, temperature)[1])
 
 
 def aggregation_weights(

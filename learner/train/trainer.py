@@ -15,7 +15,8 @@ The loss (learner/train/loss.py, docs/algorithms.md) is chosen per step by the `
 `staleness_policy` "drop" (ratio against the behaviour logprobs) or "decoupled" (AReaL's decoupled
 PPO: proximal logprobs recomputed first, importance weight capped by `is_cap`); `kl_coef` /
 `kl_estimator` (KL to the frozen initial policy); `entropy_coef`. Only `micro_batch_size`, the
-optimizer and ZeRO settings are fixed at construction.
+optimizer and ZeRO settings, and the actor's sampling temperature (every logprob is of
+softmax(logits / T), the distribution the tokens were drawn from) are fixed at construction.
 
 Design choices:
 
@@ -103,6 +104,7 @@ class Trainer:
         seed: int,
         dtype: str = "float32",
         collective_timeout_s: float | None = None,
+        temperature: float = 1.0,
     ) -> None:
         if dtype not in ("float32", "bfloat16"):
             # fp16 would need loss scaling and overflow handling; nothing here wants it.
@@ -153,6 +155,9 @@ class Trainer:
                     os.environ[key] = before
         self.device = self.engine.device
         self._zero3 = learner_cfg.zero_stage == 3
+        #: The actor's sampling temperature: every pass computes the logprobs of softmax(z / T),
+        #: the distribution the tokens were drawn from and the actor's logprobs describe.
+        self.temperature = temperature
 
     @property
     def version(self) -> int:
@@ -189,11 +194,14 @@ class Trainer:
         for k in range(n_chunks):
             batch = batches[min(k, len(batches) - 1)]
             if prox is not None:
-                logp = gather_logprobs(self._logits(self.engine, batch), batch["ids"])
+                logp = gather_logprobs(
+                    self._logits(self.engine, batch), batch["ids"], temperature=self.temperature
+                )
                 if k < len(batches):
                     prox.append(logp)
             if ref is not None and k < len(batches):
-                ref.append(gather_logprobs(self._logits(self.reference, batch), batch["ids"]))
+                ref_logits = self._logits(self.reference, batch)
+                ref.append(gather_logprobs(ref_logits, batch["ids"], temperature=self.temperature))
         return prox, ref
 
     def train_step(
@@ -270,7 +278,9 @@ class Trainer:
         # Only the last backward of the step may finish the gradient reduction.
         self.engine.set_gradient_accumulation_boundary(k == plan.n_chunks - 1)
         logits = self._logits(self.engine, batch)
-        logp, entropy = sequence_logprobs(logits, batch["ids"], entropy_grad=cfg.entropy_coef > 0)
+        logp, entropy = sequence_logprobs(
+            logits, batch["ids"], temperature=self.temperature, entropy_grad=cfg.entropy_coef > 0
+        )
         # DeepSpeed averages gradients over ranks; scaling by `world` turns that average back
         # into the sum, so the step's loss is normalised by the totals over all ranks.
         weights = (

@@ -8,6 +8,7 @@
     scoring.py   the sections about how a run is scored and watched (eval, judge, metrics)
     meta.py      how a field carries its documentation and constraints; ConfigError
     limits.py    what the config implies: the largest frame a socket must accept
+    trainable.py what sampling the learner can train on (the launcher and the learner check it)
 
 Everything a role needs is re-exported here: `from millstream.shared.config import Config`.
 """

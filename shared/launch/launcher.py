@@ -116,6 +116,7 @@ def prepare(cfg_path: str | None, overrides: list[str]) -> Plan:
         return plan
     preflight.check_run_dir(run_dir, resuming=resume is not None)
     preflight.check_actor(cfg)
+    preflight.check_sampling(cfg)
     preflight.check_bind_addresses(cfg)
     if cfg.launcher.kind == "ray":
         from millstream.shared.launch.ray.cluster import check_cluster  # ray is an optional dependency

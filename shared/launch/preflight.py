@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 from millstream.shared.config import Config, ConfigError, dump_config
+from millstream.shared.config.trainable import sampling_problem
 from millstream.shared.process.allocator import check_allocator
 from millstream.shared.process.cpus import check_cpus
 from millstream.shared.process.gpus import check_gpus, gpu_plan, shared_gpus, weights_share_gpu
@@ -113,6 +114,13 @@ def check_bind_addresses(cfg: Config) -> None:
         problem = bind_problem(host.strip("[]"), int(port))
         if problem:
             raise ConfigError(f"{key} = {address!r}: {problem}; choose another port, or port 0 (a free one)")
+
+
+def check_sampling(cfg: Config) -> None:
+    """Sampling the learner could not train on (shared/config/trainable.py)."""
+    problem = sampling_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
 
 
 def check_roles(cfg: Config) -> None:
