@@ -109,12 +109,15 @@ class VllmWeights:
         self.rpc_timeout_s = rpc_timeout_s
         self.on_stuck = on_stuck
         self.stuck = False
-        #: True from the pause to the resume of a load: no output is due from the engine then.
-        self.loading = False
+        #: Weight calls into the engine under way, and loads from pause to resume: the engine
+        #: owes no output meanwhile (a join holds the workers until the group forms; a load
+        #: pauses generation), and each has its own deadline (`_call`).
+        self.holds = 0
 
     async def _call(self, what: str, timeout_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
         """`engine.<method>(*args, **kwargs)`, given twice `timeout_s` (at least MARGIN_S more)."""
         limit_s = timeout_s + max(self.MARGIN_S, timeout_s)
+        self.holds += 1
         try:
             with anyio.fail_after(limit_s):
                 return await getattr(self.engine, method)(*args, **kwargs)
@@ -123,6 +126,8 @@ class VllmWeights:
             stuck = EngineStuck(f"the engine's {what} did not return in {limit_s:.0f}s")
             self.on_stuck(stuck)
             raise stuck from None
+        finally:
+            self.holds -= 1
 
     async def _rpc(self, name: str, timeout_s: float, *args: Any) -> list[Any]:
         return await self._call(name, timeout_s, "collective_rpc", name, timeout=timeout_s, args=args)
@@ -158,7 +163,7 @@ class VllmWeights:
 
     async def load(self, msg: WeightUpdate) -> None:
         timeout_s = self.rpc_timeout_s
-        self.loading = True
+        self.holds += 1
         try:
             await self._call("pause", timeout_s, "pause_generation", mode="keep", clear_cache=True)
             try:
@@ -169,7 +174,7 @@ class VllmWeights:
                     with anyio.CancelScope(shield=True):
                         await self._call("resume", timeout_s, "resume_generation")
         finally:
-            self.loading = False
+            self.holds -= 1
 
 
 class ActorServer:
@@ -248,19 +253,17 @@ class ActorServer:
         scope.cancel()
 
     def _stalled(self) -> EngineStuck | None:
-        """A wedged engine, seen from its requests: requests are live, no weight
-        load holds them, and no output has come for `stall_timeout_s`.
+        """A wedged engine, seen from its requests: requests are live, no weight call holds
+        the engine (`VllmWeights.holds`), and no tokens have come for `stall_timeout_s`.
 
-        vLLM bounds one step of its worker processes (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS) and
-        dies past it, which `engine.errored` sees; a single-process engine (one GPU, no tensor
-        parallelism) runs its step inside the EngineCore, where nothing bounds it. A working
-        engine hands over some output at least every `stream_interval` steps, so a long quiet
-        with requests live is a step that never ends or an EngineCore that no longer steps.
-        An idle engine owes nothing: the clock starts again whenever nothing is live. (A request
-        task held up by a full send queue reads no outputs meanwhile; that wait ends within a
-        minute, `Channel.send`.)"""
+        vLLM bounds a step of its worker processes (and dies past it: `engine.errored`), not
+        one run inside a single-process engine (one GPU). A working engine hands over tokens
+        at least every `stream_interval` steps; an idle one owes nothing. An abort's final
+        output is made by vLLM's front end, so it has no tokens and does not count: clients
+        aborting what times out would keep a dead engine looking alive. A request held up by
+        a full send queue reads nothing for up to a minute (`Channel.send`): hence the floor."""
         now = time.monotonic()
-        if not self._live or self.weights.loading:
+        if not self._live or self.weights.holds:
             self._output_at = now
             return None
         quiet_s = now - self._output_at
@@ -352,9 +355,10 @@ class ActorServer:
             sampling_params(req, self.stream_interval),
             key,
         ):
-            self._output_at = time.monotonic()
             comp = out.outputs[0]
             ids = list(comp.token_ids)
+            if ids:  # the engine stepped (`_stalled`: an abort's empty output is no sign of it)
+                self._output_at = time.monotonic()
             logprobs = [step[tok].logprob for step, tok in zip(comp.logprobs or (), ids)]
             if len(logprobs) != len(ids):
                 raise RuntimeError(f"engine returned {len(ids)} tokens, {len(logprobs)} logprobs")

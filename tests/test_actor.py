@@ -15,7 +15,7 @@ from millstream.envpool.actors.client import GenerationFailed
 from millstream.envpool.actors.generation import Sampling
 from millstream.learner.sync.weights import WeightSender, WeightSyncError
 from millstream.shared.config import LearnerConfig
-from millstream.shared.wire import Codec, GenerateRequest, TokenDelta
+from millstream.shared.wire import Abort, Codec, GenerateRequest, TokenDelta
 
 PROMPT = [1, 367, 201, 316, 276, 223, 19, 20, 425, 2, 201, 1, 366, 201]
 
@@ -278,30 +278,41 @@ def test_an_engine_call_that_never_returns_stops_the_actor(monkeypatch):
             await weights.load(update)
 
     anyio.run(exchanges, backend="asyncio")  # the actor's loop is asyncio
+    assert weights.holds == 0  # a wedged call no longer holds the stall watch off
     assert [type(exc) for exc in told] == [EngineStuck, EngineStuck]
     assert engine.resumed == 0  # not asked to resume (it would not): the actor is stopping
 
 
 class ScriptedEngine:
     """A stand-in engine (the actor's watchdog is under test, not vLLM): each request gets one
-    output per entry of `gaps`, that many seconds apart, the last one final; with `hang`, the
-    engine goes quiet for good after them, an EngineCore that no longer steps. `while_loading`
-    marks the gaps spent inside a weight load's pause (no output is due then)."""
+    output per entry of `gaps`, that many seconds apart, the last one final. With `hang`, the
+    engine goes quiet for good after them, an EngineCore that no longer steps; an abort then
+    ends the request with vLLM's empty final output. `holds` maps a gap to a weight call the
+    request makes through the actor's real `VllmWeights` ("load" or "join"), whose engine side
+    takes that gap's time while no output comes."""
 
     errored = False
     dead_error = None
 
-    def __init__(self, gaps: list[float], *, hang: bool = False, while_loading: tuple[int, ...] = ()) -> None:
-        self.gaps, self.hang, self.while_loading = gaps, hang, while_loading
-        self.server: Any = None  # set once the server exists: a load's pause is the server's flag
+    def __init__(self, gaps: list[float], *, hang: bool = False, holds: dict[int, str] | None = None) -> None:
+        self.gaps, self.hang, self.holds = gaps, hang, holds or {}
+        self.call_s = 0.0
+        self.server: Any = None  # set once the server exists
+        self.aborted: dict[str, anyio.Event] = {}
 
     async def generate(self, prompt, params, key):
         from types import SimpleNamespace
 
+        from millstream.shared.wire import AttachLearner, TensorSpec, WeightUpdate
+
         for i, gap in enumerate(self.gaps):
-            self.server.weights.loading = i in self.while_loading
-            await anyio.sleep(gap)
-            self.server.weights.loading = False
+            self.call_s = gap
+            if self.holds.get(i) == "load":
+                await self.server.weights.load(WeightUpdate("s", 1, "float32", 4, [TensorSpec("w", [4], 0)]))
+            elif self.holds.get(i) == "join":
+                await self.server.weights.join(AttachLearner("s", "127.0.0.1", 1, 2, "gloo", 10.0))
+            else:
+                await anyio.sleep(gap)
             last = i == len(self.gaps) - 1 and not self.hang
             step = {7: SimpleNamespace(logprob=-0.5, rank=1)}
             completion = SimpleNamespace(
@@ -309,16 +320,36 @@ class ScriptedEngine:
             )
             yield SimpleNamespace(outputs=[completion], finished=last)
         if self.hang:
-            await anyio.sleep_forever()
+            await self.aborted.setdefault(key, anyio.Event()).wait()
+            ended = SimpleNamespace(token_ids=[], logprobs=[], finish_reason="abort")
+            yield SimpleNamespace(outputs=[ended], finished=True)  # made by vLLM's front end
 
     async def abort(self, key) -> None:
+        self.aborted.setdefault(key, anyio.Event()).set()
+
+    async def pause_generation(self, **kwargs) -> None:
         return None
 
+    async def resume_generation(self) -> None:
+        return None
 
-def serve_scripted(monkeypatch, engine: ScriptedEngine, requests: list[float], run_s: float, stall_s: float):
+    async def collective_rpc(self, name, timeout=None, args=()):
+        await anyio.sleep(self.call_s)  # the workers' side of a join or a load
+        return [1]
+
+
+def serve_scripted(
+    monkeypatch,
+    engine: ScriptedEngine,
+    requests: list[float],
+    run_s: float,
+    stall_s: float,
+    abort_s: float = 0,
+):
     """Serve `engine` behind a real ROUTER for `run_s` s (or until the actor stops), sending one
-    request at each of `requests` (seconds from the start); returns the server, the error
-    `serve` ended with (None if it served on), and every message the client got."""
+    request at each of `requests` (seconds from the start), each aborted `abort_s` later if set,
+    as the envpool aborts a turn past its timeout; returns the server, the error `serve` ended
+    with (None if it served on), and every message the client got."""
     from millstream.actor import server as server_module
     from millstream.shared.config import TransportConfig
     from millstream.shared.wire.transport import open_channel
@@ -345,6 +376,9 @@ def serve_scripted(monkeypatch, engine: ScriptedEngine, requests: list[float], r
         for n, at in enumerate(requests):
             await anyio.sleep(max(0.0, start + at - anyio.current_time()))
             sock.send(Codec().encode([GenerateRequest(f"r{n}", PROMPT, max_tokens=8)]))
+            if abort_s:
+                await anyio.sleep(abort_s)
+                sock.send(Codec().encode([Abort(f"r{n}")]))
         await anyio.sleep_forever()
 
     async def body() -> None:
@@ -369,7 +403,7 @@ def serve_scripted(monkeypatch, engine: ScriptedEngine, requests: list[float], r
 def test_an_engine_that_stops_handing_over_output_stops_the_actor(monkeypatch):
     """A single-process engine (one GPU) runs its steps inside the EngineCore, where vLLM bounds
     nothing: one that stops stepping used to leave the actor serving nothing for good, its
-    clients timing out turn after turn. With requests live and no output for
+    clients timing out turn after turn. With requests live and no tokens for
     `actor.stall_timeout_s`, the actor now stops as wedged, and its launcher starts it again."""
     engine = ScriptedEngine([0.05, 0.05], hang=True)
     server, ended, got = serve_scripted(monkeypatch, engine, requests=[0.0], run_s=15.0, stall_s=0.5)
@@ -378,17 +412,30 @@ def test_an_engine_that_stops_handing_over_output_stops_the_actor(monkeypatch):
     assert [len(m.token_ids) for m in got if isinstance(m, TokenDelta)] == [1, 1]  # what it made, sent
 
 
-def test_a_slow_idle_or_loading_engine_is_not_taken_for_wedged(monkeypatch):
-    """Quiet is wedged only while requests are live and no weight load holds them: an engine
-    idle for longer than the bound (before and after its requests), one slower than the bound
-    in total but never quiet for it, and one paused for a load longer than the bound all serve
-    on and finish their requests."""
-    gaps = [0.25] * 6 + [1.2]  # 2.7 s of output 0.25 s apart, then a load's pause of 1.2 s
-    engine = ScriptedEngine(gaps, while_loading=(len(gaps) - 1,))
-    server, ended, got = serve_scripted(monkeypatch, engine, requests=[1.2], run_s=5.5, stall_s=0.6)
+def test_aborts_do_not_keep_a_wedged_engine_looking_alive(monkeypatch):
+    """The envpool aborts a turn past its timeout, and vLLM's front end ends an aborted request
+    with an empty output of its own, engine or no engine: counted as output, a request aborted
+    and sent again more often than the bound kept the stalled engine "alive" for good."""
+    engine = ScriptedEngine([], hang=True)  # no step at all: no request gets a token
+    requests = [0.4 * n for n in range(30)]  # a new one every 0.4 s, each aborted after 0.3 s
+    _server, ended, got = serve_scripted(monkeypatch, engine, requests, run_s=12.0, stall_s=0.8, abort_s=0.3)
+    assert ended is not None and "is wedged" in str(ended), ended
+    assert any(isinstance(m, TokenDelta) and m.finish_reason == "abort" for m in got)  # aborts did come
+
+
+def test_a_slow_idle_joining_or_loading_engine_is_not_taken_for_wedged(monkeypatch):
+    """Quiet is wedged only while requests are live and no weight call holds the engine: an
+    engine idle for longer than the bound (before and after its requests), one slower than the
+    bound in total but never quiet for it, one whose workers wait to join a weight group and
+    one paused for a load, each longer than the bound, all serve on and finish their requests;
+    the holds are the actor's own `VllmWeights` calls, and end with them."""
+    gaps = [0.25] * 4 + [1.2, 0.25, 1.2]  # output 0.25 s apart, a 1.2 s join, a 1.2 s load
+    engine = ScriptedEngine(gaps, holds={4: "join", 6: "load"})
+    server, ended, got = serve_scripted(monkeypatch, engine, requests=[1.2], run_s=6.0, stall_s=0.6)
     assert ended is None and server.dead is None
     finals = [m for m in got if isinstance(m, TokenDelta) and m.finish_reason]
     assert [m.finish_reason for m in finals] == ["length"] and server._live == set()
+    assert server.weights.holds == 0
 
 
 def test_delta_labels_are_never_newer_than_the_weights():

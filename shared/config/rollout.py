@@ -180,8 +180,10 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "weight load's pause aside) before the actor counts it as wedged and stops, so "
             "that the launcher starts it again. vLLM bounds a step of its worker processes "
             "(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s), not one run inside a single-process "
-            "engine (one GPU); keep this above the longest step (a whole prompt's prefill).",
-            gt=0,
+            "engine (one GPU); keep this above the longest step (a whole prompt's prefill). At "
+            "least a minute: a request held up sending to a slow client reads no output for up "
+            "to that long.",
+            ge=60,
         ),
     ] = 300.0
     kind: Annotated[
