@@ -157,7 +157,17 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     lora_alpha: Annotated[
         float, _doc("LoRA alpha: the adapter's update is scaled by alpha / rank.", gt=0)
     ] = 16.0
-    lora_dropout: Annotated[float, _doc("Dropout on the LoRA adapters' input.", ge=0, lt=1)] = 0.0
+    lora_dropout: Annotated[
+        float,
+        _doc(
+            "Dropout on the LoRA adapters' input. Above 0, the training pass computes pi_theta "
+            "under dropout while the actor sampled (and the decoupled proximal pass scored) "
+            "without it: every ratio carries that noise (decoupled: r is no longer 1 in the "
+            "step). 0 keeps them exact.",
+            ge=0,
+            lt=1,
+        ),
+    ] = 0.0
     lora_target_modules: Annotated[
         list[str],
         _doc(
