@@ -113,6 +113,8 @@ class ReplayBuffer:
         #: Episodes refused on arrival, by reason (all counted in dropped["invalid_trajectory"]).
         self.refused: dict[str, int] = {}
         self._last_staleness: list[int] = []
+        #: Groups `take_batch`'s `keep` dropped since one passed (the learner's no-signal warning).
+        self.rejected_in_a_row = 0
 
     # --- arrivals --------------------------------------------------------------------------
 
@@ -271,10 +273,30 @@ class ReplayBuffer:
 
     # --- departures ------------------------------------------------------------------------
 
-    def take_batch(self, version: int, count: int | None = None) -> list[Group] | None:
+    def take_batch(
+        self,
+        version: int,
+        count: int | None = None,
+        *,
+        keep: Callable[[Group], bool] | None = None,
+        cause: DropCause = DropCause.FILTERED_ZERO_STD,
+    ) -> list[Group] | None:
         """Drops stale groups, then returns the `count` (default `groups_per_batch`) oldest
-        complete ones, or None if fewer are complete."""
+        complete ones, or None if fewer are complete.
+
+        `keep`, a test of one group on its own (`zero_std`: a reward spread), drops the complete
+        groups that fail it first, counted under `cause`: the batch is then `count` groups that
+        pass, and fewer wait in the buffer for more (DAPO's dynamic sampling) instead of making
+        a smaller step. Waiting does not age them: the version moves only with a step."""
         count = self.groups_per_batch if count is None else count
+        if keep is not None:
+            for gid, done in list(self._complete.items()):
+                if keep(done):
+                    self.rejected_in_a_row = 0
+                else:
+                    self.rejected_in_a_row += 1
+                    del self._complete[gid]
+                    self._drop_group(gid, done.trajectories, cause)
         for gid, done in list(self._complete.items()):
             if version - done.oldest_version > self.max_staleness:
                 del self._complete[gid]

@@ -67,6 +67,60 @@ def check_invariant(buf: ReplayBuffer) -> dict:
     return s
 
 
+def test_a_per_group_filter_fills_the_batch_with_groups_that_pass():
+    """zero_std (DAPO's dynamic sampling): a group without a reward spread is dropped as it
+    completes, counted under its cause, and the batch waits for `groups_per_batch` groups with
+    one. It used to take a batch's worth of groups and step on whatever of them passed."""
+    from millstream.learner.train.advantages import has_reward_spread
+
+    buf = buffer(group_size=2, groups_per_batch=2)
+
+    def complete(gid: str, rewards: list[float]) -> None:
+        for r in rewards:
+            buf.add(traj(gid, reward=r, group_size=2))
+
+    complete("g0", [1.0, 1.0])
+    complete("g1", [0.0, 1.0])
+    assert buf.take_batch(0, keep=has_reward_spread) is None  # g0 dropped; g1 waits for a second
+    s = check_invariant(buf)
+    assert s["dropped"] == {"filtered_zero_std": 2} and groups(s) == (1, 0, 1)
+    complete("g2", [0.5, 0.5])
+    complete("g3", [0.5, 0.5])
+    assert buf.take_batch(0, keep=has_reward_spread) is None and buf.rejected_in_a_row == 2
+    complete("g4", [1.0, 0.0])
+    batch = buf.take_batch(0, keep=has_reward_spread)
+    assert [g.group_id for g in batch] == ["g1", "g4"] and buf.rejected_in_a_row == 0
+    s = check_invariant(buf)
+    assert s["trained"] == 4 and s["dropped"] == {"filtered_zero_std": 6} and s["dropped_groups"] == 3
+
+
+def test_the_learner_s_batch_is_whole_under_either_filter():
+    """learner/loop/batches.py: zero_std's batch is groups_per_batch groups with a spread (the
+    buffer drops the others as they complete); starpo_s takes more candidates and drops the
+    lowest-ranked. Both count what they drop; neither steps on fewer groups than a batch."""
+    from millstream.learner.loop.batches import take_batch
+    from millstream.learner.loop.report import StepReport
+    from millstream.shared.config import load_config
+
+    for mode, extra in (("zero_std", []), ("starpo_s", ["learner.starpo_keep=0.5"])):
+        cfg = load_config(
+            None, ["train.groups_per_batch=2", "train.group_size=2", f"learner.group_filter={mode}", *extra]
+        )
+        buf = buffer(group_size=2, groups_per_batch=2)
+        report = StepReport(cfg, metrics=None)
+        rewards = {"g0": [1.0, 1.0], "g1": [0.0, 1.0], "g2": [0.0, 0.5], "g3": [0.2, 0.2], "g4": [1.0, 0.0]}
+        batches = []
+        for gid, pair in rewards.items():
+            for r in pair:
+                buf.add(traj(gid, reward=r, group_size=2))
+            batches.append([g.group_id for g in take_batch(buf, cfg, report, version=0)])
+        s = check_invariant(buf)
+        if mode == "zero_std":
+            assert batches == [[], [], ["g1", "g2"], [], []] and s["dropped"] == {"filtered_zero_std": 4}
+        else:  # 4 candidates, the 2 with the highest std kept (ties: the older)
+            assert batches == [[], [], [], ["g1", "g2"], []] and s["dropped"] == {"filtered_starpo_s": 4}
+
+
 def test_partial_group_is_not_returned_then_completes():
     buf = buffer(group_size=3)
     buf.add(traj("g", group_size=3))

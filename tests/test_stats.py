@@ -76,3 +76,31 @@ def test_the_pace_is_measured_over_recent_steps_and_a_resume_keeps_the_runs_cloc
     )
     assert elapsed_before(tmp_path, 4) == 120.5 and elapsed_before(tmp_path, 5) == 0.0
     assert elapsed_before(tmp_path / "nowhere", 4) == 0.0
+
+
+def test_a_batch_s_worth_of_groups_without_signal_in_a_row_is_said(capsys):
+    """zero_std drops groups without a spread in the buffer, so no batch ever comes when none has
+    one: each groups_per_batch of them in a row counts as a batch without signal, and the
+    third in a row is said on standard output (then every tenth), as before the filter moved."""
+    from millstream.learner.loop.report import StepReport
+    from millstream.shared.config import load_config
+
+    class Recorded:
+        def __init__(self) -> None:
+            self.records: list[dict] = []
+
+        def write(self, record: dict) -> None:
+            self.records.append(record)
+
+    metrics = Recorded()
+    report = StepReport(
+        load_config(None, ["train.groups_per_batch=2", "learner.group_filter=zero_std"]), metrics=metrics
+    )
+    for step, in_a_row in enumerate((1, 2, 3, 5, 0, 2, 4, 6)):  # a group with a spread at the 0
+        report.rejected_in_a_row(in_a_row, step=step)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("NO SIGNAL")]
+    assert said == [
+        "NO SIGNAL: 3 batches in a row had equal rewards in every group (all dropped by "
+        "learner.group_filter=zero_std); no step was taken"
+    ]
+    assert [(r["step"], r["batches"]) for r in metrics.records] == [(7, 3)]  # the streak began anew

@@ -37,6 +37,7 @@ from millstream.learner.episodes.records import EpisodeRecords
 from millstream.learner.episodes.validate import EpisodeCheck, vocab_size
 from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.evals import EvalLog
+from millstream.learner.loop.batches import take_batch
 from millstream.learner.loop.finish import close_run, final_wait_s, write_summary
 from millstream.learner.loop.report import StepReport, elapsed_before
 from millstream.learner.loop.saving import Saver
@@ -46,14 +47,13 @@ from millstream.learner.replay import Group, ReplayBuffer
 from millstream.learner.stats import batch_metrics, buffer_metrics
 from millstream.learner.sync.fleet import Fleet
 from millstream.learner.team import Team
-from millstream.learner.train.advantages import compute_advantages, filter_groups, filter_pool_size
+from millstream.learner.train.advantages import compute_advantages
 from millstream.learner.train.batching import train_samples
 from millstream.learner.train.trainer import Trainer
 from millstream.shared.config import Config
 from millstream.shared.obs.dashboards import open_metrics
 from millstream.shared.process.runtime import resolve_model_dir, write_ready
 from millstream.shared.wire import (
-    DropCause,
     EvalResult,
     Message,
     ReplicaJoin,
@@ -68,9 +68,6 @@ from millstream.shared.wire.keys import RunKeys
 __all__ = ["Leader"]
 
 log = logging.getLogger("learner")
-
-#: The drop cause of groups each group filter removes.
-FILTER_CAUSE = {"zero_std": DropCause.FILTERED_ZERO_STD, "starpo_s": DropCause.FILTERED_STARPO_S}
 
 
 class Leader:
@@ -275,7 +272,7 @@ class Leader:
         if self.greeting_until is not None:
             return False
         version = self.trainer.version
-        batch = self._take_batch(version)
+        batch = take_batch(self.buffer, self.cfg, self.report, version)
         if not batch:
             return False
         scored = self._score(batch)
@@ -301,21 +298,6 @@ class Leader:
         if every and self.trainer.version % every == 0 and self.trainer.version < self.cfg.train.steps:
             self._save()
         return True
-
-    def _take_batch(self, version: int) -> list[Group]:
-        """The next batch of complete, fresh-enough groups that pass the group filter."""
-        cfg = self.cfg
-        candidates = self.buffer.take_batch(
-            version, count=filter_pool_size(cfg.learner, cfg.train.groups_per_batch)
-        )
-        if candidates is None:
-            return []
-        batch, rejected = filter_groups(candidates, cfg.learner)
-        if rejected:
-            self.buffer.discard(rejected, FILTER_CAUSE[cfg.learner.group_filter])
-        if not batch:
-            self.report.no_batch(self.trainer.version)
-        return batch
 
     def _score(self, batch: list[Group]) -> list[tuple[Trajectory, list[float]]]:
         """Every trajectory of the batch with its per-token advantages."""

@@ -38,6 +38,7 @@ class StepReport:
         self.cfg, self.metrics = cfg, metrics
         self.collapse = CollapseWatch()
         self.no_signal = NoSignalWatch()
+        self._rejected_batches = 0  # batches' worth of groups zero_std dropped in a row, reported
         self.recent: deque[tuple[int, float]] = deque(maxlen=PACE_WINDOW + 1)  # (step, elapsed_s)
 
     def pace(self, step: int, elapsed_s: float) -> float | None:
@@ -66,6 +67,17 @@ class StepReport:
             self.metrics.write({"event": "collapse_warning", "step": step, **warning})
         pace = self.pace(step, record["perf/elapsed_s"])
         say(progress_line(record, self.cfg.train.steps, self.no_signal.after, steps_per_min=pace))
+
+    def rejected_in_a_row(self, groups: int, step: int) -> None:
+        """zero_std drops groups without a reward spread in the buffer (the batch waits for
+        groups_per_batch with one): each groups_per_batch of them in a row, with none that had
+        a spread, is a batch without signal (`no_batch`)."""
+        batches = groups // self.cfg.train.groups_per_batch
+        if batches < self._rejected_batches:  # a group with a spread came: a new streak
+            self._rejected_batches = self.no_signal.streak = 0
+        while self._rejected_batches < batches:
+            self._rejected_batches += 1
+            self.no_batch(step)
 
     def no_batch(self, step: int) -> None:
         """The group filter dropped a whole batch (no group had a reward spread): no step, so no

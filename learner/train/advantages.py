@@ -74,6 +74,7 @@ __all__ = [
     "discounted_returns",
     "compute_advantages",
     "filter_groups",
+    "has_reward_spread",
     "filter_pool_size",
 ]
 
@@ -187,8 +188,8 @@ def filter_groups(groups: list[Group], cfg: LearnerConfig) -> tuple[list[Group],
         return list(groups), []
     if mode == "zero_std":
         # Exact equality, the same test that gives an all-equal group zero advantages.
-        kept = [g for g in groups if _spread(g)]
-        return kept, [g for g in groups if not _spread(g)]
+        kept = [g for g in groups if has_reward_spread(g)]
+        return kept, [g for g in groups if not has_reward_spread(g)]
     if mode == "starpo_s":
         if not groups:
             return [], []
@@ -207,7 +208,8 @@ def filter_pool_size(cfg: LearnerConfig, groups_per_batch: int) -> int:
     """Complete groups to take as filter candidates: ceil(groups_per_batch / starpo_keep) for
     starpo_s (then `filter_groups` keeps at least `groups_per_batch`), else groups_per_batch.
 
-    zero_std cannot know its rejections in advance; the learner takes more when it needs them.
+    zero_std tests each group on its own, so the buffer drops what fails it before the batch is
+    counted (`ReplayBuffer.take_batch(keep=has_reward_spread)`): groups_per_batch pass.
     """
     if cfg.group_filter != "starpo_s":
         return groups_per_batch
@@ -241,7 +243,9 @@ def _std(values: Sequence[float]) -> float:
     return math.sqrt(math.fsum((v - mean) ** 2 for v in values) / n)
 
 
-def _spread(group: Group) -> bool:
+def has_reward_spread(group: Group) -> bool:
+    """Whether the group's rewards are not all equal (`zero_std` keeps these: the others have
+    zero advantages everywhere, and carry no gradient)."""
     rewards = [t.reward for t in group.trajectories]
     return bool(rewards) and max(rewards) != min(rewards)
 
