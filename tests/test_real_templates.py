@@ -295,3 +295,126 @@ def test_a_spliced_next_prompt_is_the_rendered_one(families, family):
     assert (splice is not None) == (family in SPLICED), family
     if splice is not None:  # the fixed text's ids are encoded once, on both sides of the content
         assert splice[0] and splice[3], family
+
+
+# --- turn boundaries as a render tokenizes them -------------------------------------------------
+
+
+def write_sentencepiece_family(out: Path, family: str) -> Path:
+    """`family`'s template and special tokens on a small SentencePiece-style tokenizer (Metaspace,
+    a space prefixed to the start of a text, as Llama 2, Mistral and Phi-3 tokenizers do)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    corpus = [
+        "Hi there. Sure, again and again.\n",
+        "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 \n\t.,!?<>|[]/_-",
+    ]
+    tok.train_from_iterator(corpus * 20, trainers.BpeTrainer(vocab_size=200, initial_alphabet=list("▁\n\t")))
+    special, _plain, changes, _ = FAMILIES[family]
+    tok.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t in [*special, "<|endoftext|>"]]
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", **changes})
+    )
+    (out / "chat_template.jinja").write_text((REAL / f"{family}.jinja").read_text())
+    return out
+
+
+def rstrip_family(tiny_dir: str, out: Path, family: str) -> Path:
+    """`family` on the tiny tokenizer, its special tokens stripping whitespace on their right."""
+    path = write_family(tiny_dir, out, family)
+    spec = json.loads((path / "tokenizer.json").read_text())
+    for token in spec["added_tokens"]:
+        token["rstrip"] = token["content"] in FAMILIES[family][0]
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
+@pytest.mark.parametrize(
+    "family, tokenizer",
+    [(f, "sentencepiece") for f in ("phi3.5", "gemma3", "mistral-v0.3", "llama3.1", "qwen2.5")]
+    + [("phi3.5", "rstrip")],
+)
+def test_the_next_turn_is_tokenized_behind_the_end_of_turn_token(tiny_model_dir, tmp_path, family, tokenizer):
+    """The text after an end-of-turn token was encoded alone: a SentencePiece tokenizer then
+    takes it for the start of a text and prefixes a space (`<|end|> ▁\\n <|user|>` where the
+    render has `<|end|> \\n <|user|>`), and a token that strips the whitespace on its right left
+    it in. Every turn of such a model's episodes started off the template, unseen."""
+    from transformers import AutoTokenizer
+
+    if tokenizer == "sentencepiece":
+        path = write_sentencepiece_family(tmp_path / family, family)
+    else:
+        path = rstrip_family(tiny_model_dir, tmp_path / family, family)
+    chat, hf = ChatFormat.from_model_dir(path), AutoTokenizer.from_pretrained(str(path))
+    messages = [{"role": "user", "content": "Hi there"}]
+    context = chat.first_prompt("", "Hi there")
+    for reply, then in (("Sure.", "Again"), ("Sure, again.", "Hi")):
+        messages.append({"role": "assistant", "content": reply})
+        closed = list(hf.apply_chat_template(messages, return_dict=False))  # the reply as a render has it
+        ids = closed[len(context) : closed.index(chat.eos_id, len(context)) + 1]
+        context += ids + chat.close_turn(ids) + chat.next_prompt(then)
+        messages.append({"role": "user", "content": then})
+        expected = list(hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+        if chat.rerenders is None and family != "llama3.1":  # Llama trims replies in history
+            assert context == expected, hf.convert_ids_to_tokens(context[-16:])
+        # Whatever the history, the last turn's ids are the render's own.
+        assert context[-len(chat.next_prompt(then)) :] == expected[-len(chat.next_prompt(then)) :]
+
+
+def test_a_reply_stopped_by_another_stop_token_is_closed_as_the_template_closes_it(families):
+    """A base model's `<|endoftext|>` stops a reply without closing the turn; the template closes
+    every assistant turn with the end-of-turn token, so it follows (untrained), and the context
+    after it is the template's. It used to count as closed: `...Hello<|endoftext|>\\n<|im_start|>`."""
+    chat, _ = families["qwen2.5"]
+    other = chat.tokenizer.token_to_id("<|endoftext|>")
+    assert other in chat.stop_token_ids and other != chat.eos_id
+    assert chat.close_turn(chat.encode("Hello") + [other]) == [chat.eos_id]
+    assert chat.close_turn(chat.encode("Hello") + [chat.eos_id]) == []
+    assert chat.close_turn(chat.encode("Hello")) == [chat.eos_id]  # cut by length
+
+
+def test_the_endpoint_splices_a_reply_where_the_template_closes_a_conversation_with_more(
+    families, tiny_model_dir, tmp_path
+):
+    """Phi-3.5's template ends a conversation that ends with an assistant turn with its
+    eos_token too (`<|end|>\\n<|endoftext|>`), which the next turn replaces: the splice asked the
+    whole render to start with that, never spliced, and re-tokenized every earlier reply into
+    a new segment. A reply sampled in pieces the tokenizer would not choose stays as sampled."""
+    import openai
+    from test_openai_endpoint import assert_recorded_as_sampled, play_scripted
+
+    from millstream.envpool.envs.agents.agent import AgentResult
+
+    path = write_family(tiny_model_dir, tmp_path / "phi3.5", "phi3.5")
+    chat = families["phi3.5"][0]
+    pieces = [t for ch in "Sunny." for t in chat.encode(ch)]  # not the tokenizer's own split
+    assert pieces != chat.encode("Sunny.")
+    replies = [
+        pieces + [chat.eos_id],
+        chat.encode("Rain.") + [chat.eos_id],
+        chat.encode("Ok.") + [chat.eos_id],
+    ]
+
+    class Agent:
+        async def run(self, seed, base_url, api_key):
+            messages = [{"role": "user", "content": "Weather?"}]
+            async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+                for question in ("Tomorrow?", "Thanks"):
+                    out = await client.chat.completions.create(model="m", messages=messages)
+                    messages += [
+                        out.choices[0].message.model_dump(exclude_none=True),
+                        {"role": "user", "content": question},
+                    ]
+                await client.chat.completions.create(model="m", messages=messages)
+            return AgentResult(1.0)
+
+    traj, client, _ = play_scripted(path, Agent(), replies, max_tokens=50)
+    assert traj.segment_starts == []  # one context, each call appended to it
+    assert_recorded_as_sampled(traj, client)

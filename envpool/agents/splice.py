@@ -80,14 +80,16 @@ class Splicer:
             )
         except Exception:  # the endpoint's own render reports the template's error
             return None
-        if not (upto.startswith(before) and whole.startswith(upto)):
+        at = upto.rfind(self.chat.eos_text, len(before))
+        if not upto.startswith(before) or at < 0:
             return None  # the template rewrites history here: render afresh
-        rendered_reply = upto[len(before) :]
-        at = rendered_reply.rfind(self.chat.eos_text)
-        if at < 0:
+        # Up to the reply's end-of-turn token: a conversation that ends with the reply may be
+        # closed by more (Phi-3.5 adds its eos_token there), which the next turn replaces.
+        closed = at + len(self.chat.eos_text)
+        if not whole.startswith(upto[:closed]):
             return None
-        tail = rendered_reply[at + len(self.chat.eos_text) :] + whole[len(upto) :]
-        return hit.prompt + hit.reply + self.chat.close_turn(hit.reply) + self.chat.encode(tail)
+        tail = whole[closed:]
+        return hit.prompt + hit.reply + self.chat.close_turn(hit.reply) + self.chat.encode_behind(tail)
 
 
 def _message_key(message: dict[str, Any]) -> bytes:

@@ -71,7 +71,9 @@ _VERBATIM_PROBES = (
 
 
 _Splice = tuple[list[int], str, str, list[int]]
-"""A turn's content spliced: (ids before, text before, text after, ids after) it."""
+"""A turn's content spliced: (ids before, text before, text after, ids after) it. The text
+before opens with the added token it follows in a render, whose id is dropped once encoded
+(`ChatFormat.encode_behind`)."""
 
 
 class ChatFormat:
@@ -235,12 +237,28 @@ class ChatFormat:
         return list(ids)  # callers may extend it
 
     def close_turn(self, response_ids: list[int]) -> list[int]:
-        """The end-of-turn token if the reply lacks it (cut by length); nothing otherwise.
+        """The end-of-turn token if the reply does not end with it; nothing otherwise.
 
-        It is not generated and carries no loss. The template's text after that token (ChatML:
-        a newline) comes with `next_prompt`, encoded together with the next turn.
+        A reply lacks it when it was cut by length, or stopped by another stop token (a base
+        model's `<|endoftext|>`), which stays in the context as sampled: the template closes an
+        assistant turn with the end-of-turn token whatever ended the reply. It is not generated
+        and carries no loss. The template's text after that token (ChatML: a newline) comes with
+        `next_prompt`, encoded together with the next turn.
         """
-        return [] if response_ids and response_ids[-1] in self.stop_token_ids else [self.eos_id]
+        return [] if response_ids and response_ids[-1] == self.eos_id else [self.eos_id]
+
+    def encode_behind(self, text: str, token: str | None = None) -> list[int]:
+        """The ids of `text` where it follows the added token `token` (default: the end-of-turn
+        token) in a render: encoded behind it, that token's id then dropped.
+
+        Encoded alone it may come out otherwise: a SentencePiece tokenizer takes it for the
+        start of a text and prefixes a space (`▁\n` where a render has `\n`), and a token that
+        strips whitespace on its right would leave that whitespace in."""
+        token = self.eos_text if token is None else token
+        ids = self.encode(token + text)
+        if not ids or ids[0] != self.tokenizer.token_to_id(token):
+            raise ChatTemplateError(f"{token!r} does not encode as one token before {text[:20]!r}")
+        return ids[1:]
 
     def next_prompt(
         self, observation: str, *, role: str = "user", tools: list[dict] | None = None
@@ -256,14 +274,14 @@ class ChatFormat:
         splice = self._verbatim(role) if tools is None else None
         if splice is not None:
             head, before, after, tail = splice
-            return head + self.encode(before + observation + after) + tail
+            return head + self.encode(before + observation + after)[1:] + tail
         after = self._after_reply(role, tools, observation)
         if not after.startswith(self.eos_text):
             raise ChatTemplateError(
                 f"chat template ({self.source}) ends an assistant turn before a {role!r} turn "
                 f"differently ({after[:20]!r}) than before a user turn ({self.eos_text!r})"
             )
-        return self.encode(after[len(self.eos_text) :])
+        return self.encode_behind(after[len(self.eos_text) :])
 
     def _verbatim(self, role: str) -> _Splice | None:
         """How to splice a `role` turn's content after a closed reply, when the template renders
@@ -293,15 +311,21 @@ class ChatFormat:
         holds the content is encoded per turn. Checked on the probes; if a tokenizer's tokens
         strip whitespace around them (or anything else joins across them), everything is
         encoded per turn instead."""
-        cut_before = max((before.rfind(t) + len(t) for t in self._added if t in before), default=0)
+        lead, at = max(
+            ((t, before.rfind(t)) for t in self._added if t in before),
+            key=lambda found: found[1] + len(found[0]),
+            default=(self.eos_text, -1),
+        )
+        cut_before = at + len(lead) if at >= 0 else 0
         cut_after = min((after.find(t) for t in self._added if t in after), default=len(after))
         head, rest_before = before[:cut_before], before[cut_before:]
         rest_after, tail = after[:cut_after], after[cut_after:]
-        pieces = (self.encode(head), rest_before, rest_after, self.encode(tail))
+        # Each stretch is encoded behind the added token it follows (`encode_behind`).
+        pieces = (self.encode_behind(head), lead + rest_before, rest_after, self.encode(tail))
         for text in (*_VERBATIM_PROBES, _PROBE_USER):
-            spliced = pieces[0] + self.encode(rest_before + text + rest_after) + pieces[3]
-            if spliced != self.encode(before + text + after):
-                return [], before, after, []
+            spliced = pieces[0] + self.encode(pieces[1] + text + rest_after)[1:] + pieces[3]
+            if spliced != self.encode_behind(before + text + after):
+                return [], self.eos_text + before, after, []
         return pieces
 
     def _after_reply(self, role: str, tools: list[dict] | None, observation: str) -> str:
