@@ -152,6 +152,24 @@ def test_the_intake_relabels_what_can_only_be_of_the_abandoned_timeline():
     assert intake.relabeled == 2 and buf.resent_duplicates == 1 and buf.duplicates == 0
 
 
+def test_a_group_of_the_session_before_is_relabeled_whatever_its_versions():
+    """After a resume at C, an episode running through the restart may hold tokens of the dead
+    learner's C+1.. made before this session's own C+1.. existed; once this session reaches
+    those numbers, nothing in the versions tells them apart, and they were trained as this
+    session's (past the staleness bound). A group numbered below the session's floor (admitted
+    by the session before) is relabeled whatever its versions; this session's groups are not."""
+    cfg = load_config(None, [f"train.group_size={GROUP_SIZE}"])
+    buf = ReplayBuffer(GROUP_SIZE, 1, 100, 16)
+    intake = Intake(cfg, buf, WorkerLedger(1, 0, GROUP_SIZE), EpisodeCheck(LearnerConfig(), 256), print)
+    intake.resumed_at, buf.floor = 5, 4  # g0..g3 were admitted before the restart
+    take = dict(sender=None, version=6, admitted=10, greeting=False)
+    intake.take(result("g0", 0, [6, 6]), **take)  # may be the dead learner's 6: 2C - 6 = 4
+    intake.take(result("g4", 0, [6, 6]), **take)  # admitted by this session, after its push of 5
+    assert buf._pending["g0"].trajectories[0].versions[2:] == [4, 4]
+    assert buf._pending["g4"].trajectories[0].versions[2:] == [6, 6]
+    assert intake.relabeled == 1
+
+
 class Learner:
     """The learner's intake, ledger and buffer, as rank 0 holds them; `restart` is a new session
     from a checkpoint's state (what learner/loop/leader.py does on `run.resume`)."""

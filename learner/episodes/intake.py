@@ -42,6 +42,7 @@ import msgspec
 from millstream.learner.episodes.validate import EpisodeCheck
 from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.replay import ReplayBuffer
+from millstream.learner.seen import number_of
 from millstream.shared.config import Config
 from millstream.shared.obs.ratelog import RateLog
 from millstream.shared.wire import (
@@ -160,7 +161,11 @@ class Intake:
         2C - v, so staleness (the policy's version minus the token's) is the distance from that
         policy to this session's along the tree, and the staleness bound decides (a label below
         -1 is such a distance too: only generated tokens' versions are read). Asked of held and
-        resent trajectories, and of any with a version past the learner's own (`_episode`)."""
+        resent trajectories, of any with a version past the learner's own, and of any of a
+        group admitted before this session (numbered below the buffer's floor), which may have
+        been played partly on the dead learner's weights after this session reached the same
+        version numbers: a version alone cannot tell the two apart, and this errs on the stale
+        side (`_episode`)."""
         base = self.resumed_at
         if base is None or max(traj.versions, default=-1) <= base:
             return traj
@@ -341,8 +346,12 @@ class Intake:
         origin: _Origin = _Origin(),
     ) -> None:
         trusted, relabeled = origin.trusted, False
-        if isinstance(message, Trajectory) and (trusted or max(message.versions, default=-1) > version):
-            moved = self.onto_this_timeline(message)  # (a version past ours is the dead learner's)
+        if isinstance(message, Trajectory) and (
+            trusted
+            or max(message.versions, default=-1) > version  # the dead learner's
+            or number_of(message.group_id) < self.buffer.floor  # may hold the dead learner's
+        ):
+            moved = self.onto_this_timeline(message)
             relabeled, message = moved is not message, moved
         found = self.check.problem(message, version=version, admitted=admitted, relabeled=relabeled)
         # Who sent it decides whether it is the run's (a refused forgery must not be remembered
