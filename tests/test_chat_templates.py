@@ -263,14 +263,18 @@ def test_named_templates_pick_tool_use_when_tools_are_given(formats, tmp_path):
     assert "get_weather" in chat.decode(chat.first_prompt("", "Weather in Oslo?", tools=[WEATHER]))
 
 
-def test_only_the_thinking_template_is_reported_as_re_rendering(formats):
+def test_templates_that_rewrite_replies_are_reported_as_re_rendering(formats):
+    """The thinking template drops earlier <think>; Llama 3's and Gemma's trim the whitespace
+    around an earlier reply (a reply the model ended with a newline renders without it)."""
     assert {family: formats[family][0].rerenders is not None for family in FAMILIES} == {
         "chatml_tools": False,
-        "llama3": False,
-        "gemma": False,
+        "llama3": True,
+        "gemma": True,
         "thinking": True,
     }
     assert "<think>" in formats["thinking"][0].rerenders
+    for family in ("llama3", "gemma"):
+        assert "a reply with whitespace around it differently" in formats[family][0].rerenders
 
 
 def test_a_re_rendering_template_keeps_the_sampled_tokens(formats):

@@ -211,7 +211,10 @@ def test_the_tool_call_format_is_read_from_the_real_template(families, family):
 def test_templates_that_rewrite_history_are_named_with_what_they_change(families):
     """The warning preflight logs (`ChatFormat.rerenders`) names the real cause per family."""
     rewriting = {f: chat.rerenders for f, (chat, _) in families.items() if chat.rerenders}
-    assert set(rewriting) == {"qwen3", "deepseek-r1", "mistral-v0.3", "mistral-nemo"}
+    trimming = {"llama3.1", "llama3.2", "gemma3", "command-r"}  # whitespace around a reply goes
+    assert set(rewriting) == {"qwen3", "deepseek-r1", "mistral-v0.3", "mistral-nemo", *trimming}
+    for family in trimming:
+        assert "a reply with whitespace around it differently" in rewriting[family]
     for family in ("mistral-v0.3", "mistral-nemo"):  # the system prompt moves, not the reply
         assert "moves the system prompt to the latest user turn" in rewriting[family]
     for family in ("qwen3", "deepseek-r1"):  # the earlier reply's <think> part changes
@@ -362,10 +365,7 @@ def test_the_next_turn_is_tokenized_behind_the_end_of_turn_token(tiny_model_dir,
         context += ids + chat.close_turn(ids) + chat.next_prompt(then)
         messages.append({"role": "user", "content": then})
         expected = list(hf.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
-        if chat.rerenders is None and family != "llama3.1":  # Llama trims replies in history
-            assert context == expected, hf.convert_ids_to_tokens(context[-16:])
-        # Whatever the history, the last turn's ids are the render's own.
-        assert context[-len(chat.next_prompt(then)) :] == expected[-len(chat.next_prompt(then)) :]
+        assert context == expected, hf.convert_ids_to_tokens(context[-16:])
 
 
 def test_a_reply_stopped_by_another_stop_token_is_closed_as_the_template_closes_it(families):
@@ -418,3 +418,17 @@ def test_the_endpoint_splices_a_reply_where_the_template_closes_a_conversation_w
     traj, client, _ = play_scripted(path, Agent(), replies, max_tokens=50)
     assert traj.segment_starts == []  # one context, each call appended to it
     assert_recorded_as_sampled(traj, client)
+
+
+def test_a_template_that_prints_the_date_is_rendered_afresh(families, monkeypatch):
+    """Llama 3.2's template prints today's date in its first prompt: a cached prompt would keep
+    the day it was made through a run that goes on past midnight."""
+    from millstream.envpool.chat import templates
+
+    chat, _ = families["llama3.2"]
+    monkeypatch.setitem(templates._ENV.globals, "strftime_now", lambda fmt: "28 Nov 2026")
+    before = chat.first_prompt("", "Hi")
+    monkeypatch.setitem(templates._ENV.globals, "strftime_now", lambda fmt: "29 Nov 2026")
+    after = chat.first_prompt("", "Hi")
+    assert "28 Nov 2026" in chat.decode(before) and "29 Nov 2026" in chat.decode(after)
+    assert families["qwen2.5"][0]._dated is False  # a template without a date keeps its cache

@@ -139,6 +139,9 @@ class ChatFormat:
         # The members of a group share their first prompt; rendering a template is the
         # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
         self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        # A template that prints today's date (Llama 3.2) renders afresh: a cached prompt would
+        # keep the day it was made through a run that lasts past midnight.
+        self._dated = "strftime_now" in self.template_text
         self._around: dict[str, _Splice | None] = {}  # `_verbatim`, by role
         #: The tokenizer's added tokens (special or not): it splits text at them first.
         self._added = [t.content for t in tokenizer.get_added_tokens_decoder().values()]
@@ -224,7 +227,7 @@ class ChatFormat:
         """The opening context: the system prompt (if any) and the first user turn."""
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": observation})
-        if tools is not None:
+        if tools is not None or self._dated:
             return self.apply(messages, tools=tools)
         key = (system, observation)
         ids = self._first.get(key)
@@ -355,10 +358,16 @@ class ChatFormat:
         """Why appending ids differs from a fresh render (a sentence), or None if it never does.
 
         Plays two rounds of a probe episode by appending, with and without a system turn, with
-        a plain reply and one holding <think>, and compares the text with a fresh render.
+        a plain reply, one holding <think> and one with whitespace around it, and compares the
+        text with a fresh render.
         """
         bridge = self._after_reply("user", None, _PROBE_USER)
-        for reply, what in ((_PROBE_ASSISTANT, "a plain reply"), (_PROBE_THINKING, "a reply with <think>")):
+        replies = (
+            (_PROBE_ASSISTANT, "a plain reply"),
+            (_PROBE_THINKING, "a reply with <think>"),
+            (f" {_PROBE_ASSISTANT}\n", "a reply with whitespace around it"),  # Llama 3, Gemma trim
+        )
+        for reply, what in replies:
             for system in ([{"role": "system", "content": _PROBE_SYSTEM}], []):
                 messages = [*system, {"role": "user", "content": _PROBE_USER}]
                 try:
