@@ -11,7 +11,9 @@ each one as a command, broadcast over the DeepSpeed world (gloo on CPU, NCCL on 
     ("train", samples)   every rank trains on its shard samples[rank::world]
     ("weights", None)    every rank walks `trainer.named_weights()` (ZeRO-3 gathers parameters
                          collectively), rank 0 broadcasts them to the actor
-    ("save", path)       every rank writes its part of the DeepSpeed checkpoint
+    ("save", extra)      every rank writes its part of the DeepSpeed checkpoint (`extra`: what
+                         rank 0 saves beside it, the run directory among it)
+    ("load", path)       every rank loads its part of the checkpoint at `path` (a resume)
     ("wait", None)       nothing: rank 0 is waiting (for experience), and says so now and then
     ("stop", None)       followers return
 

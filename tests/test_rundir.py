@@ -3,6 +3,7 @@ timeline's checkpoints, and which differences a resume refuses."""
 
 import msgspec
 import orjson
+import pytest
 
 from millstream.shared.config import load_config
 from millstream.shared.obs.metrics import MetricsWriter, read_jsonl
@@ -95,3 +96,30 @@ def test_a_resume_refuses_what_defines_the_experiment_and_allows_the_rest():
     refused, changed = resume_conflicts(before, after)
     assert refused == ["envpool.env: 'evenchars' -> 'echo'", "learner.lr: 0.004 -> 0.1"]
     assert changed == ["learner.micro_batch_size: 16 -> 4", "train.steps: 10 -> 20"]
+
+
+def test_a_resume_keeps_the_lora_adapters_it_trained():
+    """The adapters' rank and targets are the checkpoint's shapes (another fails inside the
+    learner's load, after every role started), and alpha / rank their scale (another changes
+    the policy at the resume without a word); all four are refused before anything starts."""
+    before = load_config(None, ["learner.lora_rank=4"])
+    for override in (
+        "learner.lora_rank=8",
+        "learner.lora_alpha=64.0",
+        "learner.lora_dropout=0.1",
+        "learner.lora_target_modules=['q_proj']",
+    ):
+        refused, _ = resume_conflicts(before, load_config(None, ["learner.lora_rank=4", override]))
+        assert [r.split(":")[0] for r in refused] == [override.split("=")[0]], refused
+
+
+def test_a_checkpoint_moved_aside_is_refused_with_the_reason(tmp_path):
+    from millstream.shared.config import ConfigError
+    from millstream.shared.store.rundir import STATE_FILE, plan_resume
+
+    aside = tmp_path / "run" / "checkpoints" / "rolled-back-step_000008"
+    aside.mkdir(parents=True)
+    (aside / STATE_FILE).write_bytes(b"")
+    (tmp_path / "run" / "config.toml").write_text("")
+    with pytest.raises(ConfigError, match="rolled-back-step_000008 is not a checkpoint a run wrote as it is"):
+        plan_resume(str(aside))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +100,10 @@ MUST_MATCH = (
     "learner.kl_coef",
     "learner.kl_estimator",
     "learner.entropy_coef",
+    "learner.lora_rank",  # the adapters' shapes and scale are the checkpoint's own
+    "learner.lora_alpha",
+    "learner.lora_dropout",
+    "learner.lora_target_modules",
     "learner.ranks",
     "learner.zero_stage",
     "run.seed",
@@ -162,6 +167,11 @@ def plan_resume(where: str) -> Resume:
         checkpoint = find_checkpoint(where)
     except FileNotFoundError as exc:
         raise ConfigError(f"run.resume = {where!r}: {exc}") from None
+    if not re.fullmatch(r"step_\d+", checkpoint.name):
+        raise ConfigError(
+            f"run.resume = {where!r}: {checkpoint.name} is not a checkpoint a run wrote as it is "
+            "(step_N); an earlier resume moved it aside"
+        )
     run_dir = checkpoint.parent.parent
     config = run_dir / "config.toml"
     if not config.is_file():
