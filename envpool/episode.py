@@ -31,6 +31,7 @@ than anything else it did.
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 
 import anyio
@@ -224,7 +225,10 @@ def _take_step(record: EpisodeRecord, result: StepResult) -> tuple[Observation, 
 
     Returns the next observation and whether the episode is done.
     """
-    record.rewards.append(float(result.reward))
+    reward = float(result.reward)
+    if not math.isfinite(reward):  # the environment's failure, never a score (a NaN mean in eval)
+        raise EnvFailure(Cause.ENV_ERROR, f"the environment's step returned the reward {reward}")
+    record.rewards.append(reward)
     record.invalid_actions += 0 if result.info.get("valid", True) else 1
     if "success" in result.info:
         record.success = bool(result.info["success"])

@@ -30,6 +30,7 @@ def eval_record(result: EvalResult) -> dict[str, Any]:
         "eval/reward_mean": result.reward_mean,
         "eval/success": result.success,
         f"eval/pass@{result.samples}": result.pass_at_k,
+        f"eval/pass@{result.samples}_problems": result.pass_at_k_problems,
         "eval/episodes": result.finished,
         "eval/problems": result.problems,
         "eval/duration_s": result.duration_s,

@@ -217,6 +217,10 @@ def trajectory(reward: float, versions: list[int]) -> Trajectory:
 
 
 def test_eval_summary_leaves_failures_out_of_means_and_counts_pass_at_k():
+    """Failures are left out problem by problem: pass@1 is the mean of each problem's share of
+    successes (a problem whose samples failed weighs as much as the others), and pass@k is over
+    the problems whose k samples all finished (problem 1, one sample short, was counted as
+    unsolved at pass@2 from a single try)."""
     failed = EpisodeFailed("e", "g", 2, Cause.ENV_ERROR, "x")
     outcomes = {
         (0, 0): (trajectory(1.0, [3, 4]), True),
@@ -228,8 +232,9 @@ def test_eval_summary_leaves_failures_out_of_means_and_counts_pass_at_k():
     }
     numbers = summarize(outcomes, problems=3, samples=2)
     assert numbers["finished"] == 3 and numbers["failed"] == {"env_error": 2, "episode_timeout": 1}
-    assert numbers["reward_mean"] == pytest.approx(1 / 3) and numbers["success"] == pytest.approx(1 / 3)
-    assert numbers["pass_at_k"] == 0.5  # problem 0 solved, problem 1 not; problem 2 had no episode
+    assert numbers["reward_mean"] == pytest.approx(1 / 3)
+    assert numbers["success"] == pytest.approx((1 / 2 + 0 / 1) / 2)  # problem 2 had no episode
+    assert numbers["pass_at_k"] == 1.0 and numbers["pass_at_k_problems"] == 1  # problem 0 only
     assert numbers["token_versions"] == [3, 5]
 
 

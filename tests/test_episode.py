@@ -349,6 +349,18 @@ def test_max_turns_and_done_are_told_apart(tiny_model_dir):
     assert whole.truncated is None and whole.num_turns == 2
 
 
+@pytest.mark.parametrize("reward", [float("nan"), float("inf")])
+def test_a_reward_that_is_not_a_number_fails_the_episode(tiny_model_dir, reward):
+    """A NaN or infinite reward is the environment's failure, counted as env_error: the learner
+    refused it in training, but evaluation took it into its means (a NaN reward_mean)."""
+    steps = [(Observation("", "s1"), reward, True, {})]
+    failed, _, _ = play_scripted(
+        tiny_model_dir, Scripted(Observation("Hi.", "s0"), steps), [[131, STOP]], max_tokens=4
+    )
+    assert isinstance(failed, EpisodeFailed) and failed.cause == Cause.ENV_ERROR
+    assert f"returned the reward {reward}" in failed.message
+
+
 def test_a_first_prompt_without_room_for_max_tokens_fails_before_any_request(tiny_model_dir):
     chat = ChatFormat.from_model_dir(tiny_model_dir)
     room = len(chat.first_prompt("", "Hi.")) + 7  # one token short of max_tokens

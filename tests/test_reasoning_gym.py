@@ -33,6 +33,18 @@ def test_a_seed_plays_one_item_and_is_scored_by_the_datasets_own_scorer():
     assert untagged.reward == 0.0 and untagged.info["valid"] is False
 
 
+def test_a_scorer_that_raises_on_the_model_s_answer_scores_it_zero():
+    """prime_factorization's scorer raises on answers such as "2^2 × 3": the answer is the
+    model's, so is the failure (0, invalid), not the environment's (an env_error dropped the
+    episode from its group, and the model was never told that format was wrong)."""
+    env = make_env("reasoning_gym", dict(task="prime_factorization", size=50, eval_items=10))
+    _, [odd] = _play(env, 3, "<answer>2^2 × 3</answer>")
+    assert odd.reward == 0.0 and odd.info["valid"] is False and not odd.info["success"]
+    assert odd.info["score_error"].startswith("ValueError")
+    _, [right] = _play(env, 3, f"<answer>{env.dataset[env.item_index(3)]['answer']}</answer>")
+    assert right.reward == 1.0 and "score_error" not in right.info
+
+
 def test_a_final_answer_mode_reads_replies_without_tags():
     env = make_env("reasoning_gym", dict(task="basic_arithmetic", answer="final"))
     _, [right] = _play(env, 5, f"First 2, then... so it is {env.dataset[env.item_index(5)]['answer']}.")

@@ -38,3 +38,53 @@ def test_where_the_two_matchers_agree_and_differ(response, reference, ours, thei
 def test_no_answer_at_all_is_invalid_for_both():
     assert math_verify("I cannot say.", "7", {}) == {"reward": 0.0, "success": False, "valid": False}
     assert math_answer("I cannot say.", "7", {})["valid"] is False
+
+
+def test_a_verifier_that_runs_out_of_time_or_reads_no_reference_fails_the_episode(monkeypatch):
+    """math-verify catches its own time-out and answers "no match": a slow verifier (or a
+    reference it cannot read) was scored 0 and counted as the model's invalid answer. Both now
+    raise, which fails the episode as `env_error`: a verifier's failure is no reward of 0."""
+    import time
+
+    import math_verify.parser as parser
+
+    from millstream.envpool.scoring import rewards
+
+    monkeypatch.setattr(rewards, "VERIFY_TIMEOUT_S", 1)
+    slow_parse = parser.extract_target_from_pred
+
+    def slow(pred, *args, **kwargs):
+        if "SLOW" in pred:
+            time.sleep(2)  # past the 1 s bound: math-verify's alarm interrupts it
+        return slow_parse(pred, *args, **kwargs)
+
+    monkeypatch.setattr(parser, "extract_target_from_pred", slow)
+    with pytest.raises(RuntimeError, match="did not finish in its 1 s bound"):
+        math_verify("SLOW \\boxed{7}", "7", {})
+    with pytest.raises(ValueError, match="reads no answer in the reference"):
+        math_verify("\\boxed{7}", "", {})
+    assert math_verify("\\boxed{7}", "7", {})["success"]  # the verifier itself still works
+
+
+@pytest.mark.parametrize(
+    "response, reference, matches",
+    [
+        ("\\boxed{\\sqrt{5}}", "5", False),  # the last number of an expression is not its value
+        ("\\boxed{2^{10}}", "10", False),
+        ("\\boxed{5\\sqrt{2}}", "2", False),
+        ("\\boxed{3/4/5}", "5", False),
+        ("\\boxed{\\frac{1}{0}}", "0", False),
+        ("\\boxed{-\\frac{1}{2}}", "-1/2", True),
+        ("\\boxed{x=\\frac{1}{2}}", "1/2", True),
+        ("\\boxed{\\frac34}", "3/4", True),
+        ("\\boxed{7{,}000}", "7000", True),
+        ("\\boxed{\u22127}", "-7", True),  # a Unicode minus
+        ("\\boxed{4\\text{ cm}}", "4", True),
+        ("\\boxed{x = {4}}", "4", True),
+    ],
+)
+def test_math_answer_credits_the_number_an_answer_states(response, reference, matches):
+    """`math_answer` took the last number inside a boxed expression it could not read as one:
+    `\\boxed{\\sqrt{5}}` earned the reward for 5. A box now answers with a number only when it
+    states one (a name, units, braces around it at most)."""
+    assert math_answer(response, reference, {})["success"] is matches

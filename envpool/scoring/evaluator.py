@@ -82,11 +82,17 @@ def summarize(
     outcomes: dict[tuple[int, int], tuple[Trajectory | EpisodeFailed, bool]], problems: int, samples: int
 ) -> dict[str, Any]:
     """EvalResult's numbers from each (problem, sample)'s outcome and success; missing
-    outcomes (a round that timed out) count as failed `episode_timeout`."""
+    outcomes (a round that timed out) count as failed `episode_timeout`.
+
+    Failed episodes are left out, problem by problem: `success` (pass@1) is the mean over
+    problems of each one's share of finished episodes that succeeded, so a problem whose samples
+    failed weighs as much as any other; `pass_at_k` (k = `samples`) is over the problems whose
+    k episodes all finished (`pass_at_k_problems`): with n = k samples, Chen et al.'s unbiased
+    estimator 1 - C(n-c, k) / C(n, k) is whether one succeeded, and a problem with fewer
+    finished samples would be measured at a smaller k."""
     failed: Counter[str] = Counter()
     rewards: list[float] = []
-    successes: list[bool] = []
-    solved: dict[int, bool] = {}
+    per_problem: dict[int, list[bool]] = {}
     versions: list[int] = []
     for i in range(problems):
         for j in range(samples):
@@ -99,15 +105,18 @@ def summarize(
                 failed[str(result.cause)] += 1
                 continue
             rewards.append(result.reward)
-            successes.append(success)
-            solved[i] = solved.get(i, False) or success
+            per_problem.setdefault(i, []).append(success)
             versions += [v for v, m in zip(result.versions, result.loss_mask) if m]
+    whole = [any(s) for s in per_problem.values() if len(s) == samples]
     return {
         "finished": len(rewards),
         "failed": dict(failed),
         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
-        "success": sum(successes) / len(successes) if successes else 0.0,
-        "pass_at_k": sum(solved.values()) / len(solved) if solved else 0.0,
+        "success": sum(sum(s) / len(s) for s in per_problem.values()) / len(per_problem)
+        if per_problem
+        else 0.0,
+        "pass_at_k": sum(whole) / len(whole) if whole else 0.0,
+        "pass_at_k_problems": len(whole),
         "token_versions": [min(versions), max(versions)] if versions else [],
     }
 

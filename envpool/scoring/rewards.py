@@ -13,8 +13,9 @@ counted cause `env_error` (envpool/episode.py): a broken reward is never scored 
 `math_answer` extracts the final answer the way math RL recipes do: the content of the last
 `\\boxed{...}` if the response has one, else the last number in the text; then compares it with
 the reference as a number, exactly (fractions, not floats): "1,234", "1234.0", "2/4" and
-`\\frac{1}{2}` are the numbers they look like. A reference that is not a number is compared as
-stripped text.
+`\\frac{1}{2}` are the numbers they look like. A box answers with a number only when it states
+one, with a name, units or braces around it at most ("x = 4", "4 cm"): `\\sqrt{5}` is not 5. A
+reference that is not a number is compared as stripped text.
 
 `math_verify` is Hugging Face's verifier (the `math-verify` package, in the `real` extra): it
 parses LaTeX and expressions with sympy and compares them symbolically, so `2\\sqrt{2}` equals
@@ -32,7 +33,18 @@ import re
 from fractions import Fraction
 from typing import Any
 
-__all__ = ["math_answer", "math_verify", "extract_answer", "parse_number", "answers_match", "boxed_content"]
+__all__ = [
+    "math_answer",
+    "math_verify",
+    "extract_answer",
+    "parse_number",
+    "labelled_number",
+    "answers_match",
+    "boxed_content",
+]
+
+#: math-verify's bound on each of its parses and its comparison, seconds (its own default).
+VERIFY_TIMEOUT_S = 5
 
 #: Longest text a number may be parsed from: Fraction("1" * 100_000) is slow, and no answer is it.
 MAX_NUMBER_CHARS = 64
@@ -41,7 +53,13 @@ _NUMBER = re.compile(
     r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+",
     re.ASCII,
 )
-_FRAC = re.compile(r"\\[dt]?frac\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}")
+_FRAC = re.compile(r"(-?)\\[dt]?frac(?:\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}|(\d)(\d))")
+# What may stand around the one number of a boxed answer: a name ("x = "), units ("cm",
+# "\\text{ cm}"), braces or a \\text{} around it. Anything else (an operator, a root, a power,
+# a second number) makes it another expression, which no number of it answers.
+_LABEL = re.compile(r"[A-Za-z]\w*\s*=\s*")
+_UNITS = re.compile(r"(?:\s*\\(?:text|mathrm)\s*\{[A-Za-z .]*\}|\s+[A-Za-z]+)+\.?$")
+_WRAPPED = re.compile(r"(?:\\(?:text|textbf|mathrm|mathbf)\s*)?\{(.*)\}", re.DOTALL)
 _BOXED = "\\boxed{"
 
 
@@ -64,11 +82,15 @@ def boxed_content(text: str) -> str | None:
 def parse_number(text: str) -> Fraction | None:
     """`text` as an exact number if it is one: "-3", "1,234", "2.50", "3/4", "\\frac{3}{4}",
     with optional "$", spaces and a trailing "."; None for anything else."""
-    s = text.strip().strip("$").strip().rstrip(".").strip()
+    s = text.strip().strip("$").strip().rstrip(".").strip().replace("\u2212", "-").replace("{,}", ",")
     frac = _FRAC.fullmatch(s)
     if frac:
-        num, den = int(frac.group(1)), int(frac.group(2))
-        return Fraction(num, den) if den else None
+        sign, num, den = (
+            frac.group(1),
+            int(frac.group(2) or frac.group(4)),
+            int(frac.group(3) or frac.group(5)),
+        )
+        return (-1 if sign else 1) * Fraction(num, den) if den else None
     if len(s) > MAX_NUMBER_CHARS or not _NUMBER.fullmatch(s):
         return None
     s = s.replace(",", "")
@@ -88,15 +110,22 @@ def extract_answer(response: str) -> str | None:
     return numbers[-1] if numbers else None
 
 
+def labelled_number(text: str) -> Fraction | None:
+    """The number a boxed answer states, if it states one: "4", "x = 4", "{4}", "4 cm",
+    "\\text{4}", "x=\\frac{1}{2}"; None for any other expression ("\\sqrt{5}", "2^{10}",
+    "5\\sqrt{2}", "3/4/5"), whose last number is not its value."""
+    s = _LABEL.sub("", text.strip(), count=1)
+    s = _UNITS.sub("", s).strip()
+    while (wrapped := _WRAPPED.fullmatch(s)) is not None:
+        s = wrapped.group(1).strip()
+    return parse_number(s)
+
+
 def answers_match(given: str, reference: str) -> bool:
-    """Numbers compare exactly as numbers; anything else as stripped text."""
+    """Numbers compare exactly as numbers (`labelled_number`); anything else as stripped text."""
     ref = parse_number(reference)
     if ref is not None:
-        value = parse_number(given)
-        if value is None:  # boxed text around a number: "x = 4"
-            found = _NUMBER.findall(given)
-            value = parse_number(found[-1]) if found else None
-        return value == ref
+        return labelled_number(given) == ref
     return given.strip() == reference.strip()
 
 
@@ -115,14 +144,28 @@ def math_verify(response: str, answer: str, row: dict[str, Any]) -> dict[str, An
 
     The reference is read as LaTeX (wrapped in `$...$` unless it has its own delimiters or a
     box). math-verify bounds its own parsing and comparison with a 5 s alarm (SIGALRM, so only
-    in a process's main thread, where the envpool runs environments). `valid` says whether an
-    answer could be parsed from the response at all."""
+    in a process's main thread, where the envpool runs environments); past it, or with a
+    reference it reads no answer in, this raises (the episode fails as `env_error`: a verifier's
+    failure is no reward of 0). `valid` says whether an answer could be parsed from the response
+    at all; a response math-verify cannot parse has none."""
     try:
         from math_verify import parse, verify
+        from math_verify.errors import TimeoutException
     except ImportError:
         raise ValueError("the math_verify reward needs math-verify: pip install 'millstream[real]'") from None
     reference = str(answer)
-    gold = parse(reference if ("$" in reference or "\\boxed" in reference) else f"${reference}$")
-    given = parse(response)
-    success = bool(gold) and bool(given) and bool(verify(gold, given))
+    try:
+        bound = {"parsing_timeout": VERIFY_TIMEOUT_S, "raise_on_error": True}
+        gold = parse(reference if ("$" in reference or "\\boxed" in reference) else f"${reference}$", **bound)
+        if not gold:  # the row's fault, not the model's: never a reward of 0
+            raise ValueError(f"math-verify reads no answer in the reference {reference[:80]!r}")
+        try:
+            given = parse(response, **bound)
+            success = bool(given) and bool(
+                verify(gold, given, timeout_seconds=VERIFY_TIMEOUT_S, raise_on_error=True)
+            )
+        except Exception:  # the model's malformed answer (its time-out is a BaseException)
+            given, success = [], False
+    except TimeoutException:  # its 5 s bound: a slow verifier is no answer of the model's
+        raise RuntimeError(f"math-verify did not finish in its {VERIFY_TIMEOUT_S} s bound") from None
     return {"reward": 1.0 if success else 0.0, "success": success, "valid": bool(given)}

@@ -233,11 +233,13 @@ class EvalResult(WireMessage, tag="eval_result", frozen=True):
     failed: dict[str, int]
     #: Mean return of the finished episodes (0.0 when none finished).
     reward_mean: float
-    #: Share of finished episodes whose environment said success.
+    #: pass@1: the mean over problems of each one's share of finished episodes that succeeded.
     success: float
-    #: Share of problems with at least one finished episode of which one succeeded.
+    #: Share of the problems whose `samples` episodes all finished of which one succeeded.
     pass_at_k: float
     token_versions: list[int]
     duration_s: float
     #: The round hit `eval.timeout_s`; its unfinished episodes are in `failed`.
     timed_out: bool = False
+    #: How many problems `pass_at_k` is over (those with no failed sample; -1: not said).
+    pass_at_k_problems: int = -1

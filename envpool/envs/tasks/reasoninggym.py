@@ -19,11 +19,13 @@ is small; `millstream envpool --check` does not look for that.
 `answer = "tag"` (the default) takes what the model writes inside its last
 `<answer>...</answer>`, with reasoning-gym's own `extract_answer` (the format asked for by its
 default system prompt, `SYSTEM_PROMPTS["default"]`, which is this environment's default too); a
-reply without the tags is scored as an empty answer (0 for most tasks) and
-marked `valid=False`. `answer = "final"` takes the reply's final answer as the dataset
-environment's `math_answer` does (the last `\\boxed{}`, else the last number): for models too
-small to follow the tag format (SmolLM2-135M wrote no tags in any of 4 sampled replies), on
-tasks whose answers are numbers.
+reply without the tags is scored as no answer (`score_answer(None, ...)`: 0 for most tasks) and
+marked `valid=False`. A task's scorer that raises on the model's answer (prime_factorization's,
+on "2^2 × 3") scores it 0, `valid=False`, with the error in `info["score_error"]`: the answer is
+the model's, so is its failure (an env_error would drop the episode from its group instead).
+`answer = "final"` takes the reply's final answer as the dataset environment's `math_answer`
+does (the last `\\boxed{}`, else the last number): for models too small to follow the tag format
+(SmolLM2-135M wrote no tags in any of 4 sampled replies), on tasks whose answers are numbers.
 Modes as the dataset environment's: "single" (one attempt), or "feedback" (a wrong answer is
 told so and tried again, up to `max_attempts`; the first success ends the episode).
 """
@@ -128,9 +130,14 @@ class ReasoningGym:
     async def step(self, action: str) -> StepResult:
         self.attempts.take()
         answer = self.answer_of(action)
-        reward = float(self.dataset.score_answer(answer, self.item))
-        success = reward >= self.success_reward
-        info = {"valid": answer is not None, "success": success, "item": self.index}
+        info: dict = {"valid": answer is not None, "item": self.index}
+        try:
+            reward = float(self.dataset.score_answer(answer, self.item))
+        except Exception as exc:  # on the model's answer; its absence (None) must score
+            if answer is None:
+                raise
+            reward, info["valid"], info["score_error"] = 0.0, False, f"{type(exc).__name__}: {exc}"[:200]
+        success = info["success"] = reward >= self.success_reward
         last, text = self.attempts.outcome(success)
         return StepResult(
             Observation(text, anchor=f"{self.task}/{self.index}/{self.attempts.count}"), reward, last, info
