@@ -45,7 +45,12 @@ __all__ = ["build_engine", "use_cuda", "warm_up", "start_method", "fork_cleanly"
 
 
 def use_cuda(cfg: Config) -> bool:
+    """Whether the engine runs on CUDA. With `actor.device = "auto"` it asks torch, through
+    NVML: the default check (cudaGetDeviceCount) sets up CUDA in this process, after which
+    vLLM's forked EngineCore and workers fail ("Cannot re-initialize CUDA in forked
+    subprocess"), and vLLM, which sets this variable itself on import, is imported after."""
     if cfg.actor.device == "auto":
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         import torch
 
         return torch.cuda.is_available()

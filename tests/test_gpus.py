@@ -5,6 +5,8 @@ the GPUs are given as CUDA would show them (`visible`), and the engine is said t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from millstream.shared.config import ConfigError, load_config
@@ -162,3 +164,15 @@ def test_the_launcher_gives_each_role_its_gpus(monkeypatch, tmp_path):
     _start_roles(ray, load_config(None, [*ON_GPU, "launcher.kind=ray", "learner.ranks=2"]), [])
     assert ray.envs["learner-rank1"] is not None and ray.envs["learner-rank1"]["LOCAL_RANK"] == "0"
     assert "CUDA_VISIBLE_DEVICES" not in ray.envs["learner-rank1"]  # Ray sets it
+
+
+def test_the_actor_asks_torch_for_cuda_without_setting_cuda_up(monkeypatch):
+    """torch's default check (cudaGetDeviceCount) sets CUDA up in the actor's process, and the
+    engine processes vLLM forks from it then fail; NVML's does not. vLLM sets the variable on
+    import, which comes after the check."""
+    from millstream.actor.engine import use_cuda
+    from millstream.shared.config import load_config
+
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    use_cuda(load_config(None, ["actor.device=auto"]))
+    assert os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] == "1"
