@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,7 +19,13 @@ import anyio
 import pytest
 
 from millstream.envpool.envs import make_env
-from millstream.envpool.envs.tools.sandbox.run import CHILD, mechanism_for, run_python, unavailable_message
+from millstream.envpool.envs.tools.sandbox.run import (
+    CHILD,
+    READY,
+    mechanism_for,
+    run_python,
+    unavailable_message,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 ROOT = os.geteuid() == 0
@@ -145,6 +152,53 @@ def test_subprocesses_and_a_timeout_leave_nothing_behind():
     assert marked(marker) == []
 
 
+def test_a_call_ends_with_its_caller_killed_mid_call():
+    """An envpool worker killed (SIGKILL, OOM) in the middle of a call left the sandbox
+    running: its supervisor, init and the code were handed to PID 1, for as long as the code
+    liked. The supervisor now watches its caller and takes the namespace with it."""
+    marker = f"sbxc{os.getpid() % 10**6}"
+    code = forker(marker, 3, then="while True: time.sleep(0.01)")
+    caller = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import anyio, sys\n"
+            "from millstream.envpool.envs.tools.sandbox.run import run_python\n"
+            "code = sys.stdin.read()\n"
+            "anyio.run(lambda: run_python(code, sandbox='strict', timeout_s=600), backend='trio')\n",
+        ],
+        stdin=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        caller.stdin.write(code)
+        caller.stdin.close()
+        deadline = time.monotonic() + 30
+        while len(marked(marker)) < 3 and time.monotonic() < deadline:  # the call is under way
+            time.sleep(0.05)
+        assert len(marked(marker)) == 3
+    finally:
+        caller.kill()
+        caller.wait(10)
+    deadline = time.monotonic() + 5
+    while marked(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = marked(marker)
+    kill_all(left)
+    assert left == []
+
+
+def test_code_that_fakes_a_failed_setup_is_the_code_s_error():
+    """A failed setup fails its episode as env_error (dropped, not scored): in the weak mode the
+    code could print the setup's message and exit 125 itself, to have a wrong answer dropped
+    rather than scored. What the code does after the child's READY is its own."""
+    fake = "import os\nos.write(1, b'sandbox setup failed: x\\n')\nos._exit(125)\n"
+    for mode in ("weak", "strict"):
+        result = run(fake, mode)
+        assert result.status == "error" and result.code_ran, (mode, result)
+        assert result.output == "sandbox setup failed: x\n"
+
+
 def test_no_writes_outside_the_working_directory(tmp_path):
     outside = [tmp_path / "escaped", REPO / "escaped-from-sandbox", Path("/escaped")]
     code = BYPASS + (
@@ -223,7 +277,7 @@ def _as_nobody(mechanism, code):
         done = subprocess.run(command, input=code.encode(), capture_output=True, cwd=work, timeout=30)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return done.returncode, (done.stdout + done.stderr).decode()
+    return done.returncode, (done.stdout.removeprefix(READY) + done.stderr).decode()
 
 
 @pytest.mark.skipif(
@@ -519,3 +573,39 @@ def test_the_filter_answers_every_call_as_written(machine):
     if machine == "x86_64":
         assert _run_filter(code, arch, 0x40000000 | 1) == eperm  # the x32 entry
     assert len(code) < 256 and set(DENIED) >= {"unshare", "setns", "mount", "ptrace", "bpf", "keyctl"}
+
+
+def test_a_thread_pool_fits_in_the_sandbox():
+    """Under the address-space limit each thread's own malloc arena (64 MiB reserved) left room
+    for 3 or 4 threads: a 16-thread pool failed with "can't start new thread". One arena now."""
+    code = (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "with ThreadPoolExecutor(16) as pool:\n"
+        "    print(sum(pool.map(lambda i: sum(range(i * 1000)), range(64))))\n"
+    )
+    result = run(code)
+    assert result.status == "ok" and result.output == f"{sum(sum(range(i * 1000)) for i in range(64))}\n", (
+        result
+    )
+
+
+@needs_cgroup
+@pytest.mark.skipif(not ROOT, reason="the nobody user's count is the namespaces mechanism's (root)")
+def test_with_the_call_s_cgroup_the_nobody_user_s_count_is_not_shared():
+    """Every sandbox runs as nobody: a per-user process limit is every call's on the machine,
+    and one call's fork bomb took the processes and threads of the others' honest code. With
+    the call's own pids cgroup bounding it, no such limit is set; without one, it is."""
+    code = "import resource\nprint(resource.getrlimit(resource.RLIMIT_NPROC)[0])\n"
+    assert run(code).output.strip() != "512"
+    assert run(code, cgroup="off").output.strip() == "512"
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="modify_ldt is x86's")
+def test_the_ldt_is_not_the_code_s_to_change():
+    """modify_ldt (x86's local descriptor table, a past source of kernel exploits; Docker's
+    default profile denies it) answered 0 in the jail; the filter now denies it."""
+    code = BYPASS + (
+        "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(16)\n"
+        "print(libc.syscall(154, 0, buf, 16), ctypes.get_errno())\n"
+    )
+    assert run(code).output.split() == ["-1", "1"]  # EPERM

@@ -14,8 +14,8 @@ jail.py and syscall_filter.py, are imported by path before any user code exists)
 1. resource limits: address space (a big allocation raises MemoryError), CPU seconds (SIGXCPU
    kills a busy loop even if the parent's wall-clock timer were late), size of written files,
    at most 64 open files, no core dumps;
-   and, inside the jail's "namespaces" mechanism (uid nobody), at most NPROC_NOBODY processes
-   of that user, which bounds a fork bomb;
+   and, inside the jail's "namespaces" mechanism (uid nobody) without the call's cgroup, at most
+   NPROC_NOBODY processes of that user, which bounds a fork bomb (with it, pids.max does);
 2. give the code an empty stdin (`input()` sees EOF) and no other inherited descriptor;
 3. an audit hook (PEP 578) refuses socket events, process creation and loading native libraries
    with ctypes, with a clear message. It is a first line of defence against honest mistakes
@@ -31,6 +31,10 @@ import resource
 import sys
 
 SETUP_FAILED = 125  # as jail.py: run.py raises SandboxError on it
+#: Written first once the setup is done, before any of the code runs: run.py takes an exit
+#: status of SETUP_FAILED for a failed setup only without it (weak mode's code could exit 125
+#: and print a setup failure of its own, to have its episode dropped rather than scored).
+READY = b"\x00ready\n"
 NPROC_NOBODY = 512  # shared by all sandboxes of the machine: they all run as the same nobody
 
 _BLOCKED_PREFIXES = ("socket.",)
@@ -87,12 +91,17 @@ def _join(procs_files):
 def main():
     memory, cpu, file_size = (int(a) for a in sys.argv[1:4])
     mechanism = sys.argv[4] if len(sys.argv) > 4 else "none"
-    if len(sys.argv) > 6 and sys.argv[6]:
+    joined = len(sys.argv) > 6 and bool(sys.argv[6])
+    if joined:
         _join(sys.argv[6])
     code = sys.stdin.read()
     if mechanism != "none":
         _jail(mechanism, int(sys.argv[5]))
-        if mechanism == "namespaces":  # a normal user's count includes the trainer's own threads
+        # Without the call's cgroup (its pids.max bounds this call alone), the nobody user's
+        # count bounds a fork bomb. Not with it: that count is every sandbox's on the machine,
+        # and one call's bomb would take the processes and threads of the others' honest code.
+        # (A normal user's count includes the trainer's own threads: not for "userns".)
+        if mechanism == "namespaces" and not joined:
             _limit(resource.RLIMIT_NPROC, NPROC_NOBODY)
     os.closerange(3, 65536)
     _limit(resource.RLIMIT_AS, memory)
@@ -102,6 +111,7 @@ def main():
     _limit(resource.RLIMIT_FSIZE, file_size)
     _limit(resource.RLIMIT_CORE, 0)
     _limit(resource.RLIMIT_NOFILE, 64)
+    os.write(1, READY)
     sys.stdin = io.StringIO()
     sys.stderr = sys.stdout
     try:

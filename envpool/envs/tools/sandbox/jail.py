@@ -13,7 +13,8 @@ kernel kills every process in it when its PID 1 exits. So the code never runs as
 ignores signals it has no handler for, SIGXCPU included, which would break the CPU limit), and
 init exits as soon as the worker does: nothing the code forked, daemonized or re-grouped can
 outlive the call. init also dies with the supervisor (PR_SET_PDEATHSIG), so the parent's kill
-of the supervisor on a timeout takes the whole namespace with it. The supervisor turns the
+of the supervisor on a timeout takes the whole namespace with it, and the supervisor kills init
+when its own caller dies (an envpool worker killed mid-call). The supervisor turns the
 worker's wait status into its own (same exit code, same signal), so pytool reads it as before.
 
 Two mechanisms, picked by pytool (see sandbox/run.py):
@@ -154,8 +155,33 @@ def _fail_now(message):
     os._exit(SETUP_FAILED)
 
 
+def _outlive_no_parent(init):
+    """Return once init has exited; if the process that started this supervisor dies first (an
+    envpool worker killed), kill init, which takes the namespace with it, and exit: nothing of
+    the call outlives its caller. Watched through pidfds (Linux 5.3); without them, as before,
+    only init is waited for. No PR_SET_PDEATHSIG here: it fires when the parent *thread* ends,
+    and the caller may start this process from a thread that ends first (trio's do)."""
+    try:
+        watched = [os.pidfd_open(init), os.pidfd_open(os.getppid())]
+    except (AttributeError, OSError):
+        return
+    if os.getppid() == 1:  # the caller was gone before its pidfd was opened
+        watched[1] = -1
+    while watched[1] >= 0:
+        try:
+            ready, _, _ = select.select(watched, [], [])
+        except InterruptedError:
+            continue
+        if watched[0] in ready:
+            return
+        break
+    os.kill(init, _signal.SIGKILL)
+    os._exit(1)
+
+
 def _supervise(init, report_r):
     """Wait for init, then end the way the worker ended (or report a failed setup)."""
+    _outlive_no_parent(init)
     while True:
         try:
             _, status = os.waitpid(init, 0)

@@ -84,9 +84,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CHILD = Path(__file__).resolve().with_name("child.py")
+#: The child's whole environment. One malloc arena: under the address-space limit each thread's
+#: own arena (64 MiB reserved) left room for 3 or 4 threads of a thread pool, not `max_processes`.
+CHILD_ENV = {"PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "1"}
 SANDBOX_MODES = ("strict", "namespaces", "userns", "weak")
 SETUP_FAILED = 125  # the supervisor's exit status for a failed setup (see jail.py)
-SETUP_MESSAGE = "sandbox setup failed: "
+#: What child.py writes first once its setup is done (before any of the code runs).
+READY = b"\x00ready\n"
 #: Longest wait for a killed child to exit before it is left behind (see `_reap`).
 REAP_S = 10.0
 # "ok" and the number of seccomp filters on the jailed code ("?" without /proc). With ours it
@@ -116,6 +120,8 @@ class RunResult:
     status: str
     returncode: int | None
     memory_peak_bytes: int | None = None  #: the call's processes together, where a cgroup held it
+    #: The setup was done and the code started (child.py's READY came first).
+    code_ran: bool = True
 
 
 async def _reap(process: Process) -> None:
@@ -154,10 +160,10 @@ def _probe(mechanism: str) -> str | None:
                 input=_PROBE_CODE.encode(),
                 capture_output=True,
                 cwd=workdir,
-                env={"PATH": "/usr/bin:/bin"},
+                env=CHILD_ENV,
                 timeout=30,
             )
-            out = (done.stdout + done.stderr).decode("utf-8", "replace").strip()
+            out = (done.stdout.removeprefix(READY) + done.stderr).decode("utf-8", "replace").strip()
             ok = done.returncode == 0 and out.startswith("ok ")
             _PROBES[mechanism] = None if ok else (out.splitlines() or [f"exit status {done.returncode}"])[-1]
             _FILTERED[mechanism] = ok and out.split()[-1] == str(_filters_here() + 1)
@@ -297,15 +303,15 @@ async def run_python(
                 usage = await _close_cgroup(group) if group is not None else None
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
-    # In a jail only a failed setup ends with 125 (the code's own is mapped to 1); in the weak
-    # mode the code could exit 125 itself, so only the child's own message counts there.
-    if result.returncode == SETUP_FAILED and (mechanism != "none" or result.output.startswith(SETUP_MESSAGE)):
+    # A failed setup ends with 125 before the child's READY; code that exits 125 itself (in the
+    # weak mode: a jail maps the code's 125 to 1) came after it, and is the code's own status.
+    if result.returncode == SETUP_FAILED and not result.code_ran:
         raise SandboxError(result.output.strip() or "sandbox setup failed")
     if usage is None:
         return result
     ceiling_killed = usage.at_ceiling and usage.oom_kills and result.status in ("killed", "error")
     status = "memory_limit" if ceiling_killed else result.status
-    return RunResult(result.output, status, result.returncode, usage.memory_peak_bytes)
+    return RunResult(result.output, status, result.returncode, usage.memory_peak_bytes, result.code_ran)
 
 
 async def _close_cgroup(group: CallCgroup) -> Usage:
@@ -334,12 +340,13 @@ async def _run_in(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=workdir,
-        env={"PATH": "/usr/bin:/bin"},
+        env=CHILD_ENV,
         start_new_session=True,
     )
     assert process.stdin is not None and process.stdout is not None
     output = bytearray()
     truncated = False
+    max_output_bytes += len(READY)  # the marker is not the code's output
     try:
         with anyio.move_on_after(timeout_s) as deadline:
             try:
@@ -360,17 +367,18 @@ async def _run_in(
             # jail it kills the supervisor, whose death (PDEATHSIG) ends the PID namespace.
             _kill_group(process.pid)
         await _reap(process)
-    text = output.decode("utf-8", "replace")
+    ran = output.startswith(READY)
+    text = output[len(READY) if ran else 0 :].decode("utf-8", "replace")
     returncode = process.returncode
     if returncode is None:
         log.warning("sandboxed process %d did not exit %.0fs after SIGKILL: left behind", process.pid, REAP_S)
-        return RunResult(text, "killed", None)
+        return RunResult(text, "killed", None, code_ran=ran)
     if deadline.cancelled_caught:
-        return RunResult(text, "timeout", returncode)
+        return RunResult(text, "timeout", returncode, code_ran=ran)
     if truncated:
-        return RunResult(text, "truncated", returncode)
+        return RunResult(text, "truncated", returncode, code_ran=ran)
     if returncode == -signal.SIGXCPU:
-        return RunResult(text, "cpu_limit", returncode)
+        return RunResult(text, "cpu_limit", returncode, code_ran=ran)
     if returncode is not None and returncode < 0:
-        return RunResult(text, "killed", returncode)
-    return RunResult(text, "ok" if returncode == 0 else "error", returncode)
+        return RunResult(text, "killed", returncode, code_ran=ran)
+    return RunResult(text, "ok" if returncode == 0 else "error", returncode, code_ran=ran)

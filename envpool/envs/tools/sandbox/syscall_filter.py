@@ -71,7 +71,7 @@ _X86_64 = {
     "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312, "bpf": 321,
     "userfaultfd": 323, "open_by_handle_at": 304, "name_to_handle_at": 303,
     "fanotify_init": 300, "vhangup": 153, "clone": 56, "socket": 41, "socketpair": 53,
-    "iopl": 172, "ioperm": 173, "uselib": 134, "_sysctl": 156,
+    "iopl": 172, "ioperm": 173, "uselib": 134, "_sysctl": 156, "modify_ldt": 154,
 }  # fmt: skip
 # Numbered alike on every architecture since Linux 5.1.
 _UNIFIED = {
