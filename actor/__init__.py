@@ -7,6 +7,7 @@ Layout:
 - `link.py`    the learner link both actor kinds share: Hello, attach, weight updates, version;
 - `boundary.py` the error boundary per message: served, refused or failed, never a crash;
 - `membership.py` a replica's word to its run: "take me" (`--join`) and "I am leaving";
+- `engine_weights.py` the engine's side of the learner link: join, receive, load, with deadlines;
 - `weights.py` the vLLM worker extension that receives the learner's broadcast and reloads;
 - `receive.py` the buffer an update lands in, kept and filled in a thread while the engine runs;
 - `synthetic.py` a timing model of a batching engine on the same protocol (`actor.kind=synthetic`),

@@ -263,7 +263,7 @@ def test_an_engine_call_that_never_returns_stops_the_actor(monkeypatch):
     EngineCore: a call past its own bound means a wedged engine, which the actor is told of (it
     stops, and its launcher starts it again) and the exchange fails at once, not waiting on a
     resume the engine would never answer."""
-    from millstream.actor.server import EngineStuck, VllmWeights
+    from millstream.actor.engine_weights import EngineStuck, VllmWeights
     from millstream.shared.wire import TensorSpec, WeightUpdate
 
     monkeypatch.setattr(VllmWeights, "MARGIN_S", 0.2)
@@ -281,6 +281,41 @@ def test_an_engine_call_that_never_returns_stops_the_actor(monkeypatch):
     assert weights.holds == 0  # a wedged call no longer holds the stall watch off
     assert [type(exc) for exc in told] == [EngineStuck, EngineStuck]
     assert engine.resumed == 0  # not asked to resume (it would not): the actor is stopping
+
+
+def test_on_nccl_the_load_s_bound_holds_the_broadcast_too():
+    """On NCCL a worker receives the broadcast inside `millstream_load`, under a bound of its
+    own as long as the sync's: with the same bound on the call, vLLM could give up first, and
+    its late answer would be read as the next call's. The load's bound is now both; on gloo the
+    broadcast came before (`millstream_receive`), and the bound is the sync's."""
+    from millstream.actor.engine_weights import VllmWeights
+    from millstream.shared.wire import AttachLearner, TensorSpec, WeightUpdate
+
+    class Recording:
+        def __init__(self) -> None:
+            self.bounds: dict[str, float] = {}
+
+        async def collective_rpc(self, name, timeout=None, args=()):
+            self.bounds[name] = timeout
+            return [1]
+
+        async def pause_generation(self, **kwargs) -> None:
+            return None
+
+        async def resume_generation(self) -> None:
+            return None
+
+    update = WeightUpdate("s", 1, "float32", 4, [TensorSpec("w", [4], 0)])
+    for backend, load_bound in (("nccl", 60.0), ("gloo", 30.0)):
+        engine = Recording()
+        weights = VllmWeights(engine, rpc_timeout_s=30.0)
+
+        async def exchange() -> None:
+            await weights.join(AttachLearner("s", "127.0.0.1", 1, 2, backend, 30.0))  # noqa: B023
+            await weights.load(update)  # noqa: B023
+
+        anyio.run(exchange, backend="asyncio")
+        assert engine.bounds["millstream_load"] == load_bound, backend
 
 
 class ScriptedEngine:
