@@ -152,7 +152,7 @@ class ActorServer:
         at least every `stream_interval` steps; an idle one owes nothing. An abort's final
         output is made by vLLM's front end, so it has no tokens and does not count: clients
         aborting what times out would keep a dead engine looking alive. A request held up by
-        a full send queue reads nothing for up to a minute (`Channel.send`): hence the floor."""
+        a full send queue reads nothing for up to a minute (`Channel.send`): hence the floor of 90 s."""
         now = time.monotonic()
         if not self._live or self.weights.holds:
             self._output_at = now

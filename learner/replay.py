@@ -71,6 +71,7 @@ class ReplayBuffer:
         max_staleness: int,
         max_groups: int,
         min_group_size: int = 2,
+        keep: Callable[[Group], bool] | None = None,
     ) -> None:
         if group_size < 1 or groups_per_batch < 1 or max_groups < 1 or max_staleness < 0:
             raise ValueError(
@@ -85,6 +86,12 @@ class ReplayBuffer:
         self.max_staleness = max_staleness
         self.max_groups = max_groups
         self.min_group_size = min_group_size
+        #: A test of one group on its own (`zero_std`: a reward spread), applied once, as the
+        #: group completes: a group that fails it is dropped as FILTERED_ZERO_STD, and a batch
+        #: is then `groups_per_batch` groups that pass (DAPO's dynamic sampling): fewer wait for
+        #: more instead of making a smaller step. Waiting does not age them (the version moves
+        #: only with a step).
+        self.keep = keep
 
         #: Called with every dropped group's trajectories and the cause (the learner records them).
         self.on_drop: Callable[[list[Trajectory], DropCause], None] | None = None
@@ -113,7 +120,7 @@ class ReplayBuffer:
         #: Episodes refused on arrival, by reason (all counted in dropped["invalid_trajectory"]).
         self.refused: dict[str, int] = {}
         self._last_staleness: list[int] = []
-        #: Groups `take_batch`'s `keep` dropped since one passed (the learner's no-signal warning).
+        #: Groups `keep` dropped since one passed, in completion order (the no-signal warning).
         self.rejected_in_a_row = 0
 
     # --- arrivals --------------------------------------------------------------------------
@@ -269,34 +276,20 @@ class ReplayBuffer:
             self._drop_group(group_id, group.trajectories, DropCause.GROUP_TOO_SMALL)
             return
         assert group.oldest is not None  # min_group_size >= 1, so a trajectory arrived
-        self._complete[group_id] = Group(group_id, group.trajectories, group.failed, group.oldest)
+        done = Group(group_id, group.trajectories, group.failed, group.oldest)
+        if self.keep is not None and not self.keep(done):
+            self.rejected_in_a_row += 1
+            self._drop_group(group_id, group.trajectories, DropCause.FILTERED_ZERO_STD)
+            return
+        self.rejected_in_a_row = 0
+        self._complete[group_id] = done
 
     # --- departures ------------------------------------------------------------------------
 
-    def take_batch(
-        self,
-        version: int,
-        count: int | None = None,
-        *,
-        keep: Callable[[Group], bool] | None = None,
-        cause: DropCause = DropCause.FILTERED_ZERO_STD,
-    ) -> list[Group] | None:
+    def take_batch(self, version: int, count: int | None = None) -> list[Group] | None:
         """Drops stale groups, then returns the `count` (default `groups_per_batch`) oldest
-        complete ones, or None if fewer are complete.
-
-        `keep`, a test of one group on its own (`zero_std`: a reward spread), drops the complete
-        groups that fail it first, counted under `cause`: the batch is then `count` groups that
-        pass, and fewer wait in the buffer for more (DAPO's dynamic sampling) instead of making
-        a smaller step. Waiting does not age them: the version moves only with a step."""
+        complete ones, or None if fewer are complete."""
         count = self.groups_per_batch if count is None else count
-        if keep is not None:
-            for gid, done in list(self._complete.items()):
-                if keep(done):
-                    self.rejected_in_a_row = 0
-                else:
-                    self.rejected_in_a_row += 1
-                    del self._complete[gid]
-                    self._drop_group(gid, done.trajectories, cause)
         for gid, done in list(self._complete.items()):
             if version - done.oldest_version > self.max_staleness:
                 del self._complete[gid]

@@ -332,3 +332,21 @@ def test_malformed_tool_calls_stay_content_and_are_counted():
 def test_the_parser_never_raises(text):
     parsed = parse_tool_calls("<tool_call>" + text)
     assert parsed.malformed + len(parsed.tool_calls) >= 1
+
+
+def test_an_agent_reward_that_is_not_a_number_fails_the_episode(tiny_model_dir):
+    """A NaN reward from an agent environment is its failure (env_error), never a score: the
+    learner refused it in training, but evaluation took it into its means."""
+
+    class NanAgent:
+        async def run(self, seed, base_url, api_key):
+            async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+                await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi."}])
+            return AgentResult(float("nan"))
+
+    chat = ChatFormat.from_model_dir(tiny_model_dir)
+    failed, _, _ = play_scripted(
+        tiny_model_dir, NanAgent(), [chat.encode("Yes.") + [chat.eos_id]], max_tokens=8
+    )
+    assert isinstance(failed, EpisodeFailed) and failed.cause == Cause.ENV_ERROR
+    assert "returned the reward nan" in failed.message

@@ -423,12 +423,15 @@ def test_the_endpoint_splices_a_reply_where_the_template_closes_a_conversation_w
 def test_a_template_that_prints_the_date_is_rendered_afresh(families, monkeypatch):
     """Llama 3.2's template prints today's date in its first prompt: a cached prompt would keep
     the day it was made through a run that goes on past midnight."""
+    import time
+
     from millstream.envpool.chat import templates
 
     chat, _ = families["llama3.2"]
-    monkeypatch.setitem(templates._ENV.globals, "strftime_now", lambda fmt: "28 Nov 2026")
-    before = chat.first_prompt("", "Hi")
-    monkeypatch.setitem(templates._ENV.globals, "strftime_now", lambda fmt: "29 Nov 2026")
-    after = chat.first_prompt("", "Hi")
-    assert "28 Nov 2026" in chat.decode(before) and "29 Nov 2026" in chat.decode(after)
+    for day in ("28", "29"):  # the template's date and the cache's day move together
+        monkeypatch.setitem(templates._ENV.globals, "strftime_now", lambda fmt, d=day: f"{d} Nov 2026")
+        monkeypatch.setattr(time, "strftime", lambda fmt, d=day: f"2026-11-{d}")
+        assert f"{day} Nov 2026" in chat.decode(chat.first_prompt("", "Hi"))
+        assert chat.first_prompt("", "Hi") is not chat.first_prompt("", "Hi")  # copies of one cached
+    assert len([k for k in chat._first if k[:2] == ("", "Hi")]) == 2  # one per day
     assert families["qwen2.5"][0]._dated is False  # a template without a date keeps its cache

@@ -70,10 +70,12 @@ def check_invariant(buf: ReplayBuffer) -> dict:
 def test_a_per_group_filter_fills_the_batch_with_groups_that_pass():
     """zero_std (DAPO's dynamic sampling): a group without a reward spread is dropped as it
     completes, counted under its cause, and the batch waits for `groups_per_batch` groups with
-    one. It used to take a batch's worth of groups and step on whatever of them passed."""
+    one. It used to take a batch's worth of groups and step on whatever of them passed. Each
+    group is tested once: the drops in a row count on while one that passed waits (a count
+    that restarted at every look would never warn of a run whose signal was gone)."""
     from millstream.learner.train.advantages import has_reward_spread
 
-    buf = buffer(group_size=2, groups_per_batch=2)
+    buf = buffer(group_size=2, groups_per_batch=2, keep=has_reward_spread)
 
     def complete(gid: str, rewards: list[float]) -> None:
         for r in rewards:
@@ -81,24 +83,25 @@ def test_a_per_group_filter_fills_the_batch_with_groups_that_pass():
 
     complete("g0", [1.0, 1.0])
     complete("g1", [0.0, 1.0])
-    assert buf.take_batch(0, keep=has_reward_spread) is None  # g0 dropped; g1 waits for a second
+    assert buf.take_batch(0) is None  # g0 dropped; g1 waits for a second
     s = check_invariant(buf)
     assert s["dropped"] == {"filtered_zero_std": 2} and groups(s) == (1, 0, 1)
-    complete("g2", [0.5, 0.5])
-    complete("g3", [0.5, 0.5])
-    assert buf.take_batch(0, keep=has_reward_spread) is None and buf.rejected_in_a_row == 2
-    complete("g4", [1.0, 0.0])
-    batch = buf.take_batch(0, keep=has_reward_spread)
-    assert [g.group_id for g in batch] == ["g1", "g4"] and buf.rejected_in_a_row == 0
+    for n in range(2, 12):  # ten without a spread, looked at after each
+        complete(f"g{n}", [0.5, 0.5])
+        assert buf.take_batch(0) is None
+    assert buf.rejected_in_a_row == 10
+    complete("g12", [1.0, 0.0])
+    batch = buf.take_batch(0)
+    assert [g.group_id for g in batch] == ["g1", "g12"] and buf.rejected_in_a_row == 0
     s = check_invariant(buf)
-    assert s["trained"] == 4 and s["dropped"] == {"filtered_zero_std": 6} and s["dropped_groups"] == 3
+    assert s["trained"] == 4 and s["dropped"] == {"filtered_zero_std": 22} and s["dropped_groups"] == 11
 
 
 def test_the_learner_s_batch_is_whole_under_either_filter():
     """learner/loop/batches.py: zero_std's batch is groups_per_batch groups with a spread (the
     buffer drops the others as they complete); starpo_s takes more candidates and drops the
     lowest-ranked. Both count what they drop; neither steps on fewer groups than a batch."""
-    from millstream.learner.loop.batches import take_batch
+    from millstream.learner.loop.batches import group_test, take_batch
     from millstream.learner.loop.report import StepReport
     from millstream.shared.config import load_config
 
@@ -106,7 +109,7 @@ def test_the_learner_s_batch_is_whole_under_either_filter():
         cfg = load_config(
             None, ["train.groups_per_batch=2", "train.group_size=2", f"learner.group_filter={mode}", *extra]
         )
-        buf = buffer(group_size=2, groups_per_batch=2)
+        buf = buffer(group_size=2, groups_per_batch=2, keep=group_test(cfg))
         report = StepReport(cfg, metrics=None)
         rewards = {"g0": [1.0, 1.0], "g1": [0.0, 1.0], "g2": [0.0, 0.5], "g3": [0.2, 0.2], "g4": [1.0, 0.0]}
         batches = []

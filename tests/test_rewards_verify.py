@@ -40,10 +40,11 @@ def test_no_answer_at_all_is_invalid_for_both():
     assert math_answer("I cannot say.", "7", {})["valid"] is False
 
 
-def test_a_verifier_that_runs_out_of_time_or_reads_no_reference_fails_the_episode(monkeypatch):
-    """math-verify catches its own time-out and answers "no match": a slow verifier (or a
-    reference it cannot read) was scored 0 and counted as the model's invalid answer. Both now
-    raise, which fails the episode as `env_error`: a verifier's failure is no reward of 0."""
+def test_a_reference_the_verifier_cannot_read_fails_the_episode_and_a_response_scores_0(monkeypatch):
+    """math-verify catches its own time-out and answers "no match": a reference it could not
+    read (in time, or at all) scored every sample 0, the row's fault counted as the model's. It
+    now raises (the episode fails as `env_error`). A response it cannot read in time is the
+    model's own text: no answer, 0 (an env_error would let a wrong answer out of its 0)."""
     import time
 
     import math_verify.parser as parser
@@ -59,8 +60,9 @@ def test_a_verifier_that_runs_out_of_time_or_reads_no_reference_fails_the_episod
         return slow_parse(pred, *args, **kwargs)
 
     monkeypatch.setattr(parser, "extract_target_from_pred", slow)
-    with pytest.raises(RuntimeError, match="did not finish in its 1 s bound"):
-        math_verify("SLOW \\boxed{7}", "7", {})
+    with pytest.raises(RuntimeError, match="did not finish the reference in its 1 s bound"):
+        math_verify("\\boxed{7}", "\\boxed{7} SLOW", {})
+    assert math_verify("SLOW \\boxed{7}", "7", {}) == {"reward": 0.0, "success": False, "valid": False}
     with pytest.raises(ValueError, match="reads no answer in the reference"):
         math_verify("\\boxed{7}", "", {})
     assert math_verify("\\boxed{7}", "7", {})["success"]  # the verifier itself still works
@@ -81,6 +83,11 @@ def test_a_verifier_that_runs_out_of_time_or_reads_no_reference_fails_the_episod
         ("\\boxed{\u22127}", "-7", True),  # a Unicode minus
         ("\\boxed{4\\text{ cm}}", "4", True),
         ("\\boxed{x = {4}}", "4", True),
+        ("\\boxed{\\$18.90}", "18.90", True),  # currency, percent, degrees, a thin space: GSM8K, MATH
+        ("\\boxed{18\\%}", "18", True),
+        ("\\boxed{30^\\circ}", "30", True),
+        ("\\boxed{5\\,\\text{cm}}", "5", True),
+        ("\\boxed{10^2}", "10", False),
     ],
 )
 def test_math_answer_credits_the_number_an_answer_states(response, reference, matches):
@@ -88,3 +95,11 @@ def test_math_answer_credits_the_number_an_answer_states(response, reference, ma
     `\\boxed{\\sqrt{5}}` earned the reward for 5. A box now answers with a number only when it
     states one (a name, units, braces around it at most)."""
     assert math_answer(response, reference, {})["success"] is matches
+
+
+@pytest.mark.timeout(60)  # the quadratic patterns took minutes on this box (40 s at 64,000)
+def test_a_long_box_is_answered_without_reading_it_through():
+    """The patterns around a stated number took quadratic time on a long box (a degenerate reply
+    inside `\\boxed{`: 3 s for 16,000 characters, in the worker's event loop); a box longer than
+    any stated number is now no number at once."""
+    assert math_answer("\\boxed{" + "x " * 200_000 + "!}", "4", {})["reward"] == 0.0

@@ -121,5 +121,13 @@ def test_a_checkpoint_moved_aside_is_refused_with_the_reason(tmp_path):
     aside.mkdir(parents=True)
     (aside / STATE_FILE).write_bytes(b"")
     (tmp_path / "run" / "config.toml").write_text("")
-    with pytest.raises(ConfigError, match="rolled-back-step_000008 is not a checkpoint a run wrote as it is"):
+    with pytest.raises(
+        ConfigError, match="rolled-back-step_000008 is not named as a run names its checkpoints"
+    ):
         plan_resume(str(aside))
+
+
+def test_without_adapters_their_settings_may_change_on_resume():
+    """lora_alpha, lora_dropout and lora_target_modules mean nothing at lora_rank = 0."""
+    refused, changed = resume_conflicts(load_config(None, []), load_config(None, ["learner.lora_alpha=64.0"]))
+    assert refused == [] and changed == ["learner.lora_alpha: 16.0 -> 64.0"]

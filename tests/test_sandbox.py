@@ -609,3 +609,24 @@ def test_the_ldt_is_not_the_code_s_to_change():
         "print(libc.syscall(154, 0, buf, 16), ctypes.get_errno())\n"
     )
     assert run(code).output.split() == ["-1", "1"]  # EPERM
+
+
+@pytest.mark.skipif(
+    not (ROOT and shutil.which("unshare")), reason="needs root and unshare(1) for a PID 1 caller"
+)
+def test_a_caller_that_is_pid_1_keeps_its_sandbox():
+    """A container's entrypoint is PID 1: the supervisor took a parent of PID 1 for its caller's
+    death and ended every call, so the sandbox probe failed ("needs CAP_SYS_ADMIN", wrongly).
+    The caller's pid is now run.py's own."""
+    script = (
+        "import anyio, os\n"
+        "from millstream.envpool.envs.tools.sandbox.run import run_python\n"
+        "print(os.getpid(), anyio.run(lambda: run_python(\"print('hi')\"), backend='trio').output.strip())\n"
+    )
+    done = subprocess.run(
+        ["unshare", "-pf", "--mount-proc", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.stdout.split() == ["1", "hi"], done.stdout + done.stderr

@@ -24,6 +24,7 @@ called the model as `env_error` too: failures are counted, never scored as rewar
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -63,7 +64,10 @@ async def run_agent_episode(
         return episode_failed(spec, Cause.ENV_ERROR, "the agent never called the model: nothing to train")
     info = result.info
     # The whole reward on the last call: the env judges the episode, not each call.
-    record.rewards[-1] = float(result.reward)
+    reward = float(result.reward)
+    if not math.isfinite(reward):  # the environment's failure, never a score
+        return episode_failed(spec, Cause.ENV_ERROR, f"the agent environment returned the reward {reward}")
+    record.rewards[-1] = reward
     record.invalid_actions += 0 if info.get("valid", True) else 1
     if "success" in info:
         record.success = bool(info["success"])

@@ -10,13 +10,15 @@ So the endpoint remembers each reply it returned (`remember`: the message as the
 the history and tools it answered, the prompt ids and the sampled ids). When a request's last
 assistant message is one of them, sent back after the same history, `prompt` builds the ids as
 
-    the reply's prompt ids + its sampled ids (+ the end-of-turn token if it was cut)
-    + the ids of the template's text after that reply (the new messages, the generation prompt)
+    the reply's prompt ids + its sampled ids (+ the end-of-turn token unless it ended them)
+    + the ids of the template's text after that token (the new messages, the generation
+      prompt), encoded behind it as a render's tokenization has them
 
 and the call extends the context token for token. Where the template itself rewrites history (a
-render of the conversation up to the reply is not a prefix of the whole render: Qwen3 and
-DeepSeek-R1 drop earlier `<think>` blocks), or the agent edited the message or what came before
-it, `prompt` returns None and the endpoint renders afresh: a new segment, as before.
+render of the conversation up to the reply's end-of-turn token is not a prefix of the whole
+render: Qwen3 and DeepSeek-R1 drop earlier `<think>` blocks), or the agent edited the message or
+what came before it, `prompt` returns None and the endpoint renders afresh: a new segment, as
+before.
 """
 
 from __future__ import annotations

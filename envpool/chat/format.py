@@ -31,6 +31,7 @@ envpool never imports torch.
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -138,9 +139,9 @@ class ChatFormat:
         self.renders_tools = self._probe_renders_tools()
         # The members of a group share their first prompt; rendering a template is the
         # envpool's biggest CPU cost per episode after the transport, so cache it (bounded).
-        self._first: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
-        # A template that prints today's date (Llama 3.2) renders afresh: a cached prompt would
-        # keep the day it was made through a run that lasts past midnight.
+        self._first: OrderedDict[tuple[str, str, str], list[int]] = OrderedDict()
+        # A template that prints today's date (Llama 3.2) keys its cache by the day too: a cached
+        # prompt would keep the day it was made through a run that lasts past midnight.
         self._dated = "strftime_now" in self.template_text
         self._around: dict[str, _Splice | None] = {}  # `_verbatim`, by role
         #: The tokenizer's added tokens (special or not): it splits text at them first.
@@ -227,9 +228,9 @@ class ChatFormat:
         """The opening context: the system prompt (if any) and the first user turn."""
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": observation})
-        if tools is not None or self._dated:
+        if tools is not None:
             return self.apply(messages, tools=tools)
-        key = (system, observation)
+        key = (system, observation, time.strftime("%Y-%m-%d") if self._dated else "")
         ids = self._first.get(key)
         if ids is None:
             ids = self._first[key] = self.apply(messages)

@@ -183,7 +183,7 @@ class DebugEpisode:
         self._edited("output", text if text is not None else ids)
 
     def edit_output_text(self, text: str) -> None:
-        self.edit_output(self.chat.encode(text) + self.chat.stop_token_ids[:1], text)
+        self.edit_output(self.chat.encode(text) + [self.chat.eos_id], text)
 
     def _edited(self, what: str, value: Any) -> None:
         self.edits.append({"turn": len(self.turns) - 1, "what": what, "value": value})

@@ -58,7 +58,11 @@ _FRAC = re.compile(r"(-?)\\[dt]?frac(?:\{\s*(-?\d+)\s*\}\{\s*(-?\d+)\s*\}|(\d)(\
 # "\\text{ cm}"), braces or a \\text{} around it. Anything else (an operator, a root, a power,
 # a second number) makes it another expression, which no number of it answers.
 _LABEL = re.compile(r"[A-Za-z]\w*\s*=\s*")
-_UNITS = re.compile(r"(?:\s*\\(?:text|mathrm)\s*\{[A-Za-z .]*\}|\s+[A-Za-z]+)+\.?$")
+_CURRENCY = re.compile(r"\\?\$\s*")
+_UNITS = re.compile(
+    r"(?:\s*(?:\\[,;: ]\s*)?(?:\\(?:text|mathrm)\s*\{[A-Za-z .]*\}|[A-Za-z]+)(?:\^\{?2\}?|\^\{?3\}?)?"
+    r"|\s*\\?%|\s*\^\s*\{?\\circ\}?|\s*°)+\.?$"
+)
 _WRAPPED = re.compile(r"(?:\\(?:text|textbf|mathrm|mathbf)\s*)?\{(.*)\}", re.DOTALL)
 _BOXED = "\\boxed{"
 
@@ -112,9 +116,13 @@ def extract_answer(response: str) -> str | None:
 
 def labelled_number(text: str) -> Fraction | None:
     """The number a boxed answer states, if it states one: "4", "x = 4", "{4}", "4 cm",
-    "\\text{4}", "x=\\frac{1}{2}"; None for any other expression ("\\sqrt{5}", "2^{10}",
-    "5\\sqrt{2}", "3/4/5"), whose last number is not its value."""
+    "\\text{4}", "x=\\frac{1}{2}", "\\$18.90", "18\\%", "30^\\circ", "5\\,\\text{cm}"; None for
+    any other expression ("\\sqrt{5}", "2^{10}", "5\\sqrt{2}", "3/4/5"), whose last number is not
+    its value. A unit, a percent sign or a degree is dropped, not applied: "18\\%" is 18."""
+    if len(text) > 4 * MAX_NUMBER_CHARS:  # no stated number is that long (and the patterns stay fast)
+        return None
     s = _LABEL.sub("", text.strip(), count=1)
+    s = _CURRENCY.sub("", s, count=1) if _CURRENCY.match(s) else s
     s = _UNITS.sub("", s).strip()
     while (wrapped := _WRAPPED.fullmatch(s)) is not None:
         s = wrapped.group(1).strip()
@@ -144,10 +152,10 @@ def math_verify(response: str, answer: str, row: dict[str, Any]) -> dict[str, An
 
     The reference is read as LaTeX (wrapped in `$...$` unless it has its own delimiters or a
     box). math-verify bounds its own parsing and comparison with a 5 s alarm (SIGALRM, so only
-    in a process's main thread, where the envpool runs environments); past it, or with a
-    reference it reads no answer in, this raises (the episode fails as `env_error`: a verifier's
-    failure is no reward of 0). `valid` says whether an answer could be parsed from the response
-    at all; a response math-verify cannot parse has none."""
+    in a process's main thread, where the envpool runs environments). A reference it cannot read
+    in time, or reads no answer in, raises (the episode fails as `env_error`: the row's fault is
+    no reward of 0); a response it cannot read, or not in time, has no answer (0, `valid`
+    False): the text is the model's, and an env_error would let a wrong answer out of its 0."""
     try:
         from math_verify import parse, verify
         from math_verify.errors import TimeoutException
@@ -159,13 +167,15 @@ def math_verify(response: str, answer: str, row: dict[str, Any]) -> dict[str, An
         gold = parse(reference if ("$" in reference or "\\boxed" in reference) else f"${reference}$", **bound)
         if not gold:  # the row's fault, not the model's: never a reward of 0
             raise ValueError(f"math-verify reads no answer in the reference {reference[:80]!r}")
-        try:
-            given = parse(response, **bound)
-            success = bool(given) and bool(
-                verify(gold, given, timeout_seconds=VERIFY_TIMEOUT_S, raise_on_error=True)
-            )
-        except Exception:  # the model's malformed answer (its time-out is a BaseException)
-            given, success = [], False
-    except TimeoutException:  # its 5 s bound: a slow verifier is no answer of the model's
-        raise RuntimeError(f"math-verify did not finish in its {VERIFY_TIMEOUT_S} s bound") from None
+    except TimeoutException:  # its bound, on the row's own answer: not the model's doing
+        raise RuntimeError(
+            f"math-verify did not finish the reference in its {VERIFY_TIMEOUT_S} s bound"
+        ) from None
+    try:
+        given = parse(response, **bound)
+        success = bool(given) and bool(
+            verify(gold, given, timeout_seconds=VERIFY_TIMEOUT_S, raise_on_error=True)
+        )
+    except (Exception, TimeoutException):  # the model's answer, malformed or too slow to read: its own
+        given, success = [], False  # (an env_error would drop it from its group: a way out of a 0)
     return {"reward": 1.0 if success else 0.0, "success": success, "valid": bool(given)}

@@ -37,7 +37,7 @@ from millstream.learner.episodes.records import EpisodeRecords
 from millstream.learner.episodes.validate import EpisodeCheck, vocab_size
 from millstream.learner.episodes.workers import WorkerLedger
 from millstream.learner.evals import EvalLog
-from millstream.learner.loop.batches import take_batch
+from millstream.learner.loop.batches import group_test, take_batch
 from millstream.learner.loop.finish import close_run, final_wait_s, write_summary
 from millstream.learner.loop.report import StepReport, elapsed_before
 from millstream.learner.loop.saving import Saver
@@ -80,7 +80,9 @@ class Leader:
         self.keys = keys
         train, learner = cfg.train, cfg.learner
         bound = train.max_staleness if learner.staleness_policy == "drop" else learner.decoupled_max_staleness
-        self.buffer = ReplayBuffer(train.group_size, train.groups_per_batch, bound, learner.max_buffer_groups)
+        self.buffer = ReplayBuffer(
+            train.group_size, train.groups_per_batch, bound, learner.max_buffer_groups, keep=group_test(cfg)
+        )
         self.generation_budget = cfg.envpool.max_tokens * cfg.envpool.max_turns
         self.ledger = WorkerLedger(cfg.envpool.workers, group_base=0, group_size=train.group_size)
         check = EpisodeCheck(learner, vocab_size(resolve_model_dir(cfg)))

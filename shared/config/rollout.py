@@ -181,9 +181,9 @@ class ActorConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             "that the launcher starts it again. vLLM bounds a step of its worker processes "
             "(VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, 300 s), not one run inside a single-process "
             "engine (one GPU); keep this above the longest step (a whole prompt's prefill). At "
-            "least a minute: a request held up sending to a slow client reads no output for up "
-            "to that long.",
-            ge=60,
+            "least 90 s: a request held up sending to a slow client reads no output for up to a "
+            "minute.",
+            ge=90,
         ),
     ] = 300.0
     kind: Annotated[

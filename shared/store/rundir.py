@@ -169,8 +169,8 @@ def plan_resume(where: str) -> Resume:
         raise ConfigError(f"run.resume = {where!r}: {exc}") from None
     if not re.fullmatch(r"step_\d+", checkpoint.name):
         raise ConfigError(
-            f"run.resume = {where!r}: {checkpoint.name} is not a checkpoint a run wrote as it is "
-            "(step_N); an earlier resume moved it aside"
+            f"run.resume = {where!r}: {checkpoint.name} is not named as a run names its checkpoints "
+            "(step_N): renamed, or moved aside by an earlier resume (rolled-back-step_N)"
         )
     run_dir = checkpoint.parent.parent
     config = run_dir / "config.toml"
@@ -208,7 +208,10 @@ def resume_conflicts(previous: Config, new: Config) -> tuple[list[str], list[str
         if old.get(key) == now.get(key) or key in _SESSION_KEYS:
             continue
         line = f"{key}: {old.get(key)!r} -> {now.get(key)!r}"
-        (refused if key in MUST_MATCH else changed).append(line)
+        unused = (
+            key.startswith("learner.lora_") and key != "learner.lora_rank" and not old["learner.lora_rank"]
+        )
+        (refused if key in MUST_MATCH and not unused else changed).append(line)  # no adapters: no scale
     return refused, changed
 
 

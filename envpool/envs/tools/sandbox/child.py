@@ -68,14 +68,14 @@ def _limit(kind, value, hard=None):
         pass
 
 
-def _jail(mechanism, work_bytes):
+def _jail(mechanism, work_bytes, caller):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         import jail  # type: ignore[import-not-found]  # sibling files, found by path
         import syscall_filter  # type: ignore[import-not-found]
     finally:
         del sys.path[0]  # so the jail does not bind the checkout's directory into the sandbox
-    jail.enter(mechanism, os.getcwd(), work_bytes, syscall_filter.install)
+    jail.enter(mechanism, os.getcwd(), work_bytes, syscall_filter.install, caller)
 
 
 def _join(procs_files):
@@ -96,7 +96,8 @@ def main():
         _join(sys.argv[6])
     code = sys.stdin.read()
     if mechanism != "none":
-        _jail(mechanism, int(sys.argv[5]))
+        caller = os.environ.get("MILLSTREAM_SANDBOX_CALLER")  # run.py's pid: the call ends with it
+        _jail(mechanism, int(sys.argv[5]), int(caller) if caller else None)
         # Without the call's cgroup (its pids.max bounds this call alone), the nobody user's
         # count bounds a fork bomb. Not with it: that count is every sandbox's on the machine,
         # and one call's bomb would take the processes and threads of the others' honest code.

@@ -98,8 +98,11 @@ def _write(path, text):
         raise SetupError(f"write {path}: {exc.strerror}") from None
 
 
-def enter(mechanism, workdir, work_bytes, filter_syscalls):
+def enter(mechanism, workdir, work_bytes, filter_syscalls, caller=None):
     """Lock this process in; return only in the worker (see the module docstring).
+
+    `caller` is the pid of the process the call is for (the envpool worker): the supervisor
+    ends the call if it dies first. None: not watched.
 
     `filter_syscalls` is syscall_filter.install (child.py imports both by path): called last in
     the worker, it may return why no filter went on (reported at preflight) or raise."""
@@ -128,7 +131,7 @@ def enter(mechanism, workdir, work_bytes, filter_syscalls):
     if init:
         os.close(report_w)
         os.close(alive_r)
-        _supervise(init, report_r)  # never returns
+        _supervise(init, report_r, caller)  # never returns
     try:
         os.close(report_r)
         os.close(alive_w)
@@ -155,19 +158,22 @@ def _fail_now(message):
     os._exit(SETUP_FAILED)
 
 
-def _outlive_no_parent(init):
-    """Return once init has exited; if the process that started this supervisor dies first (an
+def _outlive_no_parent(init, caller):
+    """Return once init has exited; if `caller` (the pid the call is for) dies first (an
     envpool worker killed), kill init, which takes the namespace with it, and exit: nothing of
-    the call outlives its caller. Watched through pidfds (Linux 5.3); without them, as before,
-    only init is waited for. No PR_SET_PDEATHSIG here: it fires when the parent *thread* ends,
-    and the caller may start this process from a thread that ends first (trio's do)."""
+    the call outlives its caller. Watched through pidfds (Linux 5.3); without them, or without a
+    caller, only init is waited for. The caller's pid comes from run.py, not getppid(): the
+    parent may be PID 1 by right (a container's entrypoint) or by a death before this started.
+    No PR_SET_PDEATHSIG: it fires when the parent *thread* ends, and trio spawns from a thread."""
+    if caller is None:
+        return
     try:
-        watched = [os.pidfd_open(init), os.pidfd_open(os.getppid())]
+        watched = [os.pidfd_open(init), os.pidfd_open(caller)]
+    except ProcessLookupError:  # the caller is gone already
+        watched = []
     except (AttributeError, OSError):
         return
-    if os.getppid() == 1:  # the caller was gone before its pidfd was opened
-        watched[1] = -1
-    while watched[1] >= 0:
+    while watched:
         try:
             ready, _, _ = select.select(watched, [], [])
         except InterruptedError:
@@ -179,9 +185,9 @@ def _outlive_no_parent(init):
     os._exit(1)
 
 
-def _supervise(init, report_r):
+def _supervise(init, report_r, caller):
     """Wait for init, then end the way the worker ended (or report a failed setup)."""
-    _outlive_no_parent(init)
+    _outlive_no_parent(init, caller)
     while True:
         try:
             _, status = os.waitpid(init, 0)

@@ -84,7 +84,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 CHILD = Path(__file__).resolve().with_name("child.py")
-#: The child's whole environment. One malloc arena: under the address-space limit each thread's
+#: The child's whole environment, with the caller's pid (MILLSTREAM_SANDBOX_CALLER: the jail
+#: ends the call if this process dies first). One malloc arena: under the address-space limit each thread's
 #: own arena (64 MiB reserved) left room for 3 or 4 threads of a thread pool, not `max_processes`.
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "1"}
 SANDBOX_MODES = ("strict", "namespaces", "userns", "weak")
@@ -160,7 +161,7 @@ def _probe(mechanism: str) -> str | None:
                 input=_PROBE_CODE.encode(),
                 capture_output=True,
                 cwd=workdir,
-                env=CHILD_ENV,
+                env={**CHILD_ENV, "MILLSTREAM_SANDBOX_CALLER": str(os.getpid())},
                 timeout=30,
             )
             out = (done.stdout.removeprefix(READY) + done.stderr).decode("utf-8", "replace").strip()
@@ -340,7 +341,7 @@ async def _run_in(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=workdir,
-        env=CHILD_ENV,
+        env={**CHILD_ENV, "MILLSTREAM_SANDBOX_CALLER": str(os.getpid())},
         start_new_session=True,
     )
     assert process.stdin is not None and process.stdout is not None
