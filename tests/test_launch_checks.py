@@ -87,6 +87,56 @@ def test_a_learner_started_alone_refuses_such_sampling_too(tiny_model_dir):
     )
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["actor.address=tcp://localhost:5555", "learner.version_address=tcp://127.0.0.1:5555"],
+            "actor.address = 'tcp://localhost:5555': learner.version_address binds it too",
+        ),
+        (
+            [
+                "actor.replicas=2",
+                "actor.address=tcp://127.0.0.1:5600",
+                "learner.experience_address=tcp://127.0.0.1:5601",
+            ],
+            "actor.replica_addresses[1] = 'tcp://127.0.0.1:5601': learner.experience_address binds it too",
+        ),
+        (
+            ["train.groups_per_batch=5000"],
+            "train.groups_per_batch = 5000: a batch takes 5000 complete groups",
+        ),
+        (["run.name=../../escape"], "run.name = '../../escape': expected a folder name"),
+        (["judge.weight=nan"], "judge.weight = nan: expected a number"),
+    ],
+)
+def test_settings_that_could_only_fail_later_are_refused_now(tmp_path, tiny_model_dir, overrides, message):
+    """A bad-input audit's finds: two roles on one address (the second failed at its bind, after
+    its engine loaded), a batch larger than the buffer (no step, ever), a run name that leaves
+    run.root, a NaN that passes every range check."""
+    assert refused(tmp_path, f"model.path={tiny_model_dir}", *overrides).startswith(message)
+
+
+def test_a_config_path_that_is_no_file_or_comes_last_is_one_line(tmp_path):
+    from millstream.shared.config import load_config
+
+    (tmp_path / "latin1.toml").write_bytes("name = 'caf\xe9'".encode("latin-1"))
+    for path, said in (
+        (tmp_path, "cannot read the config file"),
+        (tmp_path / "latin1.toml", "not UTF-8 text"),
+    ):
+        with pytest.raises(ConfigError, match=said):
+            load_config(str(path))
+    (tmp_path / "my.toml").write_text("")
+    proc = subprocess.run(
+        [*MILLSTREAM, "run", "train.steps=5", str(tmp_path / "my.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "looks like a config file: it comes first" in proc.stderr, proc.stderr
+
+
 def test_evaluation_of_an_agent_env_is_refused_before_anything_starts(tmp_path, tiny_model_dir):
     message = refused(tmp_path, f"model.path={tiny_model_dir}", "envpool.env=openai_agent", "eval.every=5")
     assert message.startswith("eval.every = 5: evaluation rounds play text environments")

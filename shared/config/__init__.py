@@ -1,6 +1,7 @@
 """The run configuration: one TOML file, dotted overrides, strict checks that name the key.
 
-    load.py      loading, merging overrides, checks across sections, `millstream config` output
+    load.py      loading, merging overrides, `millstream config` output
+    checks.py    checks across sections (addresses, budgets, the batch and the buffer, NaN)
     schema.py    the config tree and the run-wide sections (run, model, train); re-exports them all
     rollout.py   the sections about how episodes are generated (actor, envpool)
     learning.py  the section about how the learner trains (learner)

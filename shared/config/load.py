@@ -24,8 +24,6 @@ context) run after the types (`check_config`), still before any role starts.
 from __future__ import annotations
 
 import difflib
-import ipaddress
-import math
 import re
 import tomllib
 from datetime import date, time
@@ -34,8 +32,9 @@ from typing import Any, Literal, get_args, get_origin
 
 import msgspec
 
+from millstream.shared.config.checks import check_config
 from millstream.shared.config.limits import frame_limit
-from millstream.shared.config.meta import ConfigError
+from millstream.shared.config.meta import ConfigError, toml_value
 from millstream.shared.config.schema import (
     ActorConfig,
     ChaosConfig,
@@ -49,7 +48,6 @@ from millstream.shared.config.schema import (
     TrainConfig,
     TransportConfig,
 )
-from millstream.shared.obs.dashboards import backend_problem
 
 __all__ = [
     "Config",
@@ -80,7 +78,6 @@ DEFAULT_CONFIG = Config()
 
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 #: tcp://HOST:PORT (HOST a name, an IPv4 address or a bracketed IPv6 one) or ipc://PATH.
-_ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):(\d{1,5})|ipc://.+")
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -129,6 +126,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path}: not a TOML file (not UTF-8 text)") from None
+        except OSError as exc:  # a directory, no permission, ...
+            raise ConfigError(f"{path}: cannot read the config file: {exc.strerror or exc}") from None
     data = _merge(data, parse_overrides(overrides or []))
     try:
         cfg = msgspec.convert(data, Config, strict=True)
@@ -137,9 +138,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     check_config(cfg)
     cfg.transport.max_frame_bytes = frame_limit(cfg)  # shared/config/limits.py
     return cfg
-
-
-# --- errors that name the key ------------------------------------------------------------------
 
 
 def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
@@ -223,138 +221,6 @@ def config_keys(*, sections: bool = False) -> list[str]:
 # --- checks across keys ------------------------------------------------------------------------
 
 
-def check_config(cfg: Config) -> None:
-    """What types and ranges cannot say alone; raises ConfigError naming the keys."""
-    addresses = {
-        "actor.address": cfg.actor.address,
-        "actor.connect": cfg.actor.connect,
-        "learner.experience_address": cfg.learner.experience_address,
-        "learner.version_address": cfg.learner.version_address,
-    }
-    for i, address in enumerate(cfg.actor.replica_addresses):
-        addresses[f"actor.replica_addresses[{i}]"] = address
-    if cfg.judge.model_path or cfg.judge.connect:
-        addresses["judge.address"], addresses["judge.connect"] = cfg.judge.address, cfg.judge.connect
-    for key, address in addresses.items():
-        if address or not key.endswith(".connect"):
-            _check_address(key, address)
-    _check_replicas(cfg)
-    _check_judge(cfg)
-    if not cfg.transport.curve:
-        wide = {k: a for k, a in addresses.items() if a and not _is_local(a)}
-        if wide:
-            key, address = next(iter(wide.items()))
-            raise ConfigError(
-                f"transport.curve = false: {key} = {_show(address)} is not a loopback address; "
-                "a socket beyond this machine needs authentication (transport.curve = true)"
-            )
-    if cfg.envpool.max_tokens >= cfg.actor.max_model_len:
-        raise ConfigError(
-            f"envpool.max_tokens = {cfg.envpool.max_tokens}: a turn's generation budget must "
-            f"leave room for its prompt within actor.max_model_len = {cfg.actor.max_model_len}"
-        )
-    low, high = cfg.learner.reward_range
-    if not (math.isfinite(low) and math.isfinite(high) and low < high):
-        raise ConfigError(
-            f"learner.reward_range = {cfg.learner.reward_range}: expected [low, high], finite, low < high"
-        )
-    if cfg.actor.max_messages_per_frame < cfg.transport.coalesce_max:
-        raise ConfigError(
-            f"actor.max_messages_per_frame = {cfg.actor.max_messages_per_frame}: below "
-            f"transport.coalesce_max = {cfg.transport.coalesce_max}, the actor would refuse the "
-            "envpool's own frames"
-        )
-    problem = backend_problem(cfg.metrics.backends)
-    if problem:
-        raise ConfigError(problem)
-    if cfg.launcher.kind == "ray" and cfg.launcher.ray_address != "auto":
-        _check_ray_address(cfg.launcher.ray_address)
-    if cfg.eval.samples > 1 and cfg.eval.temperature == 0:
-        raise ConfigError(
-            f"eval.samples = {cfg.eval.samples} with eval.temperature = 0: greedy samples are all "
-            "the same; pass@k needs eval.temperature > 0"
-        )
-    if cfg.train.group_size > cfg.envpool.max_concurrent_episodes:
-        raise ConfigError(
-            f"train.group_size = {cfg.train.group_size}: exceeds envpool.max_concurrent_episodes "
-            f"= {cfg.envpool.max_concurrent_episodes}, so a group could never start"
-        )
-
-
-def _check_judge(cfg: Config) -> None:
-    """The judge's score pattern compiles and has a group; its rubric names only known fields."""
-    judge = cfg.judge
-    if judge.connect and not judge.model_path:
-        raise ConfigError(
-            f"judge.connect = {judge.connect!r}: also set judge.model_path (the judge's tokenizer "
-            "and chat template; the launcher then starts no judge)"
-        )
-    try:
-        groups = re.compile(judge.score_pattern).groups
-    except re.error as exc:
-        raise ConfigError(
-            f"judge.score_pattern = {judge.score_pattern!r}: not a regular expression: {exc}"
-        ) from None
-    if groups < 1:
-        raise ConfigError(f"judge.score_pattern = {judge.score_pattern!r}: needs a group (the score)")
-    try:
-        judge.rubric.format(task="", response="", transcript="")
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise ConfigError(
-            f"judge.rubric: {type(exc).__name__} {exc}; the fields are {{task}}, {{response}}, "
-            "{transcript} (double other braces: {{ }})"
-        ) from None
-
-
-def _check_replicas(cfg: Config) -> None:
-    listed = cfg.actor.replica_addresses
-    if listed and len(listed) != cfg.actor.replicas:
-        raise ConfigError(
-            f"actor.replica_addresses lists {len(listed)} addresses for actor.replicas = "
-            f"{cfg.actor.replicas}: one per replica (or none: the launcher fills them in)"
-        )
-    if len(set(listed)) != len(listed):
-        raise ConfigError(f"actor.replica_addresses = {listed}: two replicas cannot bind one address")
-    if cfg.actor.connect and cfg.actor.replicas > 1:
-        raise ConfigError(
-            f"actor.replicas = {cfg.actor.replicas} with actor.connect set: the launcher starts no "
-            "actor then; more replicas join a run with `millstream actor --join`"
-        )
-
-
-def _is_local(address: str) -> bool:
-    """ipc, inproc, or tcp on a loopback host."""
-    match = _ADDRESS.fullmatch(address)
-    if match is None or not address.startswith("tcp://"):
-        return address.startswith(("ipc://", "inproc://"))
-    host = match.group(1).strip("[]")
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name other than localhost: it may resolve anywhere
-        return False
-
-
-def _check_ray_address(address: str) -> None:
-    host, sep, port = address.rpartition(":")
-    if not (sep and host and port.isdigit() and 0 < int(port) <= 65535):
-        raise ConfigError(
-            f"launcher.ray_address = {_show(address)}: expected HOST:PORT of the Ray head "
-            "(as `ray start --head` printed it) or 'auto'"
-        )
-
-
-def _check_address(key: str, address: str) -> None:
-    match = _ADDRESS.fullmatch(address)
-    port = match.group(2) if match else None
-    if match is None or (port is not None and int(port) > 65535):
-        raise ConfigError(
-            f"{key} = {_show(address)}: expected tcp://HOST:PORT (port 0 picks a free one) or ipc://PATH"
-        )
-
-
-# --- writing and describing --------------------------------------------------------------------
-
-
 def dump_config(cfg: Config) -> str:
     """The config as TOML (every field, defaults included): the run's resolved config."""
     lines: list[str] = []
@@ -364,22 +230,6 @@ def dump_config(cfg: Config) -> str:
             lines.append(f"{key} = {toml_value(item)}")
         lines.append("")
     return "\n".join(lines)
-
-
-def toml_value(value: Any) -> str:
-    """One value as TOML (inline tables for dicts): also what a `key=value` override takes."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return msgspec.json.encode(value).decode()
-    if isinstance(value, dict):
-        inner = ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items())
-        return "{ " + inner + " }" if inner else "{}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    raise ConfigError(f"cannot write {value!r} as TOML")
 
 
 def describe_config() -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["doc", "ConfigError", "CPUS_PATTERN"]
+__all__ = ["doc", "ConfigError", "CPUS_PATTERN", "toml_value"]
 
 
 class ConfigError(ValueError):
@@ -25,3 +25,19 @@ def doc(text: str, **constraints: Any) -> msgspec.Meta:
 #: What a `*.cpus` setting may hold: auto, all, or a core list such as "0-3,8"
 #: (shared/process/cpus.py reads it).
 CPUS_PATTERN = r"^(auto|all|\d+(-\d+)?(,\d+(-\d+)?)*)$"
+
+
+def toml_value(value: Any) -> str:
+    """One value as TOML (inline tables for dicts): also what a `key=value` override takes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, dict):
+        inner = ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items())
+        return "{ " + inner + " }" if inner else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise ConfigError(f"cannot write {value!r} as TOML")

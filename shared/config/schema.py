@@ -45,7 +45,13 @@ __all__ = [
 
 
 class RunConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    name: Annotated[str, _doc("Run name; the run directory is `<root>/<name>-<timestamp>`.")] = "run"
+    name: Annotated[
+        str,
+        _doc(
+            "Run name; the run directory is `<root>/<name>-<timestamp>`: a folder name (no '/', "
+            "not empty, not starting with '.'), so the run stays inside run.root."
+        ),
+    ] = "run"
     root: Annotated[str, _doc("Folder that holds run directories.")] = "runs"
     dir: Annotated[str, _doc("Exact run directory (overrides root/name); set by the launcher.")] = ""
     seed: Annotated[int, _doc("Master seed: environment seeds, sampling seeds, learner init.")] = 0

@@ -183,6 +183,9 @@ def run(args: list[str]) -> int:
             if not (first.endswith(".toml") or "/" in first or os.path.exists(first)):
                 parse_overrides([first])  # not a file: an override without '=', say so
             path, args = first, args[1:]
+        late = next((a for a in args if "=" not in a and (a.endswith(".toml") or os.path.isfile(a))), None)
+        if late is not None:  # an override's error ("needs '='") would say the opposite of the fix
+            raise ConfigError(f"{late!r} looks like a config file: it comes first, before the overrides")
         return launch(path, args, quiet=quiet)
     except ConfigError as exc:
         print(f"millstream run: {exc}", file=sys.stderr)

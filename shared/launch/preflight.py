@@ -99,18 +99,23 @@ def bind_addresses(cfg: Config) -> list[tuple[str, str]]:
 
 
 def check_bind_addresses(cfg: Config) -> None:
-    """Every TCP address the run's roles will bind is free now. A busy one would fail the role
+    """Every address the run's roles will bind is their own and (TCP) free now. A busy one would fail the role
     at its bind, after its engine loaded, and again at every restart (a bind error never mends);
     here it fails in well under a second, naming the key. Only for roles on this host: with
     `launcher.kind = "ray"` the roles bind on the hosts Ray places them on."""
     if cfg.launcher.kind != "local":
         return
+    taken: dict[str, str] = {}  # two roles on one address: the second fails at its bind
     for key, address in bind_addresses(cfg):
+        if address.endswith(":0"):
+            continue
+        same = address.replace("//localhost:", "//127.0.0.1:")
+        if same in taken:
+            raise ConfigError(f"{key} = {address!r}: {taken[same]} binds it too; each role needs its own")
+        taken[same] = key
         if not address.startswith("tcp://"):
             continue
         host, port = address[len("tcp://") :].rsplit(":", 1)
-        if port == "0":
-            continue
         problem = bind_problem(host.strip("[]"), int(port))
         if problem:
             raise ConfigError(f"{key} = {address!r}: {problem}; choose another port, or port 0 (a free one)")
