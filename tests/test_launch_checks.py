@@ -108,12 +108,14 @@ def test_a_learner_started_alone_refuses_such_sampling_too(tiny_model_dir):
         ),
         (["run.name=../../escape"], "run.name = '../../escape': expected a folder name"),
         (["judge.weight=nan"], "judge.weight = nan: expected a number"),
+        (["actor.max_model_len=100000"], "actor.max_model_len = 100000: more than the model's context (4096"),
     ],
 )
 def test_settings_that_could_only_fail_later_are_refused_now(tmp_path, tiny_model_dir, overrides, message):
     """A bad-input audit's finds: two roles on one address (the second failed at its bind, after
     its engine loaded), a batch larger than the buffer (no step, ever), a run name that leaves
-    run.root, a NaN that passes every range check."""
+    run.root, a NaN that passes every range check, a context longer than the model's (vLLM's
+    refusal came as its engine started, and again at each restart)."""
     assert refused(tmp_path, f"model.path={tiny_model_dir}", *overrides).startswith(message)
 
 

@@ -10,10 +10,13 @@ the launcher prints it as one line and makes no run directory.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import orjson
 
 from millstream.shared.config import Config, ConfigError, dump_config
 from millstream.shared.config.trainable import sampling_problem
@@ -49,11 +52,30 @@ def check_actor(cfg: Config) -> None:
     cannot honour; an allocator library that is not there."""
     if not cfg.actor.connect and cfg.actor.kind == "vllm":
         check_tensor_parallel(cfg.model.path, cfg.actor.tensor_parallel_size)
+        _check_context(cfg)
     if cfg.launcher.kind == "local":  # on Ray the roles' hosts may have other cores and files
         check_cpus(cfg)
         check_gpus(cfg)
         check_allocator(cfg)
         _check_shared_gpus(cfg)
+
+
+def _check_context(cfg: Config) -> None:
+    """`actor.max_model_len` within the model's own context (config.json's
+    max_position_embeddings): vLLM refuses a longer one only as its engine starts, unless
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN says to go past it."""
+    if not cfg.model.path or os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1":
+        return
+    try:
+        config = orjson.loads((Path(cfg.model.path).expanduser() / "config.json").read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return  # check_model_dir and vLLM say what is wrong with the directory
+    longest = config.get("text_config", config).get("max_position_embeddings")
+    if isinstance(longest, int) and cfg.actor.max_model_len > longest:
+        raise ConfigError(
+            f"actor.max_model_len = {cfg.actor.max_model_len}: more than the model's context "
+            f"({longest} tokens, max_position_embeddings in {cfg.model.path}/config.json)"
+        )
 
 
 def _check_shared_gpus(cfg: Config) -> None:
