@@ -45,8 +45,9 @@ def check_envpool(cfg: Config) -> str | None:
         env = make_env(pool.env, pool.env_args)
     except UnknownEnvironment as exc:
         return f"envpool.env = {pool.env!r}: {exc}"
-    except (TypeError, ValueError) as exc:
-        return f"envpool.env_args: {exc}"
+    except (TypeError, ValueError) as exc:  # said once: an environment may name the key itself
+        said = str(exc)
+        return said if said.startswith("envpool.env_args") else f"envpool.env_args: {said}"
     except Exception as exc:  # the environment's own constructor failed: say so in one line
         return f"envpool.env = {pool.env!r}: its constructor raised {type(exc).__name__}: {exc}"
     problem = _check_eval_env(cfg) or _check_judge(cfg, env)

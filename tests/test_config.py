@@ -178,3 +178,13 @@ def test_parse_overrides_rejects_value_as_section():
 def test_every_example_config_loads(example):
     """The configs docs/real-models.md and the README point users at stay valid."""
     load_config(example)
+
+
+def test_a_list_or_table_the_shell_unquoted_says_how_to_quote_it():
+    """Bash turns envpool.env_args={task="x"} into {task=x}, which is no TOML: the hint said to
+    write values without quotes, the opposite of the fix."""
+    for override in ("envpool.env_args={task=x}", "learner.lora_target_modules=[q_proj,k_proj]"):
+        with pytest.raises(
+            ConfigError, match="quote the strings in it, and the whole override for the shell"
+        ):
+            load_config(None, [override])

@@ -195,7 +195,9 @@ def test_preflight_names_the_key_before_a_run(tiny_model_dir, tmp_path):
     cfg = load_config(None, [*base, "envpool.env_args.path=millstream:arithmetic"])
     assert check_envpool(cfg) is None
     cfg = load_config(None, [*base, "envpool.env_args.path=/nope.jsonl"])
-    assert (problem := check_envpool(cfg)) and problem.startswith("envpool.env_args: envpool.env_args.path")
+    assert (problem := check_envpool(cfg)) and problem.startswith(
+        "envpool.env_args.path = "
+    )  # the key said once
     bad_eval = [
         *base,
         "envpool.env_args.path=millstream:arithmetic",

@@ -77,7 +77,6 @@ __all__ = [
 DEFAULT_CONFIG = Config()
 
 _KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-#: tcp://HOST:PORT (HOST a name, an IPv4 address or a bracketed IPv6 one) or ipc://PATH.
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -160,7 +159,13 @@ def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
     what = re.sub(r"`([^`]*)`", r"\1", what)
     what = what[0].lower() + what[1:] if what else what
     hint = ""
-    if isinstance(value, str) and what.startswith("expected") and "got str" in what:
+    if isinstance(value, str) and re.match(r"expected (object|array), got str", what):
+        # The shell ate the quotes, or a bracket is missing: the override did not parse as TOML.
+        hint = (
+            " (a list or table in an override is TOML: quote the strings in it, and the whole "
+            'override for the shell: \'key=["a", "b"]\', \'key={name="x"}\')'
+        )
+    elif isinstance(value, str) and what.startswith("expected") and "got str" in what:
         hint = " (write numbers and booleans without quotes)"
     elif isinstance(value, (int, float, bool, date, time)) and "expected str" in what:
         hint = " (quote text that TOML would read as another type: key='\"...\"')"
