@@ -61,6 +61,8 @@ if TYPE_CHECKING:  # only for type hints; keeps this module free of runtime impo
     from millstream.shared.config import LearnerConfig
     from millstream.shared.wire import Trajectory
 
+from millstream.shared.config.learning import filter_pool_size  # one formula: the config checks it too
+
 __all__ = [
     "EPS",
     "span_problem",
@@ -202,19 +204,6 @@ def filter_groups(groups: list[Group], cfg: LearnerConfig) -> tuple[list[Group],
             [g for i, g in enumerate(groups) if i not in top],
         )
     raise ValueError(f"unknown group_filter {mode!r}; known: none, zero_std, starpo_s")
-
-
-def filter_pool_size(cfg: LearnerConfig, groups_per_batch: int) -> int:
-    """Complete groups to take as filter candidates: ceil(groups_per_batch / starpo_keep) for
-    starpo_s (then `filter_groups` keeps at least `groups_per_batch`), else groups_per_batch.
-
-    zero_std tests each group on its own, so the buffer drops what fails it before the batch is
-    counted (`ReplayBuffer.take_batch(keep=has_reward_spread)`): groups_per_batch pass.
-    """
-    if cfg.group_filter != "starpo_s":
-        return groups_per_batch
-    # The tolerance absorbs binary noise: 3 / 0.3 is 10.000000000000002, and 11 is not meant.
-    return max(groups_per_batch, math.ceil(groups_per_batch / cfg.starpo_keep - 1e-9))
 
 
 # --- internals ------------------------------------------------------------------------------

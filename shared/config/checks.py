@@ -9,21 +9,17 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
-from typing import Any
 
 import msgspec
 
-from millstream.shared.config.meta import ConfigError, toml_value
+from millstream.shared.config.learning import filter_pool_size
+from millstream.shared.config.meta import ConfigError, show_value
 from millstream.shared.config.schema import Config
 from millstream.shared.obs.dashboards import backend_problem
 
 __all__ = ["check_config"]
 
 _ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+|\*):(\d{1,5})|ipc://.+")
-
-
-def _show(value: Any) -> str:
-    return toml_value(value) if isinstance(value, (str, int, float, bool)) else repr(value)
 
 
 def check_config(cfg: Config) -> None:
@@ -49,7 +45,7 @@ def check_config(cfg: Config) -> None:
         if wide:
             key, address = next(iter(wide.items()))
             raise ConfigError(
-                f"transport.curve = false: {key} = {_show(address)} is not a loopback address; "
+                f"transport.curve = false: {key} = {show_value(address)} is not a loopback address; "
                 "a socket beyond this machine needs authentication (transport.curve = true)"
             )
     if cfg.envpool.max_tokens >= cfg.actor.max_model_len:
@@ -84,9 +80,7 @@ def check_config(cfg: Config) -> None:
             f"run.name = {name!r}: expected a folder name (not empty, no '/', not starting with "
             "'.'): the run directory is <run.root>/<run.name>-<time>, inside run.root"
         )
-    pool = cfg.train.groups_per_batch  # complete groups a batch takes (starpo_s: its candidates)
-    if cfg.learner.group_filter == "starpo_s":
-        pool = max(pool, math.ceil(pool / cfg.learner.starpo_keep - 1e-9))
+    pool = filter_pool_size(cfg.learner, cfg.train.groups_per_batch)  # starpo_s: its candidates
     if pool > cfg.learner.max_buffer_groups:
         raise ConfigError(
             f"train.groups_per_batch = {cfg.train.groups_per_batch}: a batch takes {pool} complete "
@@ -157,7 +151,7 @@ def _check_ray_address(address: str) -> None:
     host, sep, port = address.rpartition(":")
     if not (sep and host and port.isdigit() and 0 < int(port) <= 65535):
         raise ConfigError(
-            f"launcher.ray_address = {_show(address)}: expected HOST:PORT of the Ray head "
+            f"launcher.ray_address = {show_value(address)}: expected HOST:PORT of the Ray head "
             "(as `ray start --head` printed it) or 'auto'"
         )
 
@@ -167,7 +161,7 @@ def _check_address(key: str, address: str) -> None:
     port = match.group(2) if match else None
     if match is None or (port is not None and int(port) > 65535):
         raise ConfigError(
-            f"{key} = {_show(address)}: expected tcp://HOST:PORT (port 0 picks a free one) or ipc://PATH"
+            f"{key} = {show_value(address)}: expected tcp://HOST:PORT (port 0 picks a free one) or ipc://PATH"
         )
 
 

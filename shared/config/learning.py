@@ -7,6 +7,7 @@ takes. Apart from shared/config/schema.py only to keep each module readable; the
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import msgspec
@@ -14,7 +15,7 @@ import msgspec
 from millstream.shared.config.meta import CPUS_PATTERN
 from millstream.shared.config.meta import doc as _doc
 
-__all__ = ["LearnerConfig"]
+__all__ = ["LearnerConfig", "filter_pool_size"]
 
 
 class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -214,3 +215,14 @@ class LearnerConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             max_length=2,
         ),
     ] = msgspec.field(default_factory=lambda: [-100.0, 100.0])
+
+
+def filter_pool_size(cfg: LearnerConfig, groups_per_batch: int) -> int:
+    """Complete groups a batch takes as filter candidates: ceil(groups_per_batch / starpo_keep)
+    for starpo_s (its `filter_groups` then keeps at least `groups_per_batch`), else
+    groups_per_batch (zero_std tests each group as it completes, `ReplayBuffer.keep`, so the
+    batch's groups all pass). Here, not in the learner: the config's checks need it too."""
+    if cfg.group_filter != "starpo_s":
+        return groups_per_batch
+    # The tolerance absorbs binary noise: 3 / 0.3 is 10.000000000000002, and 11 is not meant.
+    return max(groups_per_batch, math.ceil(groups_per_batch / cfg.starpo_keep - 1e-9))

@@ -34,7 +34,7 @@ import msgspec
 
 from millstream.shared.config.checks import check_config
 from millstream.shared.config.limits import frame_limit
-from millstream.shared.config.meta import ConfigError, toml_value
+from millstream.shared.config.meta import ConfigError, show_value, toml_value
 from millstream.shared.config.schema import (
     ActorConfig,
     ChaosConfig,
@@ -149,7 +149,7 @@ def _explain(exc: msgspec.ValidationError, data: dict[str, Any]) -> str:
         key = ".".join(p for p in (where, unknown.group(1)) if p)
         return f"unknown key '{key}'{_did_you_mean(key, config_keys(sections=True))}"
     value = _lookup(data, where)
-    shown = f"{where} = {_show(value)}" if where else "<root>"
+    shown = f"{where} = {show_value(value)}" if where else "<root>"
     choices = _choices(where)
     if choices:
         return (
@@ -181,10 +181,6 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
         else:
             node = node[int(index)] if isinstance(node, list) and int(index) < len(node) else None
     return node
-
-
-def _show(value: Any) -> str:
-    return toml_value(value) if isinstance(value, (str, int, float, bool)) else repr(value)
 
 
 def _did_you_mean(word: str, candidates: list[str]) -> str:

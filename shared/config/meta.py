@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["doc", "ConfigError", "CPUS_PATTERN", "toml_value"]
+__all__ = ["doc", "ConfigError", "CPUS_PATTERN", "toml_value", "show_value"]
 
 
 class ConfigError(ValueError):
@@ -41,3 +41,8 @@ def toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     raise ConfigError(f"cannot write {value!r} as TOML")
+
+
+def show_value(value: Any) -> str:
+    """A setting's value as an error message shows it: as TOML where it is a scalar."""
+    return toml_value(value) if isinstance(value, (str, int, float, bool)) else repr(value)

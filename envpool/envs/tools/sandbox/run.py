@@ -88,6 +88,12 @@ CHILD = Path(__file__).resolve().with_name("child.py")
 #: ends the call if this process dies first). One malloc arena: under the address-space limit each thread's
 #: own arena (64 MiB reserved) left room for 3 or 4 threads of a thread pool, not `max_processes`.
 CHILD_ENV = {"PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "1"}
+
+
+def _child_env() -> dict[str, str]:
+    return {**CHILD_ENV, "MILLSTREAM_SANDBOX_CALLER": str(os.getpid())}
+
+
 SANDBOX_MODES = ("strict", "namespaces", "userns", "weak")
 SETUP_FAILED = 125  # the supervisor's exit status for a failed setup (see jail.py)
 #: What child.py writes first once its setup is done (before any of the code runs).
@@ -161,7 +167,7 @@ def _probe(mechanism: str) -> str | None:
                 input=_PROBE_CODE.encode(),
                 capture_output=True,
                 cwd=workdir,
-                env={**CHILD_ENV, "MILLSTREAM_SANDBOX_CALLER": str(os.getpid())},
+                env=_child_env(),
                 timeout=30,
             )
             out = (done.stdout.removeprefix(READY) + done.stderr).decode("utf-8", "replace").strip()
@@ -341,7 +347,7 @@ async def _run_in(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         cwd=workdir,
-        env={**CHILD_ENV, "MILLSTREAM_SANDBOX_CALLER": str(os.getpid())},
+        env=_child_env(),
         start_new_session=True,
     )
     assert process.stdin is not None and process.stdout is not None
